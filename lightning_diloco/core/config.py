@@ -1,0 +1,168 @@
+"""Run settings: one keyword-only dataclass per component, validated on construction.
+
+Every refusal names the field, the value and how to fix it. ``RunConfig`` is what the
+synchronizer hands an island on join, so it round-trips through plain dicts (JSON-safe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+CODECS = ("fp32", "bf16", "int8", "int4")
+MERGE_METHODS = ("rda", "mean")
+APPLY_MODES = ("overwrite", "mix", "rebase")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{name}={value!r} is not one of {', '.join(map(repr, choices))}; pick one of those")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ScheduleConfig:
+    """When each fragment is sent and when the reply is applied (learner side)."""
+
+    num_fragments: int = 24
+    """P: fragments the parameters are packed into. More fragments spread traffic evenly over
+    the H steps (one fragment per step at P = H); P = 1 is classic DiLoCo."""
+    sync_every: int = 24
+    """H, in inner steps: each fragment is sent once every H steps. Larger H means fewer bytes
+    per token and more drift between islands."""
+    overlap_steps: int = 2
+    """tau, in inner steps: the new global fragment is applied tau steps after it was sent (or
+    the first later step at which it has arrived). 0 waits for it in the same step: synchronous
+    DiLoCo. Larger tau hides more latency but applies an older global fragment."""
+    apply: str = "overwrite"
+    """How a received global fragment meets the local one: ``overwrite`` (paper default),
+    ``mix`` (alpha * local + (1 - alpha) * global), or ``rebase`` (global plus the local
+    progress made since the snapshot was taken)."""
+    mix_alpha: float = 0.5
+    """alpha for ``apply='mix'``, in [0, 1): the weight kept by the local fragment."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_fragments >= 1, f"num_fragments={self.num_fragments} must be >= 1; use 1 for classic DiLoCo")
+        _check(self.sync_every >= 1, f"sync_every={self.sync_every} must be >= 1 inner step")
+        _check(
+            self.num_fragments <= self.sync_every,
+            f"num_fragments={self.num_fragments} exceeds sync_every={self.sync_every}: two fragments would be "
+            "due on the same step; lower num_fragments or raise sync_every",
+        )
+        _check(
+            0 <= self.overlap_steps < self.sync_every,
+            f"overlap_steps={self.overlap_steps} must be in [0, sync_every={self.sync_every}); a fragment must "
+            "land before it is due again",
+        )
+        _check_choice("apply", self.apply, APPLY_MODES)
+        _check(0.0 <= self.mix_alpha < 1.0, f"mix_alpha={self.mix_alpha} must be in [0, 1)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MergeConfig:
+    """How the synchronizer closes a round and merges what arrived."""
+
+    method: str = "rda"
+    """``rda``: radial-directional averaging for dense tensors (paper); ``mean``: plain weighted
+    mean for every tensor. Embedding tensors always use the weighted mean."""
+    min_quorum: int = 1
+    """K: distinct islands that must contribute before a round may close. With fewer islands
+    alive the round waits while the islands keep training locally."""
+    grace_gamma: float = 0.5
+    """gamma in [0, 1): after quorum, wait at most gamma * max(0, tau * step_time - time_to_quorum
+    - sync_time) for more islands. 0 closes at quorum."""
+    history: int = 4
+    """S: versions of each fragment kept so a contribution may be based on an older one. A base
+    older than that is refused as stale. Costs S copies of the model in synchronizer memory."""
+    staleness_discount: float = 0.0
+    """lambda >= 0: weight w / (1 + lambda * age), age = versions between the base and now.
+    0 (default) disables it."""
+    delta_vs_own_base: bool = False
+    """Measure each outer gradient against the island's own base instead of the current global
+    fragment (off: the paper's Theta_p - theta_m)."""
+    outlier_z: float = 0.0
+    """Reject a contribution whose outer-gradient norm exceeds z times the running median of
+    accepted norms. 0 disables the guard."""
+    outlier_window: int = 64
+    """Accepted norms remembered per fragment for the outlier guard's median."""
+
+    def __post_init__(self) -> None:
+        _check_choice("method", self.method, MERGE_METHODS)
+        _check(self.min_quorum >= 1, f"min_quorum={self.min_quorum} must be >= 1")
+        _check(0.0 <= self.grace_gamma < 1.0, f"grace_gamma={self.grace_gamma} must be in [0, 1)")
+        _check(self.history >= 1, f"history={self.history} must keep at least the current version (>= 1)")
+        _check(self.staleness_discount >= 0.0, f"staleness_discount={self.staleness_discount} must be >= 0")
+        _check(
+            self.outlier_z == 0.0 or self.outlier_z > 1.0,
+            f"outlier_z={self.outlier_z} must be 0 (off) or > 1; a guard at or below the median rejects honest islands",
+        )
+        _check(self.outlier_window >= 3, f"outlier_window={self.outlier_window} must be >= 3 norms")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OuterConfig:
+    """The outer optimizer: SGD with Nesterov momentum, one state per fragment."""
+
+    lr: float = 0.7
+    """Outer learning rate (paper 0.7). 1.0 with momentum 0 is plain parameter averaging."""
+    momentum: float = 0.9
+    """Outer momentum in [0, 1) (paper 0.9)."""
+    nesterov: bool = True
+    """Nesterov momentum (paper). Ignored when momentum is 0."""
+
+    def __post_init__(self) -> None:
+        _check(math.isfinite(self.lr) and self.lr > 0, f"outer lr={self.lr} must be a positive finite number")
+        _check(0.0 <= self.momentum < 1.0, f"outer momentum={self.momentum} must be in [0, 1)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CodecConfig:
+    """Wire encodings, chosen separately for each direction."""
+
+    uplink: str = "int4"
+    """Encoding of island -> synchronizer fragment deltas. int4 is near-lossless per the paper."""
+    downlink: str = "bf16"
+    """Encoding of synchronizer -> island updates. A lossy downlink only perturbs that island's
+    starting point, never the global state."""
+    block_size: int = 64
+    """Values sharing one scale in int8/int4. Smaller blocks: lower error, more scale bytes."""
+
+    def __post_init__(self) -> None:
+        _check_choice("uplink codec", self.uplink, CODECS)
+        _check_choice("downlink codec", self.downlink, CODECS)
+        _check(
+            self.block_size >= 8 and self.block_size % 2 == 0,
+            f"block_size={self.block_size} must be an even number >= 8",
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    """Everything an island and the synchronizer must agree on."""
+
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> RunConfig:
+        parts = {"schedule": ScheduleConfig, "merge": MergeConfig, "outer": OuterConfig, "codec": CodecConfig}
+        unknown = set(data) - set(parts)
+        _check(not unknown, f"unknown config sections {sorted(unknown)}; expected {sorted(parts)}")
+        built = {}
+        for name, klass in parts.items():
+            section = dict(data.get(name, {}))
+            known = {f.name for f in dataclasses.fields(klass)}
+            extra = set(section) - known
+            _check(not extra, f"unknown {name} settings {sorted(extra)}; expected some of {sorted(known)}")
+            built[name] = klass(**section)
+        return cls(**built)

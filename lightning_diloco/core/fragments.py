@@ -1,0 +1,148 @@
+"""Balanced tensor fragmentation: which parameters travel together.
+
+The layout is a pure function of the model's (name, shape, dtype, role) list and P, so every
+island computes the same one; its hash is compared when an island joins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+EMBEDDING = "embedding"
+DENSE = "dense"
+ROLES = (EMBEDDING, DENSE)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One trainable tensor as the layout sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"tensor {self.name!r} has role {self.role!r}; expected one of {ROLES}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "role": self.role}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TensorSpec:
+        return cls(name=data["name"], shape=tuple(int(d) for d in data["shape"]), dtype=data["dtype"], role=data["role"])
+
+
+def tensor_specs(module: nn.Module) -> list[TensorSpec]:
+    """The trainable parameters of ``module`` in registration order, with their roles.
+
+    A parameter is an ``embedding`` when it is the weight of an ``nn.Embedding`` or the very same
+    tensor tied to one (an LM head sharing the input embedding); everything else is ``dense``.
+    """
+    embedding_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    return [
+        TensorSpec(
+            name=name,
+            shape=tuple(param.shape),
+            dtype=str(param.dtype).removeprefix("torch."),
+            role=EMBEDDING if id(param) in embedding_weights else DENSE,
+        )
+        for name, param in module.named_parameters()
+        if param.requires_grad
+    ]
+
+
+@dataclass(frozen=True)
+class FragmentLayout:
+    """P fragments, each a tuple of tensor indices into ``specs`` (in spec order)."""
+
+    specs: tuple[TensorSpec, ...]
+    fragments: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.fragments)
+
+    def fragment_specs(self, p: int) -> list[TensorSpec]:
+        return [self.specs[i] for i in self.fragments[p]]
+
+    def fragment_numel(self, p: int) -> int:
+        return sum(self.specs[i].numel for i in self.fragments[p])
+
+    @property
+    def total_numel(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+    def balance(self) -> float:
+        """Largest fragment over the ideal size total / P (1.0 is perfect)."""
+        ideal = self.total_numel / self.num_fragments
+        return max(self.fragment_numel(p) for p in range(self.num_fragments)) / ideal
+
+    def to_dict(self) -> dict:
+        return {"specs": [s.to_dict() for s in self.specs], "fragments": [list(f) for f in self.fragments]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FragmentLayout:
+        return cls(
+            specs=tuple(TensorSpec.from_dict(s) for s in data["specs"]),
+            fragments=tuple(tuple(int(i) for i in f) for f in data["fragments"]),
+        )
+
+    @cached_property
+    def hash(self) -> str:
+        """Stable across processes and machines: a digest of the canonical JSON form."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def build_layout(specs: Sequence[TensorSpec], num_fragments: int) -> FragmentLayout:
+    """Greedy bin-packing of whole tensors, largest first, each into the lightest fragment.
+
+    Ties break by spec order and lowest fragment index, so the result is deterministic.
+    """
+    if not specs:
+        raise ValueError("the model has no trainable parameters; nothing to synchronize")
+    if num_fragments > len(specs):
+        raise ValueError(
+            f"num_fragments={num_fragments} exceeds the model's {len(specs)} trainable tensors; "
+            f"use num_fragments <= {len(specs)} (tensors are never split)"
+        )
+    order = sorted(range(len(specs)), key=lambda i: (-specs[i].numel, i))
+    loads = [0] * num_fragments
+    members: list[list[int]] = [[] for _ in range(num_fragments)]
+    for i in order:
+        p = min(range(num_fragments), key=lambda q: (loads[q], q))
+        members[p].append(i)
+        loads[p] += specs[i].numel
+    return FragmentLayout(specs=tuple(specs), fragments=tuple(tuple(sorted(m)) for m in members))
+
+
+def flatten_fragment(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous fp32 vector of a fragment's tensors, in layout order (a copy)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def split_fragment(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``specs`` (inverse of :func:`flatten_fragment`)."""
+    expected = sum(s.numel for s in specs)
+    assert flat.numel() == expected, f"{flat.numel()=} != {expected=}"
+    out, start = [], 0
+    for spec in specs:
+        out.append(flat[start : start + spec.numel].view(spec.shape))
+        start += spec.numel
+    return out

@@ -1,0 +1,116 @@
+"""Token-weighted merging of outer gradients (DESIGN.md section 2, synchronizer steps 4-5).
+
+Each contribution m brings an outer gradient Delta_m = Theta_p - theta_m (one tensor per
+parameter in the fragment) and a weight w_m = c_tok**2 / c_steps.
+
+- embedding tensors: Delta = sum w_m Delta_m / sum w_m;
+- dense tensors, radial-directional averaging (RDA):
+  Delta = (sum w_m |Delta_m| / sum w_m) * normalize(sum w_m normalize(Delta_m)),
+  with normalize(0) = 0 and norms taken per tensor. Unlike a plain mean, RDA keeps the typical
+  step length when islands disagree in direction.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from lightning_diloco.core.fragments import EMBEDDING
+
+
+def contribution_weight(tokens: float, steps: int, *, age: int = 0, staleness_discount: float = 0.0) -> float:
+    """w = tokens**2 / steps, divided by (1 + lambda * age) when the staleness discount is on.
+
+    tokens**2 / steps = tokens x tokens-per-step: an island that did more work, with bigger
+    batches, counts more.
+    """
+    if steps <= 0 or tokens < 0:
+        raise ValueError(f"contribution counters must be tokens >= 0 and steps >= 1, got {tokens=} {steps=}")
+    weight = tokens * tokens / steps
+    if staleness_discount:
+        weight /= 1.0 + staleness_discount * age
+    return weight
+
+
+def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    total = float(sum(weights))
+    assert total > 0, f"{weights=}: at least one contribution must have a positive weight"
+    out = torch.zeros_like(deltas[0], dtype=torch.float32)
+    for delta, w in zip(deltas, weights):
+        if w:
+            out.add_(delta, alpha=w / total)
+    return out
+
+
+def radial_directional_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    total = float(sum(weights))
+    assert total > 0, f"{weights=}: at least one contribution must have a positive weight"
+    radius = 0.0
+    direction = torch.zeros_like(deltas[0], dtype=torch.float32)
+    for delta, w in zip(deltas, weights):
+        if not w:
+            continue
+        norm = float(torch.linalg.vector_norm(delta))
+        radius += w * norm / total
+        if norm > 0:
+            direction.add_(delta, alpha=w / norm)
+    direction_norm = float(torch.linalg.vector_norm(direction))
+    # normalize(0) = 0. Opposite islands cancel only up to rounding, and normalizing that residue
+    # would point the full radius in a random direction, so a sum of unit vectors shorter than
+    # 1e-6 of its largest possible length counts as zero.
+    if direction_norm <= 1e-6 * total:
+        return direction.zero_()
+    return direction.mul_(radius / direction_norm)
+
+
+def merge_outer_gradients(
+    contributions: Sequence[Sequence[torch.Tensor]],
+    weights: Sequence[float],
+    roles: Sequence[str],
+    method: str = "rda",
+) -> list[torch.Tensor]:
+    """Merge per-tensor outer gradients of several contributions into one per tensor.
+
+    ``contributions[m][i]`` is island m's outer gradient for the fragment's tensor i, whose role
+    is ``roles[i]``. ``method`` is ``rda`` (embedding tensors still use the weighted mean) or
+    ``mean`` (weighted mean everywhere).
+    """
+    assert len(contributions) == len(weights), f"{len(contributions)=} {len(weights)=}"
+    assert all(len(c) == len(roles) for c in contributions), "every contribution must cover every tensor"
+    if method not in ("rda", "mean"):
+        raise ValueError(f"merge method {method!r} is not 'rda' or 'mean'")
+    merged = []
+    for i, role in enumerate(roles):
+        per_tensor = [c[i] for c in contributions]
+        if method == "rda" and role != EMBEDDING:
+            merged.append(radial_directional_average(per_tensor, weights))
+        else:
+            merged.append(weighted_mean(per_tensor, weights))
+    return merged
+
+
+class NormOutlierGuard:
+    """Refuses an outer gradient whose norm exceeds ``z`` times the median of recent accepted ones.
+
+    It stays open until ``min_history`` norms were accepted, so the first rounds cannot be judged
+    against nothing.
+    """
+
+    def __init__(self, z: float, window: int = 64, min_history: int = 3) -> None:
+        self.z, self.min_history = z, min_history
+        self.norms: deque[float] = deque(maxlen=window)
+
+    def check(self, norm: float) -> str | None:
+        """None when acceptable, else the reason for refusing."""
+        if not self.z or len(self.norms) < self.min_history:
+            return None
+        median = statistics.median(self.norms)
+        if median > 0 and norm > self.z * median:
+            return f"outer-gradient norm {norm:.4g} exceeds {self.z} x the running median {median:.4g}"
+        return None
+
+    def record(self, norm: float) -> None:
+        self.norms.append(norm)

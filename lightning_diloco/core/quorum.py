@@ -1,0 +1,71 @@
+"""When a fragment's round closes: minimum quorum, then an adaptive grace window.
+
+A pure decision over what the round has seen and the time ``now`` (monotonic seconds); the
+service calls it whenever something changes and sleeps until the returned deadline otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What a decision needs to know about one open round."""
+
+    contributors: Set[int]
+    """Islands whose contribution is in this round."""
+    live: Set[int]
+    """Islands currently considered alive (heartbeats within the timeout)."""
+    opened_at: float
+    """When the round's first contribution arrived."""
+    quorum_at: float | None
+    """When the round first had min_quorum contributors, or None."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    close: bool
+    reason: str
+    deadline: float | None = None
+    """While waiting: the time at which the decision changes by itself (None: only new input)."""
+
+
+def grace_window(*, gamma: float, overlap_steps: int, step_time: float, time_to_quorum: float, sync_time: float) -> float:
+    """gamma * max(0, tau * step_time - time_to_quorum - sync_time), in seconds.
+
+    The slack is how long the islands keep training before they need the reply; waiting longer
+    than that would stall them, so only a fraction gamma < 1 of it is spent on latecomers.
+    """
+    return gamma * max(0.0, overlap_steps * step_time - time_to_quorum - sync_time)
+
+
+def decide(
+    view: RoundView,
+    now: float,
+    *,
+    min_quorum: int,
+    gamma: float,
+    overlap_steps: int,
+    step_time: float,
+    sync_time: float,
+) -> Decision:
+    count = len(view.contributors)
+    if count < min_quorum:
+        return Decision(False, f"waiting for quorum: {count} of {min_quorum} islands")
+    if view.live <= view.contributors:
+        return Decision(True, f"every live island contributed ({count})")
+    assert view.quorum_at is not None, "a round at quorum must know when it got there"
+    grace = grace_window(
+        gamma=gamma,
+        overlap_steps=overlap_steps,
+        step_time=step_time,
+        time_to_quorum=view.quorum_at - view.opened_at,
+        sync_time=sync_time,
+    )
+    closes_at = view.quorum_at + grace
+    if now >= closes_at:
+        why = "grace window elapsed" if grace > 0 else "quorum reached, no grace slack"
+        return Decision(True, f"{why} ({count} of {len(view.live | view.contributors)} islands)")
+    return Decision(False, f"grace window: {closes_at - now:.3f}s left for {len(view.live - view.contributors)} islands", closes_at)

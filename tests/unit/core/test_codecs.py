@@ -1,0 +1,117 @@
+"""Every codec runs one conformance suite; quantized codecs also meet their stated error bound."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+
+CODECS = ["fp32", "bf16", "int8", "int4"]
+
+
+def _gaussian(n, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4097])
+def test_round_trip_has_exact_byte_count_and_shape(name, n):
+    codec = get_codec(name)
+    data = codec.encode(_gaussian(n))
+    assert len(data) == codec.encoded_size(n)
+    out = codec.decode(data, n)
+    assert out.shape == (n,) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_empty_tensor_encodes_to_nothing(name):
+    codec = get_codec(name)
+    assert codec.encode(torch.zeros(0)) == b""
+    assert codec.decode(b"", 0).numel() == 0
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_zeros_decode_to_exact_zeros(name):
+    codec = get_codec(name)
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(300)), 300), torch.zeros(300))
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_non_contiguous_input_matches_its_contiguous_copy(name):
+    codec = get_codec(name)
+    x = _gaussian(200 * 3).view(200, 3).t()  # transposed: not contiguous
+    assert not x.is_contiguous()
+    assert codec.encode(x) == codec.encode(x.contiguous())
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_is_refused(name, bad):
+    x = _gaussian(100)
+    x[37] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        get_codec(name).encode(x)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_payload_of_wrong_size_is_refused(name):
+    codec = get_codec(name)
+    data = codec.encode(_gaussian(128))
+    with pytest.raises(ValueError, match="does not match"):
+        codec.decode(data[:-1], 128)
+    with pytest.raises(ValueError, match="does not match"):
+        codec.decode(data, 129 if name in ("fp32", "bf16") else 1000)
+
+
+def test_fp32_is_exact():
+    x = _gaussian(1000)
+    assert torch.equal(get_codec("fp32").decode(get_codec("fp32").encode(x), 1000), x)
+
+
+def test_bf16_relative_error_is_at_most_2_to_minus_8():
+    x = _gaussian(10000) * 1e3
+    out = get_codec("bf16").decode(get_codec("bf16").encode(x), x.numel())
+    assert bool(((x - out).abs() <= 2**-8 * x.abs()).all())
+
+
+@pytest.mark.parametrize("bits,block", [(8, 64), (4, 64), (4, 128), (8, 16)])
+def test_block_quant_error_bound_per_element(bits, block):
+    """|x - x'| <= (1 + 2**-8) / 2 * absmax(block) / q, q = 2**(bits-1) - 1."""
+    codec = get_codec(f"int{bits}", block)
+    # blocks of very different magnitudes, so a shared scale would fail the bound
+    x = _gaussian(block * 50 + 7) * torch.logspace(-6, 3, block * 50 + 7)
+    out = codec.decode(codec.encode(x), x.numel())
+    q = 2 ** (bits - 1) - 1
+    padded = torch.nn.functional.pad(x, (0, -x.numel() % block)).view(-1, block)
+    bound = (padded.abs().amax(dim=1) * (1 + 2**-8) / 2 / q).repeat_interleave(block)[: x.numel()]
+    assert bool(((x - out).abs() <= bound * (1 + 1e-6)).all())
+
+
+@pytest.mark.parametrize("name,max_bytes,max_rel_rms", [("int8", 1.1, 0.01), ("int4", 0.56, 0.12)])
+def test_quantized_codecs_meet_bytes_and_error_aims_on_gaussian_data(name, max_bytes, max_rel_rms):
+    codec = get_codec(name)
+    x = _gaussian(1 << 16)
+    out = codec.decode(codec.encode(x), x.numel())
+    rel_rms = float((x - out).norm() / x.norm())
+    assert codec.encoded_size(x.numel()) / x.numel() <= max_bytes
+    assert rel_rms <= max_rel_rms
+
+
+def test_corrupt_scale_is_refused_on_decode():
+    codec = get_codec("int4")
+    data = bytearray(codec.encode(_gaussian(64)))
+    data[0:2] = torch.tensor([float("inf")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.decode(bytes(data), 64)
+
+
+def test_unknown_codec_name_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="fp32, bf16, int8, int4"):
+        get_codec("int2")
+
+
+def test_int4_size_formula():
+    codec = get_codec("int4", 64)
+    assert codec.encoded_size(64 * 10) == 10 * 2 + 10 * 32
+    assert math.isclose(codec.encoded_size(64 * 1000) / (64 * 1000), 0.53125)

@@ -1,0 +1,93 @@
+"""Merging, written from the formulas of DESIGN.md section 2."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_diloco.core.fragments import DENSE, EMBEDDING
+from lightning_diloco.core.merge import (
+    NormOutlierGuard,
+    contribution_weight,
+    merge_outer_gradients,
+    radial_directional_average,
+    weighted_mean,
+)
+
+
+def test_weight_is_tokens_squared_over_steps():
+    assert contribution_weight(1000, 10) == 1000 * 1000 / 10
+    assert contribution_weight(1000, 10, age=3, staleness_discount=0.5) == pytest.approx(1e5 / 2.5)
+
+
+@pytest.mark.parametrize("tokens,steps", [(10, 0), (-1, 3)])
+def test_absurd_counters_are_refused(tokens, steps):
+    with pytest.raises(ValueError, match="counters"):
+        contribution_weight(tokens, steps)
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_rda_keeps_the_norm_of_orthogonal_equal_norm_inputs(m):
+    deltas = [3.0 * torch.eye(m)[i] for i in range(m)]
+    rda = radial_directional_average(deltas, [1.0] * m)
+    mean = weighted_mean(deltas, [1.0] * m)
+    assert float(rda.norm()) == pytest.approx(3.0)
+    assert float(mean.norm()) == pytest.approx(3.0 / math.sqrt(m))  # a plain mean shrinks it
+
+
+def test_single_learner_merge_is_its_own_outer_gradient():
+    delta = [torch.randn(5, 3), torch.randn(7)]
+    for method in ("rda", "mean"):
+        merged = merge_outer_gradients([delta], [2.5], [DENSE, EMBEDDING], method)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(merged, delta))
+
+
+def test_a_zero_weight_removes_a_learner():
+    a, b = [torch.randn(10)], [torch.randn(10) * 100]
+    for method in ("rda", "mean"):
+        with_b = merge_outer_gradients([a, b], [1.0, 0.0], [DENSE], method)
+        assert torch.allclose(with_b[0], a[0], atol=1e-6)
+
+
+def test_embedding_tensors_use_the_weighted_mean_under_rda():
+    a, b = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 4.0])
+    merged = merge_outer_gradients([[a, a], [b, b]], [1.0, 3.0], [EMBEDDING, DENSE], "rda")
+    assert torch.allclose(merged[0], (1 * a + 3 * b) / 4)
+    # dense: radius (1*2 + 3*4)/4 = 3.5, direction normalize(1*(1,0) + 3*(0,1))
+    direction = torch.tensor([1.0, 3.0]) / math.sqrt(10)
+    assert torch.allclose(merged[1], 3.5 * direction)
+
+
+def test_rda_norms_are_per_tensor():
+    big, small = torch.tensor([100.0, 0.0]), torch.tensor([0.0, 0.01])
+    merged = merge_outer_gradients([[big, small], [big, small]], [1.0, 1.0], [DENSE, DENSE], "rda")
+    assert float(merged[0].norm()) == pytest.approx(100.0) and float(merged[1].norm()) == pytest.approx(0.01)
+
+
+def test_opposite_inputs_cancel_to_zero_not_nan():
+    d = torch.randn(6)
+    out = radial_directional_average([d, -d], [1.0, 1.0])
+    assert torch.equal(out, torch.zeros(6))
+
+
+def test_all_zero_inputs_merge_to_zero():
+    assert torch.equal(radial_directional_average([torch.zeros(4)] * 3, [1.0, 2.0, 3.0]), torch.zeros(4))
+
+
+def test_weights_scale_the_radius_and_the_direction():
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])
+    out = radial_directional_average([a, b], [3.0, 1.0])
+    radius = (3 * 1 + 1 * 3) / 4
+    direction = torch.tensor([3.0, 1.0]) / math.sqrt(10)
+    assert torch.allclose(out, radius * direction)
+
+
+def test_outlier_guard_rejects_with_reason_only_after_history():
+    guard = NormOutlierGuard(z=5.0, window=8)
+    assert guard.check(1e9) is None  # no history yet: nothing to judge against
+    for n in (1.0, 1.2, 0.9):
+        guard.record(n)
+    assert guard.check(4.0) is None
+    reason = guard.check(50.0)
+    assert reason and "running median" in reason
+    assert NormOutlierGuard(z=0.0).check(1e9) is None  # off

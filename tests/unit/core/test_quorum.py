@@ -1,0 +1,52 @@
+"""Quorum and adaptive grace window as a pure decision; the clock is a parameter."""
+
+import pytest
+
+from lightning_diloco.core.quorum import RoundView, decide, grace_window
+
+SETTINGS = dict(min_quorum=2, gamma=0.5, overlap_steps=2, step_time=1.0, sync_time=0.1)
+
+
+def _view(contributors, live, opened_at=0.0, quorum_at=None):
+    return RoundView(contributors=frozenset(contributors), live=frozenset(live), opened_at=opened_at, quorum_at=quorum_at)
+
+
+def test_no_close_below_quorum_even_when_everyone_else_is_dead():
+    d = decide(_view({0}, {0}), 100.0, **SETTINGS)
+    assert not d.close and "1 of 2" in d.reason and d.deadline is None
+
+
+def test_closes_at_once_when_every_live_island_contributed():
+    d = decide(_view({0, 1}, {0, 1}, quorum_at=0.2), 0.2, **SETTINGS)
+    assert d.close and "every live island" in d.reason
+
+
+def test_dead_islands_are_not_waited_for():
+    d = decide(_view({0, 1}, {0, 1}, quorum_at=0.2), 0.2, **SETTINGS)  # island 2 left the live set
+    assert d.close
+
+
+def test_grace_window_formula_and_deadline():
+    # slack = tau * step - quorum - sync = 2 * 1.0 - 0.2 - 0.1 = 1.7; grace = 0.85
+    assert grace_window(gamma=0.5, overlap_steps=2, step_time=1.0, time_to_quorum=0.2, sync_time=0.1) == pytest.approx(0.85)
+    view = _view({0, 1}, {0, 1, 2}, quorum_at=0.2)
+    wait = decide(view, 0.5, **SETTINGS)
+    assert not wait.close and wait.deadline == pytest.approx(1.05) and "grace window" in wait.reason
+    assert decide(view, 1.05, **SETTINGS).close
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.3, 0.9])
+@pytest.mark.parametrize("quorum_time", [0.0, 0.5, 1.9, 3.0])
+def test_grace_never_exceeds_gamma_times_slack(gamma, quorum_time):
+    settings = dict(SETTINGS, gamma=gamma)
+    view = _view({0, 1}, {0, 1, 2}, quorum_at=quorum_time)
+    slack = max(0.0, 2 * 1.0 - quorum_time - 0.1)
+    assert decide(view, quorum_time + gamma * slack + 1e-9, **settings).close
+    if gamma * slack > 1e-6:
+        assert not decide(view, quorum_time + gamma * slack * 0.99, **settings).close
+
+
+def test_no_slack_closes_at_quorum():
+    settings = dict(SETTINGS, overlap_steps=0)
+    d = decide(_view({0, 1}, {0, 1, 2}, quorum_at=0.0), 0.0, **settings)
+    assert d.close and "no grace" in d.reason
