@@ -7,6 +7,9 @@ Error bounds (per element, x the input, x' the decoded value), tested in tests/u
 - ``int8``/``int4``: symmetric levels -q..q (q = 127 or 7) scaled by the block's absmax / q,
   the scale stored as bf16: |x - x'| <= (1 + 2**-8) / 2 * absmax(block) / q.
 
+``encode`` returns the payload as a 1-D uint8 tensor (the fp32 codec may share memory with
+its input); ``decode`` takes that, or any bytes-like object, and returns a new fp32 tensor.
+
 Layout of the quantized forms: ``nblocks`` bf16 scales, then the values (int8: one byte each;
 int4: two per byte, low nibble first, stored as q + 8). The tail block is zero-padded. Non-finite
 input is refused on encode and non-finite output on decode, so a corrupt payload cannot leak NaN
@@ -20,38 +23,52 @@ import warnings
 
 import torch
 
-# Decoding reads straight from the received bytes (no copy) and never writes to them.
+# Decoding reads straight from the received bytes and never writes to them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+Payload = "torch.Tensor | bytes | bytearray | memoryview"
+
+
 class Codec:
-    """Encode a 1-D fp32 tensor to bytes and back. Subclasses are stateless."""
+    """Encode a flat fp32 tensor to a byte payload and back. Subclasses are stateless."""
 
     name: str
 
     def encoded_size(self, numel: int) -> int:
         raise NotImplementedError
 
-    def encode(self, x: torch.Tensor) -> bytes:
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode(self, data: bytes, numel: int) -> torch.Tensor:
+    def decode(self, data: Payload, numel: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def _check_size(self, data: bytes, numel: int) -> None:
+    def _as_uint8(self, data: Payload, numel: int) -> tuple[torch.Tensor, bool]:
+        """(payload as uint8 tensor, whether it may be aliased by the output) after a size check."""
         expected = self.encoded_size(numel)
-        if len(data) != expected:
+        size = data.numel() if isinstance(data, torch.Tensor) else len(data)
+        if size != expected:
             raise ValueError(
-                f"{self.name} payload of {len(data)} bytes does not match {numel} values "
+                f"{self.name} payload of {size} bytes does not match {numel} values "
                 f"(expected {expected} bytes); was it encoded with another codec or shape?"
             )
+        if isinstance(data, torch.Tensor):
+            assert data.dtype == torch.uint8 and data.dim() == 1, f"{data.dtype=} {data.dim()=}"
+            return data.contiguous(), True
+        if size == 0:
+            return torch.zeros(0, dtype=torch.uint8), True
+        # bytes are immutable: never hand out a tensor that aliases them
+        return torch.frombuffer(data, dtype=torch.uint8), not isinstance(data, bytes)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
 def _refuse_non_finite(x: torch.Tensor, what: str) -> None:
-    if not bool(torch.isfinite(x).all()):
+    # NaN propagates through max and an inf lands in max or min: two cheap reductions instead of
+    # a full isfinite pass; the exact count is only computed on the error path.
+    if x.numel() and not (bool(torch.isfinite(x.amax())) and bool(torch.isfinite(x.amin()))):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{what} has {bad} non-finite value(s) (NaN or inf); refusing to send or merge them")
 
@@ -64,17 +81,14 @@ class FloatCodec(Codec):
     def encoded_size(self, numel: int) -> int:
         return numel * self.itemsize
 
-    def encode(self, x: torch.Tensor) -> bytes:
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().reshape(-1)
         _refuse_non_finite(flat, f"{self.name} input")
-        return flat.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+        return flat.to(self.dtype).contiguous().view(torch.uint8)
 
-    def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        self._check_size(data, numel)
-        if numel == 0:
-            return torch.zeros(0, dtype=torch.float32)
-        raw = torch.frombuffer(data, dtype=self.dtype, count=numel)
-        out = raw.to(torch.float32, copy=True)
+    def decode(self, data: Payload, numel: int) -> torch.Tensor:
+        raw, may_alias = self._as_uint8(data, numel)
+        out = raw.view(self.dtype).to(torch.float32, copy=not may_alias)
         _refuse_non_finite(out, f"decoded {self.name} payload")
         return out
 
@@ -83,7 +97,13 @@ class FloatCodec(Codec):
 
 
 class BlockQuantCodec(Codec):
-    """Symmetric per-block quantization to ``bits`` (8 or 4) with bf16 scales."""
+    """Symmetric per-block quantization to ``bits`` (8 or 4) with bf16 scales.
+
+    Values are processed in chunks through reused scratch buffers: the arithmetic is trivial and
+    fresh multi-MB temporaries (page faults) would otherwise cost more than the math.
+    """
+
+    chunk_values = 1 << 18
 
     def __init__(self, bits: int, block_size: int = 64) -> None:
         assert bits in (4, 8), f"{bits=}"
@@ -99,50 +119,71 @@ class BlockQuantCodec(Codec):
         nblocks = self._num_blocks(numel)
         return nblocks * 2 + nblocks * self.block_size * self.bits // 8
 
-    def encode(self, x: torch.Tensor) -> bytes:
+    def _chunks(self, nblocks: int):
+        step = max(1, self.chunk_values // self.block_size)
+        for start in range(0, nblocks, step):
+            yield start, min(nblocks, start + step)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().reshape(-1).to(torch.float32)
         numel = flat.numel()
+        out = torch.empty(self.encoded_size(numel), dtype=torch.uint8)
         if numel == 0:
-            return b""
+            return out
         nblocks = self._num_blocks(numel)
         pad = nblocks * self.block_size - numel
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
         blocks = flat.view(nblocks, self.block_size)
-        absmax = blocks.abs().amax(dim=1)
+        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # no |x| copy
         _refuse_non_finite(absmax, f"{self.name} input")
         scale = (absmax / self.qmax).to(torch.bfloat16)
-        # Quantize against the rounded scale so the decoder's reconstruction matches exactly.
+        out[: nblocks * 2].view(torch.bfloat16).copy_(scale)
+        # Quantize against the rounded scale, so the decoder reconstructs exactly what was meant.
         divisor = scale.to(torch.float32)
         divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
-        q = (blocks / divisor[:, None]).round_().clamp_(-self.qmax, self.qmax)
 
-        out = torch.empty(self.encoded_size(numel), dtype=torch.uint8)
-        out[: nblocks * 2].view(torch.bfloat16).copy_(scale)
         body = out[nblocks * 2 :]
-        if self.bits == 8:
-            body.view(torch.int8).copy_(q.view(-1))
-        else:
-            nibbles = q.view(-1, 2).add_(8).to(torch.uint8)
-            torch.bitwise_or(nibbles[:, 0], nibbles[:, 1] << 4, out=body)
-        return out.numpy().tobytes()
+        per_byte = 8 // self.bits
+        scratch = torch.empty(min(numel + pad, self.chunk_values) + self.block_size, dtype=torch.float32)
+        levels = torch.empty_like(scratch, dtype=torch.uint8)
+        for lo, hi in self._chunks(nblocks):
+            n = (hi - lo) * self.block_size
+            q = scratch[:n].view(hi - lo, self.block_size)
+            torch.div(blocks[lo:hi], divisor[lo:hi, None], out=q)
+            q.round_().clamp_(-self.qmax, self.qmax)
+            dest = body[lo * self.block_size // per_byte : hi * self.block_size // per_byte]
+            if self.bits == 8:
+                dest.view(torch.int8).copy_(q.view(-1))
+                continue
+            u = levels[:n]
+            u.copy_(q.view(-1).add_(8))  # levels 1..15 as unsigned nibbles
+            high = u[1::2]
+            high.mul_(16)
+            torch.bitwise_or(u[0::2], high, out=dest)
+        return out
 
-    def decode(self, data: bytes, numel: int) -> torch.Tensor:
-        self._check_size(data, numel)
+    def decode(self, data: Payload, numel: int) -> torch.Tensor:
+        raw, _ = self._as_uint8(data, numel)
         if numel == 0:
             return torch.zeros(0, dtype=torch.float32)
         nblocks = self._num_blocks(numel)
-        scale = torch.frombuffer(data, dtype=torch.bfloat16, count=nblocks).to(torch.float32)
+        scale = raw[: nblocks * 2].view(torch.bfloat16).to(torch.float32)
         _refuse_non_finite(scale * self.qmax, f"{self.name} payload scale")
+        body = raw[nblocks * 2 :]
+        out = torch.empty(nblocks * self.block_size, dtype=torch.float32)
         if self.bits == 8:
-            q = torch.frombuffer(data, dtype=torch.int8, offset=nblocks * 2).to(torch.float32)
+            out.copy_(body.view(torch.int8))
         else:
-            packed = torch.frombuffer(data, dtype=torch.uint8, offset=nblocks * 2)
-            q = torch.empty(packed.numel(), 2, dtype=torch.float32)
-            q[:, 0] = packed & 0x0F
-            q[:, 1] = packed >> 4
-            q = q.view(-1).sub_(8)
-        out = q.view(nblocks, self.block_size).mul_(scale[:, None]).view(-1)
+            pairs = out.view(-1, 2)
+            nibble = torch.empty(min(body.numel(), self.chunk_values), dtype=torch.uint8)
+            for lo in range(0, body.numel(), nibble.numel()):
+                packed = body[lo : lo + nibble.numel()]
+                part = nibble[: packed.numel()]
+                pairs[lo : lo + packed.numel(), 0].copy_(torch.bitwise_and(packed, 0x0F, out=part))
+                pairs[lo : lo + packed.numel(), 1].copy_(torch.bitwise_right_shift(packed, 4, out=part))
+            out.sub_(8)
+        out.view(nblocks, self.block_size).mul_(scale[:, None])
         return out[:numel] if out.numel() != numel else out
 
     def __repr__(self) -> str:

@@ -76,7 +76,11 @@ class FragmentState:
 
 
 class SynchronizerState:
-    """The fragments one synchronizer shard owns (all of them with one shard)."""
+    """The fragments one synchronizer shard owns (all of them with one shard).
+
+    A fragment exists once seeded: from a checkpoint, from the parameters given here, or by the
+    first island that joins a fresh synchronizer (:meth:`seed`).
+    """
 
     def __init__(self, config: RunConfig, layout: FragmentLayout, fragments: dict[int, torch.Tensor]) -> None:
         self.config, self.layout = config, layout
@@ -102,6 +106,15 @@ class SynchronizerState:
             if owned(p)
         }
         return cls(config, layout, fragments)
+
+    def seed(self, p: int, value: torch.Tensor) -> bool:
+        """Set fragment p's version 0 unless it already exists; True when this call set it."""
+        if p in self.fragments:
+            return False
+        expected = self.layout.fragment_numel(p)
+        assert value.numel() == expected, f"fragment {p}: {value.numel()=} != {expected=}"
+        self.fragments[p] = FragmentState(value, self.config)
+        return True
 
     def versions(self) -> dict[int, int]:
         return {p: f.version for p, f in self.fragments.items()}
