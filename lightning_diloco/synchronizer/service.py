@@ -150,31 +150,38 @@ class Synchronizer:
 
     # ---- refusals -------------------------------------------------------------------------
 
-    def _refuse(self, reason: str, message: str, status: str = "INVALID_ARGUMENT") -> Refusal:
+    def refuse(self, reason: str, message: str, status: str = "INVALID_ARGUMENT") -> Refusal:
         with self.lock:
             self.refused[reason] += 1
         log.warning("refused (%s): %s", reason, message)
         return Refusal(reason, message, status)
 
     def refuse_auth(self, message: str) -> Refusal:
-        return self._refuse("unauthenticated", message, "UNAUTHENTICATED")
+        return self.refuse("unauthenticated", message, "UNAUTHENTICATED")
+
+    def expected_payload_bytes(self, codec_name: str, fragment: int) -> int:
+        """Bytes a payload of ``fragment`` must have in ``codec_name``; refuses unknown ones."""
+        self._slot(fragment)
+        self._check_codec(codec_name)
+        numel = self.state.layout.fragment_numel(fragment)
+        return get_codec(codec_name, self.config.codec.block_size).encoded_size(numel)
 
     # ---- membership -----------------------------------------------------------------------
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> dict:
         """Register an island; returns the run settings, layout hash and fragment versions."""
         if island < 0 or world_size < 1:
-            raise self._refuse("bad_island", f"island={island} world_size={world_size}: need island >= 0 and world_size >= 1")
+            raise self.refuse("bad_island", f"island={island} world_size={world_size}: need island >= 0 and world_size >= 1")
         try:
             layout = build_layout(list(specs), self.config.schedule.num_fragments)
         except ValueError as err:
-            raise self._refuse("layout_mismatch", str(err), "FAILED_PRECONDITION") from None
+            raise self.refuse("layout_mismatch", str(err), "FAILED_PRECONDITION") from None
         with self.lock:
             if self.state is None:
                 self.state = SynchronizerState(self.config, layout, {})
                 log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
             elif self.state.layout.hash != layout.hash:
-                raise self._refuse("layout_mismatch", _layout_difference(self.state.layout, layout), "FAILED_PRECONDITION")
+                raise self.refuse("layout_mismatch", _layout_difference(self.state.layout, layout), "FAILED_PRECONDITION")
             self.islands[island] = _Island(world_size=world_size, last_seen=self.clock())
         return {
             "config": self.config.to_dict(),
@@ -187,7 +194,7 @@ class Synchronizer:
         with self.lock:
             info = self.islands.get(island)
             if info is None:
-                raise self._refuse("not_joined", f"island {island} sent a heartbeat before joining; call Join first", "FAILED_PRECONDITION")
+                raise self.refuse("not_joined", f"island {island} sent a heartbeat before joining; call Join first", "FAILED_PRECONDITION")
             info.last_seen, info.steps = self.clock(), int(steps)
             if step_time > 0 and step_time == step_time:  # ignore NaN and nonsense
                 info.step_time = float(step_time)
@@ -216,14 +223,14 @@ class Synchronizer:
         slot = self.slots.get(fragment)
         if slot is None:
             owner = fragment % self.num_shards
-            raise self._refuse(
+            raise self.refuse(
                 "unknown_fragment",
                 f"fragment {fragment} is not owned by shard {self.shard} of {self.num_shards} "
                 f"(fragments 0..{self.config.schedule.num_fragments - 1}; shard {owner} owns it)",
                 "OUT_OF_RANGE",
             )
         if self.state is None:
-            raise self._refuse("not_joined", "no island has joined yet; call Join first", "FAILED_PRECONDITION")
+            raise self.refuse("not_joined", "no island has joined yet; call Join first", "FAILED_PRECONDITION")
         return slot
 
     def seed(self, island: int, fragment: int, payload: Payload) -> bool:
@@ -250,33 +257,36 @@ class Synchronizer:
                 left = deadline - self.clock()
                 if left <= 0:
                     if frag is None:
-                        raise self._refuse("not_seeded", f"fragment {fragment} has no value yet; seed it first", "FAILED_PRECONDITION")
+                        raise self.refuse("not_seeded", f"fragment {fragment} has no value yet; seed it first", "FAILED_PRECONDITION")
                     return frag.version, frag.value.clone()
                 slot.cond.wait(min(left, 0.25))
 
     # ---- contributions ---------------------------------------------------------------------
 
-    def _decode(self, codec_name: str, payload: Payload, numel: int) -> torch.Tensor:
+    def _check_codec(self, codec_name: str) -> None:
         if codec_name not in CODECS:
-            raise self._refuse("unknown_codec", f"codec {codec_name!r} is not one of {', '.join(CODECS)}")
+            raise self.refuse("unknown_codec", f"codec {codec_name!r} is not one of {', '.join(CODECS)}")
+
+    def _decode(self, codec_name: str, payload: Payload, numel: int) -> torch.Tensor:
+        self._check_codec(codec_name)
         try:
             return get_codec(codec_name, self.config.codec.block_size).decode(payload, numel)
         except ValueError as err:
             reason = "non_finite" if "non-finite" in str(err) else "bad_payload"
-            raise self._refuse(reason, str(err)) from None
+            raise self.refuse(reason, str(err)) from None
 
     def _validate(self, c: Contribution) -> tuple[_Slot, torch.Tensor]:
         slot = self._slot(c.fragment)
         with self.lock:
             if c.island not in self.islands:
-                raise self._refuse("not_joined", f"island {c.island} pushed before joining; call Join first", "FAILED_PRECONDITION")
+                raise self.refuse("not_joined", f"island {c.island} pushed before joining; call Join first", "FAILED_PRECONDITION")
             self.islands[c.island].last_seen = self.clock()
         if c.layout_hash != self.state.layout.hash:
-            raise self._refuse("layout_mismatch", f"layout hash {c.layout_hash!r} is not the run's {self.state.layout.hash!r}; rejoin with the run's model", "FAILED_PRECONDITION")
+            raise self.refuse("layout_mismatch", f"layout hash {c.layout_hash!r} is not the run's {self.state.layout.hash!r}; rejoin with the run's model", "FAILED_PRECONDITION")
         if not (1 <= c.steps <= MAX_STEPS) or not (0 < c.tokens <= MAX_TOKENS) or c.tokens != c.tokens:
-            raise self._refuse("bad_counters", f"counters tokens={c.tokens} steps={c.steps} are out of range (0 < tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
+            raise self.refuse("bad_counters", f"counters tokens={c.tokens} steps={c.steps} are out of range (0 < tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
         if c.seq < 0:
-            raise self._refuse("bad_sequence", f"sequence number {c.seq} must be >= 0")
+            raise self.refuse("bad_sequence", f"sequence number {c.seq} must be >= 0")
         delta = self._decode(c.codec, c.payload, self.state.layout.fragment_numel(c.fragment))
         with self.lock:
             self.bytes_in += _payload_size(c.payload)
@@ -294,10 +304,10 @@ class Synchronizer:
         with slot.cond:
             frag = self.state.fragments.get(c.fragment)
             if frag is None:
-                raise self._refuse("not_seeded", f"fragment {c.fragment} has no value yet; seed it first", "FAILED_PRECONDITION")
+                raise self.refuse("not_seeded", f"fragment {c.fragment} has no value yet; seed it first", "FAILED_PRECONDITION")
             done = slot.done.get(c.island)
             if done is not None and c.seq < done.seq:
-                raise self._refuse("old_sequence", f"sequence {c.seq} of island {c.island} is older than its last merged one ({done.seq})", "FAILED_PRECONDITION")
+                raise self.refuse("old_sequence", f"sequence {c.seq} of island {c.island} is older than its last merged one ({done.seq})", "FAILED_PRECONDITION")
             if done is not None and c.seq == done.seq:
                 with self.lock:
                     self.accepted["duplicate"] += 1
@@ -326,7 +336,7 @@ class Synchronizer:
     def _add(self, slot: _Slot, frag, c: Contribution, delta: torch.Tensor) -> None:
         base = frag.base(c.base_version)
         if base is None:
-            raise self._refuse(
+            raise self.refuse(
                 "stale",
                 f"base version {c.base_version} of fragment {c.fragment} is not among the kept versions "
                 f"{sorted(frag.history)}; pull the fragment and contribute against a newer base",
@@ -335,7 +345,7 @@ class Synchronizer:
         outer_gradient = frag.outer_gradient(c.base_version, delta)
         norm = float(torch.linalg.vector_norm(outer_gradient))
         if slot.guard is not None and (why := slot.guard.check(norm)):
-            raise self._refuse("outlier", why)
+            raise self.refuse("outlier", why)
         age = frag.version - c.base_version
         weight = contribution_weight(c.tokens, c.steps, age=age, staleness_discount=self.config.merge.staleness_discount)
         slot.pending[c.island] = _Pending(c.seq, c.base_version, base, outer_gradient, weight, norm)
@@ -400,7 +410,7 @@ class Synchronizer:
         new = frag.base(done.version)
         base = done.base if done.base is not None else frag.base(done.base_version)
         if new is None or base is None:
-            raise self._refuse(
+            raise self.refuse(
                 "result_expired",
                 f"contribution {done.seq} of island {island} was merged into version {done.version}, "
                 "which is no longer kept; pull the fragment instead",

@@ -1,0 +1,1 @@
+"""gRPC transport: the .proto, its generated modules, chunked streaming and the client."""

@@ -1,0 +1,262 @@
+"""The learner's side of the wire: routing by fragment, deadlines, retries, byte counters.
+
+A synchronizer that is briefly away (restarting, unreachable) is retried with exponential
+backoff and jitter; after a restart the client joins again by itself. A refusal is not retried:
+it surfaces as :class:`SynchronizerError` carrying the synchronizer's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.transport import synchronizer_pb2 as pb
+from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
+from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class SynchronizerError(RuntimeError):
+    """The synchronizer refused a request (``reason``), or could not be reached in time."""
+
+    def __init__(self, code: grpc.StatusCode | None, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason = code, reason
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    config: RunConfig
+    layout_hash: str
+    versions: dict[int, int]
+
+
+@dataclass(frozen=True)
+class PushReply:
+    fragment: int
+    version: int
+    base_version: int
+    codec: str
+    payload: bytearray
+    contributors: int
+    reason: str
+
+
+def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
+    items = addresses.split(",") if isinstance(addresses, str) else list(addresses)
+    out = [a.strip() for a in items if a.strip()]
+    if not out:
+        raise ValueError("no synchronizer address given; pass host:port (comma-separated for shards)")
+    return out
+
+
+class SynchronizerClient:
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        token: str | None = None,
+        tls_root_cert: str | Path | None = None,
+        timeout: float = 30.0,
+        max_retries: int = 8,
+        backoff: float = 0.2,
+        max_backoff: float = 5.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        """``timeout``: seconds per call (pushes add the round wait given to :meth:`push`).
+        ``max_retries``: attempts after the first on an unreachable synchronizer, with delays
+        ``backoff * 2**k`` capped at ``max_backoff``, each jittered by up to 50%."""
+        self.addresses = parse_addresses(addresses)
+        self.timeout, self.max_retries = timeout, max_retries
+        self.backoff, self.max_backoff = backoff, max_backoff
+        self.rng = rng or random.Random()
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        root = Path(tls_root_cert).read_bytes() if tls_root_cert else None
+        self.channels = [
+            grpc.secure_channel(a, grpc.ssl_channel_credentials(root), options) if root else grpc.insecure_channel(a, options)
+            for a in self.addresses
+        ]
+        self.stubs = [pb_grpc.SynchronizerStub(c) for c in self.channels]
+        self._lock = threading.Lock()
+        self.bytes_sent = self.bytes_received = 0
+        self._join_request: pb.JoinRequest | None = None
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.stubs)
+
+    def _stub(self, fragment: int) -> pb_grpc.SynchronizerStub:
+        return self.stubs[fragment % self.num_shards]
+
+    def _count(self, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+
+    # ---- retries ------------------------------------------------------------------------------
+
+    def _call(self, what: str, call: Callable[[], T]) -> T:
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as err:
+                code, details = err.code(), err.details() or ""
+                reason = details.split(":", 1)[0] if ":" in details else code.name.lower()
+                if code == grpc.StatusCode.FAILED_PRECONDITION and reason == "not_joined" and self._join_request:
+                    log.info("%s: the synchronizer forgot this island (restarted?); joining again", what)
+                    self._join_all(self._join_request)
+                elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise TimeoutError(f"{what}: {details or 'deadline exceeded'}") from None
+                elif code not in RETRYABLE:
+                    raise SynchronizerError(code, reason, f"{what} refused ({code.name}): {details}") from None
+                if attempt >= self.max_retries:
+                    raise SynchronizerError(code, "unreachable", f"{what}: gave up after {attempt + 1} attempts: {details}") from None
+                delay = min(self.max_backoff, self.backoff * 2**attempt) * (0.5 + self.rng.random() / 2)
+                log.debug("%s failed (%s); retrying in %.2fs", what, code.name, delay)
+                time.sleep(delay)
+                attempt += 1
+
+    # ---- calls --------------------------------------------------------------------------------
+
+    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> JoinInfo:
+        request = pb.JoinRequest(
+            island=island,
+            world_size=world_size,
+            tensors=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in specs],
+        )
+        info = self._call("join", lambda: self._join_all(request))
+        self._join_request = request
+        return info
+
+    def _join_all(self, request: pb.JoinRequest) -> JoinInfo:
+        replies = []
+        for stub in self.stubs:
+            reply = stub.Join(request, timeout=self.timeout, metadata=self.metadata)
+            self._count(request.ByteSize(), reply.ByteSize())
+            replies.append(reply)
+        configs = {r.config_json for r in replies}
+        if len(configs) != 1 or {r.num_shards for r in replies} != {self.num_shards}:
+            raise SynchronizerError(None, "shard_mismatch", f"the {self.num_shards} addresses are not the shards of one run")
+        versions: dict[int, int] = {}
+        for r in replies:
+            versions.update(r.versions)
+        return JoinInfo(RunConfig.from_dict(json.loads(replies[0].config_json)), replies[0].layout_hash, versions)
+
+    def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
+        payload = get_codec("fp32").encode(value)
+        header = pb.FragmentHeader(fragment=fragment, island=island, codec="fp32", payload_bytes=payload.numel())
+
+        def call():
+            reply = self._stub(fragment).Seed(self._counted(iter_chunks(header, payload, pb.FragmentChunk)), timeout=self.timeout, metadata=self.metadata)
+            return reply.seeded, reply.version
+
+        return self._call(f"seed of fragment {fragment}", call)
+
+    def push(
+        self,
+        *,
+        island: int,
+        fragment: int,
+        base_version: int,
+        tokens: float,
+        steps: int,
+        codec: str,
+        seq: int,
+        payload: torch.Tensor,
+        layout_hash: str,
+        wait: float = 60.0,
+    ) -> PushReply:
+        """Send one contribution and wait up to ``wait`` s for its round to close.
+
+        Safe to call again with the same ``seq``: the synchronizer never merges it twice.
+        """
+        header = pb.PushHeader(
+            island=island, fragment=fragment, base_version=base_version, tokens=tokens, steps=steps,
+            codec=codec, seq=seq, layout_hash=layout_hash, payload_bytes=payload.numel(),
+        )
+
+        def call():
+            replies = self._stub(fragment).Push(
+                self._counted(iter_chunks(header, payload, pb.PushChunk)), timeout=self.timeout + wait, metadata=self.metadata
+            )
+            h, data = self._receive(replies, f"reply to push of fragment {fragment}")
+            return PushReply(fragment, h.version, h.base_version, h.codec, data, h.contributors, h.reason)
+
+        return self._call(f"push of fragment {fragment}", call)
+
+    def pull(self, fragment: int, newer_than: int = -1, wait: float = 0.0) -> tuple[int, torch.Tensor]:
+        """(version, fp32 value) of a fragment, waiting up to ``wait`` s for a version > newer_than."""
+        request = pb.PullRequest(fragment=fragment, newer_than=newer_than, wait_seconds=wait)
+
+        def call():
+            replies = self._stub(fragment).Pull(request, timeout=self.timeout + wait, metadata=self.metadata)
+            h, data = self._receive(replies, f"pull of fragment {fragment}")
+            return h.version, get_codec("fp32").decode(data, len(data) // 4)
+
+        return self._call(f"pull of fragment {fragment}", call)
+
+    def heartbeat(self, island: int, steps: int, step_time: float) -> dict[int, int]:
+        request = pb.HeartbeatRequest(island=island, steps=steps, step_time=step_time)
+        versions: dict[int, int] = {}
+        for shard, stub in enumerate(self.stubs):
+            reply = self._call(f"heartbeat to shard {shard}", lambda: stub.Heartbeat(request, timeout=self.timeout, metadata=self.metadata))
+            self._count(request.ByteSize(), reply.ByteSize())
+            versions.update(reply.versions)
+        return versions
+
+    def status(self, shard: int = 0) -> dict:
+        reply = self._call("status", lambda: self.stubs[shard].Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
+        return json.loads(reply.json)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+    def __enter__(self) -> SynchronizerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- streaming helpers ----------------------------------------------------------------------
+
+    def _counted(self, messages: Iterator) -> Iterator:
+        for message in messages:
+            self._count(sent=message.ByteSize())
+            yield message
+
+    def _receive(self, replies: Iterator, what: str) -> tuple[pb.FragmentHeader, bytearray]:
+        first = next(replies)
+        self._count(received=first.ByteSize())
+        header = first.header
+        data = assemble(first.data, self._counted_in(replies), header.payload_bytes, what)
+        return header, data
+
+    def _counted_in(self, messages: Iterator) -> Iterator:
+        for message in messages:
+            self._count(received=message.ByteSize())
+            yield message

@@ -1,0 +1,159 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "role")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    role: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("island", "world_size", "tensors")
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    island: int
+    world_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, island: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("config_json", "layout_hash", "versions", "shard", "num_shards")
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    layout_hash: str
+    versions: _containers.ScalarMap[int, int]
+    shard: int
+    num_shards: int
+    def __init__(self, config_json: _Optional[str] = ..., layout_hash: _Optional[str] = ..., versions: _Optional[_Mapping[int, int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("island", "fragment", "base_version", "tokens", "steps", "codec", "seq", "layout_hash", "payload_bytes")
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    island: int
+    fragment: int
+    base_version: int
+    tokens: float
+    steps: int
+    codec: str
+    seq: int
+    layout_hash: str
+    payload_bytes: int
+    def __init__(self, island: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[float] = ..., steps: _Optional[int] = ..., codec: _Optional[str] = ..., seq: _Optional[int] = ..., layout_hash: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class FragmentHeader(_message.Message):
+    __slots__ = ("fragment", "version", "base_version", "codec", "payload_bytes", "contributors", "reason", "island")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    version: int
+    base_version: int
+    codec: str
+    payload_bytes: int
+    contributors: int
+    reason: str
+    island: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[int] = ..., reason: _Optional[str] = ..., island: _Optional[int] = ...) -> None: ...
+
+class FragmentChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: FragmentHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[FragmentHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SeedReply(_message.Message):
+    __slots__ = ("seeded", "version")
+    SEEDED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    seeded: bool
+    version: int
+    def __init__(self, seeded: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("fragment", "newer_than", "wait_seconds")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    newer_than: int
+    wait_seconds: float
+    def __init__(self, fragment: _Optional[int] = ..., newer_than: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("island", "steps", "step_time")
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_FIELD_NUMBER: _ClassVar[int]
+    island: int
+    steps: int
+    step_time: float
+    def __init__(self, island: _Optional[int] = ..., steps: _Optional[int] = ..., step_time: _Optional[float] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("versions",)
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.ScalarMap[int, int]
+    def __init__(self, versions: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,277 @@
+"""The synchronizer over real gRPC on port 0, learners as threads."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import threading
+
+import grpc
+import pytest
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.fragments import split_fragment
+from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
+from lightning_diloco.core.outer import OuterOptimizer
+from lightning_diloco.synchronizer.server import SynchronizerServer
+from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.transport import synchronizer_pb2 as pb
+from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
+from tests.helpers import SPECS, initial_fragments, layout, run_config
+
+
+def _push(client, config, island, fragment, delta, *, base_version=0, seq=0, codec="fp32", tokens=100.0, steps=4, wait=10.0):
+    return client.push(
+        island=island, fragment=fragment, base_version=base_version, tokens=tokens, steps=steps, codec=codec,
+        seq=seq, payload=get_codec(codec).encode(delta), layout_hash=layout(config).hash, wait=wait,
+    )
+
+
+def _seeded(client, config, island=0):
+    info = client.join(island, 1, SPECS)
+    for p, value in initial_fragments(config).items():
+        client.seed(island, p, value)
+    return info
+
+
+@pytest.fixture
+def started():
+    servers, clients = [], []
+
+    def start(config, *, token=None, client_token=None, **service_kwargs):
+        server = SynchronizerServer(Synchronizer(config, **service_kwargs), token=token).start()
+        client = SynchronizerClient(server.address, token=client_token if client_token is not None else token, max_retries=2, backoff=0.05)
+        servers.append(server)
+        clients.append(client)
+        return server, client
+
+    yield start
+    for c in clients:
+        c.close()
+    for s in servers:
+        s.stop(grace=0)
+
+
+def test_join_seed_push_pull_round_trip(started):
+    config = run_config(uplink="int8", downlink="bf16")
+    server, client = started(config)
+    info = _seeded(client, config)
+    assert info.config == config and info.layout_hash == layout(config).hash
+    version, value = client.pull(1)
+    assert version == 0 and torch.equal(value, initial_fragments(config)[1])
+    delta = torch.full_like(value, 0.01)
+    reply = _push(client, config, 0, 1, delta, codec="int8")
+    assert reply.version == 1 and reply.codec == "bf16" and reply.base_version == 0
+    update = get_codec("bf16").decode(reply.payload, value.numel())
+    _, global_value = client.pull(1)
+    assert torch.allclose(value + update, global_value, atol=1e-3)
+    assert client.bytes_sent > get_codec("int8").encoded_size(value.numel()) and client.bytes_received > 0
+
+
+def test_a_large_fragment_is_streamed_in_chunks(started):
+    """A fragment far above gRPC's 4 MB message limit goes through in 1 MB chunks."""
+    from lightning_diloco.core.fragments import TensorSpec
+
+    specs = [TensorSpec(name="big", shape=(1_500_000 * 2,), dtype="float32", role="dense")]
+    config = run_config(num_fragments=1)
+    server, client = started(config)
+    client.join(0, 1, specs)
+    value = torch.randn(3_000_000)
+    client.seed(0, 0, value)  # 12 MB
+    reply = client.push(island=0, fragment=0, base_version=0, tokens=1.0, steps=1, codec="fp32", seq=0,
+                        payload=get_codec("fp32").encode(torch.zeros(3_000_000)), layout_hash=server.service.state.layout.hash)
+    assert reply.version == 1 and len(reply.payload) == 12_000_000
+    assert torch.equal(client.pull(0)[1], value)  # zero delta, zero momentum: unchanged
+
+
+def test_refusals_carry_their_reason_over_grpc_and_change_nothing(started):
+    config = run_config()
+    server, client = started(config)
+    _seeded(client, config)
+    numel = layout(config).fragment_numel(0)
+    with pytest.raises(SynchronizerError) as err:
+        _push(client, config, 0, 0, torch.zeros(numel), base_version=5)
+    assert err.value.reason == "stale" and err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(SynchronizerError) as err:
+        _push(client, config, 0, 9, torch.zeros(numel))
+    assert err.value.reason == "unknown_fragment" and err.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert server.service.status()["refused"] == {"stale": 1, "unknown_fragment": 1}
+    assert server.service.versions() == {0: 0, 1: 0}
+
+
+def test_oversized_or_short_payload_is_refused_before_it_is_merged(started):
+    config = run_config()
+    server, client = started(config)
+    _seeded(client, config)
+    numel = layout(config).fragment_numel(0)
+    stub = client.stubs[0]
+    header = pb.PushHeader(island=0, fragment=0, base_version=0, tokens=1, steps=1, codec="fp32", seq=0,
+                           layout_hash=layout(config).hash, payload_bytes=numel * 4)
+    too_much = [pb.PushChunk(header=header, data=b"\0" * (numel * 4)), pb.PushChunk(data=b"\0" * 1000)]
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Push(iter(too_much), timeout=5))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("bad_payload")
+    lying = pb.PushHeader(island=0, fragment=0, base_version=0, tokens=1, steps=1, codec="fp32", seq=0,
+                          layout_hash=layout(config).hash, payload_bytes=10**12)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Push(iter([pb.PushChunk(header=lying)]), timeout=5))
+    assert err.value.details().startswith("bad_payload")
+    assert server.service.versions() == {0: 0, 1: 0}
+
+
+@pytest.mark.parametrize("client_token", ["", "wrong"])
+def test_missing_or_wrong_token_is_refused(started, client_token):
+    config = run_config()
+    server, client = started(config, token="s3cret", client_token=client_token)
+    with pytest.raises(SynchronizerError) as err:
+        client.join(0, 1, SPECS)
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert server.service.status()["refused"] == {"unauthenticated": 1}
+
+
+def test_right_token_is_accepted(started):
+    config = run_config()
+    server, client = started(config, token="s3cret")
+    assert _seeded(client, config).versions == {0: -1, 1: -1}  # versions as of the join
+
+
+def _self_signed(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls_connection_works(tmp_path):
+    config = run_config()
+    cert, key = _self_signed(tmp_path)
+    server = SynchronizerServer(Synchronizer(config), tls_cert=cert, tls_key=key).start()
+    try:
+        with SynchronizerClient(server.address, tls_root_cert=cert) as client:
+            _seeded(client, config)
+            assert _push(client, config, 0, 0, torch.zeros(layout(config).fragment_numel(0))).version == 1
+        with SynchronizerClient(server.address, max_retries=0) as plaintext:
+            with pytest.raises(SynchronizerError):
+                plaintext.join(0, 1, SPECS)
+    finally:
+        server.stop(grace=0)
+
+
+def test_shards_own_their_fragments_and_the_client_routes_by_fragment():
+    config = run_config(num_fragments=2)
+    servers = [SynchronizerServer(Synchronizer(config, shard=i, num_shards=2)).start() for i in range(2)]
+    try:
+        with SynchronizerClient([s.address for s in servers]) as client:
+            info = _seeded(client, config)
+            assert info.versions == {0: -1, 1: -1}
+            numel = layout(config).fragment_numel(1)
+            _push(client, config, 0, 1, torch.zeros(numel))
+            assert servers[0].service.versions() == {0: 0}
+            assert servers[1].service.versions() == {1: 1}
+            assert client.heartbeat(0, 1, 0.1) == {0: 0, 1: 1}
+    finally:
+        for s in servers:
+            s.stop(grace=0)
+
+
+def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path):
+    config = run_config()
+    service = Synchronizer(config, checkpoint_dir=tmp_path, checkpoint_every=1)
+    server = SynchronizerServer(service).start()
+    port = server.port
+    client = SynchronizerClient(server.address, max_retries=20, backoff=0.05, max_backoff=0.2)
+    try:
+        _seeded(client, config)
+        numel = layout(config).fragment_numel(0)
+        for v in range(2):
+            _push(client, config, 0, 0, torch.full((numel,), 0.01), base_version=v, seq=v)
+        before = client.pull(0)
+        server.stop(grace=0)  # checkpoints on the way down
+        restarted = {}
+
+        def restart_soon():
+            import time
+
+            time.sleep(0.5)
+            restarted["server"] = SynchronizerServer(Synchronizer(config, checkpoint_dir=tmp_path), port=port).start()
+
+        thread = threading.Thread(target=restart_soon, name="diloco-test-restart")
+        thread.start()
+        # this push fails while the synchronizer is down, then rejoins and lands
+        reply = _push(client, config, 0, 0, torch.full((numel,), 0.01), base_version=2, seq=2)
+        thread.join()
+        assert reply.version == 3
+        after_restart = restarted["server"].service
+        assert after_restart.state.fragments[0].version == 3
+        assert torch.equal(before[1], after_restart.state.fragments[0].history[2])
+    finally:
+        client.close()
+        server.stop(grace=0)
+        if "server" in restarted:
+            restarted["server"].stop(grace=0)
+
+
+def test_sixteen_concurrent_learners_merge_exactly_like_the_reference(started):
+    islands, rounds = 16, 6
+    config = run_config(num_fragments=2, min_quorum=islands, uplink="fp32", downlink="fp32")
+    server, client = started(config)
+    clients = [SynchronizerClient(server.address) for _ in range(islands)]
+    try:
+        _seeded(clients[0], config, island=0)
+        for i in range(1, islands):
+            clients[i].join(i, 1, SPECS)
+        lay = layout(config)
+
+        def delta_of(island, fragment, r):
+            g = torch.Generator().manual_seed(island * 1000 + fragment * 100 + r)
+            return torch.randn(lay.fragment_numel(fragment), generator=g) * 0.01
+
+        errors = []
+
+        def learner(i):
+            try:
+                for r in range(rounds):
+                    for p in range(2):
+                        reply = _push(clients[i], config, i, p, delta_of(i, p, r), base_version=r, seq=r, tokens=50.0 * (i + 1), steps=4)
+                        assert reply.version == r + 1 and reply.contributors == islands
+            except Exception as err:  # reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=learner, args=(i,), name=f"diloco-test-learner-{i}") for i in range(islands)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+
+        weights = [contribution_weight(50.0 * (i + 1), 4) for i in range(islands)]
+        for p in range(2):
+            specs = lay.fragment_specs(p)
+            reference = initial_fragments(config)[p].clone()
+            outer = OuterOptimizer(reference, config.outer)
+            for r in range(rounds):
+                merged = merge_outer_gradients(
+                    [split_fragment(-delta_of(i, p, r), specs) for i in range(islands)], weights, [s.role for s in specs], "rda"
+                )
+                outer.step(torch.cat([m.reshape(-1) for m in merged]))
+            assert torch.allclose(clients[0].pull(p)[1], reference, atol=1e-5)
+    finally:
+        for c in clients:
+            c.close()
