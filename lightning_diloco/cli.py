@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lightning_diloco import __version__
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from lightning_diloco.demo import main as demo_main
+def _synchronizer(args: argparse.Namespace) -> int:
+    from lightning_diloco.synchronizer.main import run_synchronizer
 
-    return demo_main(args)
+    return run_synchronizer(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from lightning_diloco.synchronizer.main import run_status
+
+    return run_status(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,10 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"lightning-diloco {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = commands.add_parser("demo", help="a short CPU demonstration of what exists")
-    demo.add_argument("--islands", type=int, default=4, help="learner islands (default 4)")
-    demo.add_argument("--steps", type=int, default=240, help="inner steps per island (default 240)")
-    demo.set_defaults(run=_demo)
+    from lightning_diloco.synchronizer.main import add_synchronizer_arguments
+
+    sync = commands.add_parser("synchronizer", help="run a synchronizer (shard) that islands join over gRPC")
+    add_synchronizer_arguments(sync)
+    sync.set_defaults(run=_synchronizer)
+
+    status = commands.add_parser("status", help="print a synchronizer's status as a table")
+    status.add_argument("address", help="host:port, comma-separated for every shard")
+    status.add_argument("--token", default=os.environ.get("DILOCO_TOKEN"), help="the run's token (default $DILOCO_TOKEN)")
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.set_defaults(run=_status)
     return parser
 
 
@@ -34,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0
-    return int(args.run(args) or 0)
+    try:
+        return int(args.run(args) or 0)
+    except ValueError as err:  # a bad setting: the message names it and the fix
+        parser.exit(2, f"lightning-diloco {args.command}: error: {err}\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ Error bounds (per element, x the input, x' the decoded value), tested in tests/u
   the scale stored as bf16: |x - x'| <= (1 + 2**-8) / 2 * absmax(block) / q.
 
 ``encode`` returns the payload as a 1-D uint8 tensor (the fp32 codec may share memory with
-its input); ``decode`` takes that, or any bytes-like object, and returns a new fp32 tensor.
+its input); ``decode`` takes that, or any bytes-like object, and returns an fp32 tensor the
+caller owns. A ``bytearray`` payload (a buffer just received) is consumed: the result may share
+its memory, which saves a copy of every fp32 fragment on the synchronizer.
 
 Layout of the quantized forms: ``nblocks`` bf16 scales, then the values (int8: one byte each;
 int4: two per byte, low nibble first, stored as q + 8). The tail block is zero-padded. Non-finite
@@ -55,11 +57,10 @@ class Codec:
             )
         if isinstance(data, torch.Tensor):
             assert data.dtype == torch.uint8 and data.dim() == 1, f"{data.dtype=} {data.dim()=}"
-            return data.contiguous(), True
+            return data.contiguous(), False
         if size == 0:
             return torch.zeros(0, dtype=torch.uint8), True
-        # bytes are immutable: never hand out a tensor that aliases them
-        return torch.frombuffer(data, dtype=torch.uint8), not isinstance(data, bytes)
+        return torch.frombuffer(data, dtype=torch.uint8), isinstance(data, bytearray)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -35,21 +35,30 @@ def contribution_weight(tokens: float, steps: int, *, age: int = 0, staleness_di
     return weight
 
 
-def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+def _output(deltas: Sequence[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.zeros_like(deltas[0], dtype=torch.float32)
+    assert out.shape == deltas[0].shape, f"{out.shape=} {deltas[0].shape=}"
+    return out.zero_()
+
+
+def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor | None = None) -> torch.Tensor:
     total = float(sum(weights))
     assert total > 0, f"{weights=}: at least one contribution must have a positive weight"
-    out = torch.zeros_like(deltas[0], dtype=torch.float32)
+    out = _output(deltas, out)
     for delta, w in zip(deltas, weights):
         if w:
             out.add_(delta, alpha=w / total)
     return out
 
 
-def radial_directional_average(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+def radial_directional_average(
+    deltas: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor | None = None
+) -> torch.Tensor:
     total = float(sum(weights))
     assert total > 0, f"{weights=}: at least one contribution must have a positive weight"
     radius = 0.0
-    direction = torch.zeros_like(deltas[0], dtype=torch.float32)
+    direction = _output(deltas, out)
     for delta, w in zip(deltas, weights):
         if not w:
             continue
@@ -71,12 +80,14 @@ def merge_outer_gradients(
     weights: Sequence[float],
     roles: Sequence[str],
     method: str = "rda",
+    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Merge per-tensor outer gradients of several contributions into one per tensor.
 
     ``contributions[m][i]`` is island m's outer gradient for the fragment's tensor i, whose role
     is ``roles[i]``. ``method`` is ``rda`` (embedding tensors still use the weighted mean) or
-    ``mean`` (weighted mean everywhere).
+    ``mean`` (weighted mean everywhere). ``out``, when given, receives the result (one tensor
+    per role, e.g. views of one flat buffer).
     """
     assert len(contributions) == len(weights), f"{len(contributions)=} {len(weights)=}"
     assert all(len(c) == len(roles) for c in contributions), "every contribution must cover every tensor"
@@ -85,10 +96,11 @@ def merge_outer_gradients(
     merged = []
     for i, role in enumerate(roles):
         per_tensor = [c[i] for c in contributions]
+        target = None if out is None else out[i]
         if method == "rda" and role != EMBEDDING:
-            merged.append(radial_directional_average(per_tensor, weights))
+            merged.append(radial_directional_average(per_tensor, weights, target))
         else:
-            merged.append(weighted_mean(per_tensor, weights))
+            merged.append(weighted_mean(per_tensor, weights, target))
     return merged
 
 

@@ -41,13 +41,15 @@ class FragmentState:
         return self.history.get(version)
 
     def outer_gradient(self, base_version: int, delta: torch.Tensor) -> torch.Tensor:
-        """Delta_m = Theta_ref - theta_m, with theta_m = Theta_base + d.
+        """Delta_m = Theta_ref - theta_m, with theta_m = Theta_base + d. Overwrites ``delta``.
 
-        Theta_ref is the current global fragment (paper) or the island's own base.
+        Theta_ref is the current global fragment (paper) or the island's own base; when the
+        island's base is the reference (the common case) this is just -d.
         """
-        base = self.history[base_version]
-        reference = base if self.delta_vs_own_base else self.value
-        return reference - base - delta
+        out = delta.neg_()
+        if not self.delta_vs_own_base and base_version != self.version:
+            out.add_(self.value).sub_(self.history[base_version])
+        return out
 
     def apply(self, outer_gradient: torch.Tensor) -> int:
         """One outer step; publishes and returns the new version."""

@@ -375,13 +375,15 @@ class Synchronizer:
         islands = sorted(slot.pending)
         pendings = [slot.pending[i] for i in islands]
         specs = self.state.layout.fragment_specs(fragment)
-        merged = merge_outer_gradients(
+        merged = torch.empty(self.state.layout.fragment_numel(fragment))
+        merge_outer_gradients(
             [split_fragment(p.outer_gradient, specs) for p in pendings],
             [p.weight for p in pendings],
             [s.role for s in specs],
             self.config.merge.method,
+            out=split_fragment(merged, specs),
         )
-        version = self.state.apply(fragment, torch.cat([m.reshape(-1) for m in merged]))
+        version = self.state.apply(fragment, merged)
         for island, p in zip(islands, pendings):
             slot.done[island] = _Done(p.seq, version, p.base_version, p.base)
             if slot.guard is not None:

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets up .venv (see setup.sh) and runs the test suite. Extra arguments go to pytest,
+# e.g. `bash scripts/test.sh -m "not slow"` for the fast tier only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

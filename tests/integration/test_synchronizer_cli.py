@@ -1,0 +1,88 @@
+"""``lightning-diloco synchronizer`` and ``status`` as a user runs them: real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.transport.client import SynchronizerClient
+from tests.helpers import SPECS, initial_fragments, layout, run_config
+
+CLI = [sys.executable, "-m", "lightning_diloco.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def synchronizer_process(tmp_path):
+    procs = []
+
+    def start(*extra):
+        proc = subprocess.Popen(
+            [*CLI, "synchronizer", "--port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        procs.append(proc)
+        for line in proc.stdout:
+            if line.startswith("synchronizer listening on "):
+                return proc, line.split()[-1]
+        raise AssertionError(f"synchronizer did not start: exit {proc.wait()}")
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_synchronizer_command_serves_status_metrics_and_checkpoints_on_sigterm(synchronizer_process, tmp_path):
+    metrics_port = _free_port()
+    proc, address = synchronizer_process(
+        "--num-fragments", "2", "--sync-every", "4", "--overlap-steps", "1", "--uplink-codec", "fp32",
+        "--metrics-port", str(metrics_port),
+    )
+    config = run_config()
+    with SynchronizerClient(address) as client:
+        info = client.join(0, 1, SPECS)
+        assert info.config.schedule.num_fragments == 2 and info.config.codec.uplink == "fp32"
+        for p, value in initial_fragments(config).items():
+            client.seed(0, p, value)
+        numel = layout(config).fragment_numel(0)
+        client.push(island=0, fragment=0, base_version=0, tokens=10.0, steps=2, codec="fp32", seq=0,
+                    payload=get_codec("fp32").encode(torch.zeros(numel)), layout_hash=info.layout_hash)
+
+    table = subprocess.run([*CLI, "status", address], capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    assert "outer steps 1" in table.stdout and "live islands [0]" in table.stdout
+
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    assert "diloco_outer_steps_total 1.0" in metrics and 'diloco_fragment_version{fragment="0"} 1.0' in metrics
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert (tmp_path / "ckpt" / "synchronizer.pt").exists() and (tmp_path / "ckpt" / "synchronizer.json").exists()
+
+    # a new process resumes where the old one stopped
+    proc2, address2 = synchronizer_process("--num-fragments", "2", "--sync-every", "4", "--overlap-steps", "1")
+    with SynchronizerClient(address2) as client:
+        assert client.join(0, 1, SPECS).versions == {0: 1, 1: 0}
+    proc2.send_signal(signal.SIGTERM)
+    assert proc2.wait(timeout=30) == 0
+
+
+def test_bad_settings_exit_with_a_clear_message():
+    result = subprocess.run([*CLI, "synchronizer", "--port", "0", "--min-quorum", "0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "min_quorum=0 must be >= 1" in result.stderr
