@@ -131,10 +131,10 @@ def build_layout(specs: Sequence[TensorSpec], num_fragments: int) -> FragmentLay
 
 
 def flatten_fragment(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous fp32 vector of a fragment's tensors, in layout order (a copy)."""
+    """One contiguous fp32 vector of a fragment's tensors in host memory, in layout order (a copy)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
 
 
 def split_fragment(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:

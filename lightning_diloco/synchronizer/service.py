@@ -112,11 +112,13 @@ class Synchronizer:
         checkpoint_every: int = 0,
         liveness_timeout: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
+        state: SynchronizerState | None = None,
     ) -> None:
         """``checkpoint_every``: outer steps between checkpoints (0: only on close).
 
         ``liveness_timeout``: seconds without a heartbeat (or any request) after which an island
-        is no longer waited for.
+        is no longer waited for. ``state``: start from this state (e.g. restored from an island's
+        checkpoint) unless ``checkpoint_dir`` holds one.
         """
         self.config = config
         self.owned = owned_by_shard(shard, num_shards)
@@ -132,16 +134,16 @@ class Synchronizer:
         self.refused: Counter[str] = Counter()
         self.bytes_in = self.bytes_out = 0
         self.sync_time = 0.0
-        self.state: SynchronizerState | None = None
-        self.last_checkpoint_steps = 0
-        if self.checkpoint_dir is not None:
-            self.state = SynchronizerState.load(self.checkpoint_dir)
-            if self.state is not None:
-                if self.state.config != config:
-                    log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
-                self.config = self.state.config
-                self.last_checkpoint_steps = self.state.outer_steps
-                log.info("resumed from %s at versions %s", self.checkpoint_dir, self.state.versions())
+        self.state: SynchronizerState | None = state
+        self.last_checkpoint_steps = state.outer_steps if state else 0
+        loaded = SynchronizerState.load(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        if loaded is not None:
+            self.state = loaded
+            if loaded.config != config:
+                log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
+            self.config = loaded.config
+            self.last_checkpoint_steps = loaded.outer_steps
+            log.info("resumed from %s at versions %s", self.checkpoint_dir, loaded.versions())
         self.slots = {p: self._new_slot() for p in range(self.config.schedule.num_fragments) if self.owned(p)}
 
     def _new_slot(self) -> _Slot:
@@ -446,20 +448,28 @@ class Synchronizer:
         if self.checkpoint_dir is None or self.state is None:
             return None
         with self.checkpoint_lock:
-            # Each fragment is copied under its own lock: fragments are independent, so a
-            # checkpoint never stalls every round at once.
-            snapshot = SynchronizerState(self.config, self.state.layout, {})
-            for p, slot in self.slots.items():
-                with slot.cond:
-                    frag = self.state.fragments.get(p)
-                    if frag is not None:
-                        snapshot.seed(p, frag.value)
-                        snapshot.fragments[p].load_state_dict(frag.state_dict())
-            snapshot.outer_steps = sum(f.version for f in snapshot.fragments.values())
+            snapshot = self.snapshot()
             path = snapshot.save(self.checkpoint_dir)
             self.last_checkpoint_steps = snapshot.outer_steps
         log.info("checkpoint at %d outer steps: %s", snapshot.outer_steps, path)
         return path
+
+    def snapshot(self) -> SynchronizerState:
+        """A consistent copy of the state, fragment by fragment.
+
+        Each fragment is copied under its own lock: fragments are independent, so taking a
+        snapshot never stalls every round at once.
+        """
+        assert self.state is not None, "no island has joined: nothing to snapshot"
+        snapshot = SynchronizerState(self.config, self.state.layout, {})
+        for p, slot in self.slots.items():
+            with slot.cond:
+                frag = self.state.fragments.get(p)
+                if frag is not None:
+                    snapshot.seed(p, frag.value)
+                    snapshot.fragments[p].load_state_dict(frag.state_dict())
+        snapshot.outer_steps = sum(f.version for f in snapshot.fragments.values())
+        return snapshot
 
     def status(self) -> dict:
         now = self.clock()

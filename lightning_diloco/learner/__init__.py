@@ -1,0 +1,1 @@
+"""Lightning integration: the strategy, the island mechanics and the monitor callback."""

@@ -1,0 +1,52 @@
+"""DiLoCoMonitor: the island's sync state in the progress bar, and the global model's quality."""
+
+from __future__ import annotations
+
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+
+class DiLoCoMonitor(Callback):
+    """Shows version, syncs applied and synchronizer reachability in the progress bar.
+
+    With ``evaluate_global=True`` validation runs on the current global model (the island's
+    last received global fragments) instead of its local weights, which is the model the run
+    actually produces; the local weights are put back afterwards.
+    """
+
+    def __init__(self, evaluate_global: bool = False) -> None:
+        self.evaluate_global = evaluate_global
+        self._saved: list[torch.Tensor] | None = None
+
+    @staticmethod
+    def _learner(trainer):
+        return getattr(trainer.strategy, "learner", None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        learner = self._learner(trainer)
+        if learner is None:
+            return
+        m = learner.metrics()
+        pl_module.log("diloco/version", m["diloco/min_version"], prog_bar=True, on_step=True, on_epoch=False)
+        pl_module.log("diloco/applied", m["diloco/syncs_applied"], prog_bar=True, on_step=True, on_epoch=False)
+        pl_module.log("diloco/reachable", m["diloco/synchronizer_reachable"], prog_bar=True, on_step=True, on_epoch=False)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        learner = self._learner(trainer)
+        if not (self.evaluate_global and learner is not None):
+            return
+        self._saved = [p.detach().clone() for p in learner.params]
+        with torch.no_grad():
+            for p in range(learner.layout.num_fragments):
+                learner.write_fragment(p, learner.bases[p])
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        learner = self._learner(trainer)
+        if self._saved is None or learner is None:
+            return
+        with torch.no_grad():
+            for param, saved in zip(learner.params, self._saved):
+                param.copy_(saved)
+        self._saved = None

@@ -1,0 +1,277 @@
+"""``Trainer(strategy="decoupled_diloco")``: a trainer group becomes one learner island.
+
+Built on Lightning's DDPStrategy: inside the island everything is ordinary DDP (one process per
+device; one process is the single-device case). Around it the strategy counts tokens, and after
+every inner optimizer step hands control to :class:`IslandLearner`, which streams fragments to
+the synchronizer in the background. Hooks only; Lightning's loops are never copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
+from lightning_diloco.core.fragments import build_layout, tensor_specs
+from lightning_diloco.learner.island import Collective, IslandLearner, TorchCollective
+from lightning_diloco.learner.tokens import default_tokens_per_batch
+
+log = logging.getLogger(__name__)
+
+# strategy argument -> (RunConfig section, field)
+RUN_SETTINGS = {
+    "sync_every": ("schedule", "sync_every"),
+    "num_fragments": ("schedule", "num_fragments"),
+    "overlap_steps": ("schedule", "overlap_steps"),
+    "apply": ("schedule", "apply"),
+    "mix_alpha": ("schedule", "mix_alpha"),
+    "min_quorum": ("merge", "min_quorum"),
+    "grace_gamma": ("merge", "grace_gamma"),
+    "merge": ("merge", "method"),
+    "outer_lr": ("outer", "lr"),
+    "outer_momentum": ("outer", "momentum"),
+    "uplink_codec": ("codec", "uplink"),
+    "downlink_codec": ("codec", "downlink"),
+}
+CHECKPOINT_KEY = "decoupled_diloco"
+
+
+def _env_int(name: str, value: int | None, default: int) -> int:
+    if value is not None:
+        return value
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+class DecoupledDiLoCoStrategy(DDPStrategy):
+    strategy_name = "decoupled_diloco"
+
+    def __init__(
+        self,
+        synchronizer: str | None = None,
+        island: int | None = None,
+        num_islands: int | None = None,
+        token: str | None = None,
+        *,
+        sync_every: int | None = None,
+        num_fragments: int | None = None,
+        overlap_steps: int | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        min_quorum: int | None = None,
+        grace_gamma: float | None = None,
+        merge: str | None = None,
+        apply: str | None = None,
+        mix_alpha: float | None = None,
+        uplink_codec: str | None = None,
+        downlink_codec: str | None = None,
+        tokens_per_batch: Callable[[Any], float] | None = None,
+        end_with_global_model: bool = True,
+        push_wait: float = 120.0,
+        **ddp_kwargs: Any,
+    ) -> None:
+        """Arguments left as None come from the environment (``DILOCO_SYNCHRONIZER``,
+        ``DILOCO_ISLAND``, ``DILOCO_NUM_ISLANDS``, ``DILOCO_TOKEN``) or from the run defaults
+        of :class:`~lightning_diloco.core.config.RunConfig`.
+
+        ``synchronizer``: comma-separated shard addresses; none starts an embedded synchronizer
+        on loopback (one island). A remote synchronizer's run settings are authoritative.
+        ``tokens_per_batch``: counts a batch's tokens (default: attention-mask ones, else
+        input_ids elements, else samples). ``end_with_global_model``: load the global model into
+        the module when training ends. ``push_wait``: seconds a fragment may wait for its round.
+        Other keyword arguments go to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        """
+        super().__init__(**ddp_kwargs)
+        self.address = synchronizer if synchronizer is not None else (os.environ.get("DILOCO_SYNCHRONIZER") or None)
+        self.island = _env_int("DILOCO_ISLAND", island, 0)
+        self.num_islands = _env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
+        if not 0 <= self.island < self.num_islands:
+            raise ValueError(f"island={self.island} must be in [0, num_islands={self.num_islands}); set DILOCO_ISLAND below DILOCO_NUM_ISLANDS")
+        self.token = token if token is not None else (os.environ.get("DILOCO_TOKEN") or None)
+        given = dict(
+            sync_every=sync_every, num_fragments=num_fragments, overlap_steps=overlap_steps, outer_lr=outer_lr,
+            outer_momentum=outer_momentum, min_quorum=min_quorum, grace_gamma=grace_gamma, merge=merge, apply=apply,
+            mix_alpha=mix_alpha, uplink_codec=uplink_codec, downlink_codec=downlink_codec,
+        )
+        self.explicit = {k: v for k, v in given.items() if v is not None}
+        self.run_config = self._config_with(self.explicit)  # validates now, not at fit time
+        self.count_tokens = tokens_per_batch or default_tokens_per_batch
+        self.end_with_global_model = end_with_global_model
+        self.push_wait = push_wait
+        self.learner: IslandLearner | None = None
+        self.final_metrics: dict[str, float] = {}  # the learner's metrics when fit ended
+        self.embedded = None
+        self._tokens = 0.0
+        self._resume: dict | None = None
+
+    @staticmethod
+    def _config_with(settings: dict[str, Any]) -> RunConfig:
+        sections: dict[str, dict[str, Any]] = {"schedule": {}, "merge": {}, "outer": {}, "codec": {}}
+        for arg, value in settings.items():
+            section, field = RUN_SETTINGS[arg]
+            sections[section][field] = value
+        return RunConfig(
+            schedule=ScheduleConfig(**sections["schedule"]),
+            merge=MergeConfig(**sections["merge"]),
+            outer=OuterConfig(**sections["outer"]),
+            codec=CodecConfig(**sections["codec"]),
+        )
+
+    # ---- data: island i of M trains on shard i of M --------------------------------------------
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        island_world = self.num_nodes * self.num_processes
+        return {"num_replicas": self.num_islands * island_world, "rank": self.island * island_world + self.global_rank}
+
+    # ---- joining ------------------------------------------------------------------------------
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = self.lightning_module
+        specs = tensor_specs(module)
+        named = dict(module.named_parameters())
+        params = [named[s.name] for s in specs]
+        link = None
+        config_dict = None
+        if self.global_rank == 0:
+            link, config = self._connect(specs)
+            config_dict = config.to_dict()
+        collective: Collective = Collective()
+        if self.world_size > 1:
+            collective = TorchCollective(self.world_size, self.root_device if self._uses_nccl() else torch.device("cpu"))
+            config_dict = collective.broadcast_object(config_dict)
+        config = RunConfig.from_dict(config_dict)
+        layout = build_layout(specs, config.schedule.num_fragments)
+        self.learner = IslandLearner(params, layout, config, island=self.island, link=link, collective=collective, push_wait=self.push_wait)
+        self.learner.start(resume=(self._resume or {}).get("learner"))
+
+    def _uses_nccl(self) -> bool:
+        return torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
+
+    def _connect(self, specs):
+        from lightning_diloco.transport.client import SynchronizerClient
+
+        address = self.address
+        if address is None:
+            address = self._start_embedded(specs)
+        link = SynchronizerClient(address, token=self.token)
+        info = link.join(self.island, self.world_size, specs)
+        self._warn_on_conflicts(info.config)
+        return link, info.config
+
+    def _start_embedded(self, specs) -> str:
+        from lightning_diloco.core.state import SynchronizerState
+        from lightning_diloco.synchronizer.server import SynchronizerServer
+        from lightning_diloco.synchronizer.service import Synchronizer
+
+        config = self.run_config
+        if config.schedule.num_fragments > len(specs) and "num_fragments" not in self.explicit:
+            # the default P = 24 assumes a model of at least 24 tensors; a tiny one gets one each
+            config = self._config_with({**self.explicit, "num_fragments": len(specs)})
+            log.info("num_fragments lowered to %d: the model has %d trainable tensors", len(specs), len(specs))
+        saved = (self._resume or {}).get("embedded")
+        state = SynchronizerState.from_state_dict(saved) if saved else None
+        self.embedded = SynchronizerServer(Synchronizer(config, state=state), host="127.0.0.1", port=0, token=self.token).start()
+        return self.embedded.address
+
+    def _warn_on_conflicts(self, authoritative: RunConfig) -> None:
+        conflicts = []
+        for arg, value in self.explicit.items():
+            section, field = RUN_SETTINGS[arg]
+            actual = getattr(getattr(authoritative, section), field)
+            if actual != value:
+                conflicts.append(f"{arg}={value!r} (synchronizer: {actual!r})")
+        if conflicts:
+            warnings.warn(
+                "the synchronizer's run settings are authoritative; ignoring " + ", ".join(conflicts)
+                + ". Set them on the synchronizer instead.",
+                stacklevel=2,
+            )
+
+    # ---- the inner loop ------------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        batch = args[0] if args else kwargs.get("batch")
+        self._tokens += self.count_tokens(batch)
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # one inner step per step of the first optimizer (GAN-style modules have several)
+        if self.learner is not None and self.optimizers and optimizer is _unwrap(self.optimizers[0]):
+            self.learner.after_step(self._tokens)
+            self._tokens = 0.0
+            self._log_metrics()
+        return output
+
+    def _log_metrics(self) -> None:
+        trainer = self.lightning_module.trainer
+        if self.learner.step % max(1, trainer.log_every_n_steps) != 0:
+            return
+        metrics = self.learner.metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_train_end(self) -> None:
+        if self.learner is not None and self.end_with_global_model:
+            self.learner.finish()
+        super().on_train_end()
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if self.learner is not None:
+            checkpoint[CHECKPOINT_KEY] = {
+                "learner": self.learner.state_dict(),
+                "embedded": self.embedded.service.snapshot().state_dict() if self.embedded and self.embedded.service.state else None,
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
+    def teardown(self) -> None:
+        if self.learner is not None:
+            self.final_metrics = self.learner.metrics()
+            self.learner.close()
+            self.learner = None
+        if self.embedded is not None:
+            self.embedded.stop(grace=0)
+            self.embedded = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            "decoupled_diloco", cls, description="Decoupled DiLoCo learner island (DDP inside)", override=True
+        )
+        strategy_registry.register(
+            "decoupled_diloco_spawn", cls, description="Decoupled DiLoCo learner island, spawned DDP",
+            start_method="spawn", override=True,
+        )
+
+
+def _unwrap(optimizer):
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def register() -> None:
+    """Make ``Trainer(strategy="decoupled_diloco")`` work; safe to call more than once."""
+    DecoupledDiLoCoStrategy.register_strategies(StrategyRegistry)

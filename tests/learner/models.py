@@ -1,0 +1,51 @@
+"""Tiny LightningModules and data for strategy tests (CPU, seconds)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def regression_data(n=256, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, 1, generator=g)
+    y = x @ w + 0.01 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class TinyRegressor(pl.LightningModule):
+    def __init__(self, dim=8, hidden=16, lr=1e-2, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.lr = lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(float(loss))
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+def loader(dataset, batch_size=16, shuffle=False):
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
+
+
+def trainer(strategy, **kwargs):
+    defaults = dict(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(strategy=strategy, **defaults)
