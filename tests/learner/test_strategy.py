@@ -1,23 +1,135 @@
-"""The strategy in one process with the embedded synchronizer."""
+"""The strategy in one process with the embedded synchronizer: behaviour and exact equivalences."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_diloco  # noqa: F401  registers the strategy names
 from lightning_diloco import DecoupledDiLoCoStrategy
 from tests.learner.models import TinyRegressor, loader, regression_data, trainer
+
+FP32 = dict(uplink_codec="fp32", downlink_codec="fp32")
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def test_strategy_name_trains_a_tiny_model_and_syncs():
     model = TinyRegressor()
     t = trainer("decoupled_diloco", max_epochs=3)
     t.fit(model, loader(regression_data()))
-    learner_metrics = t.strategy.learner  # torn down after fit
-    assert learner_metrics is None
     first, last = sum(model.losses[:8]) / 8, sum(model.losses[-8:]) / 8
     assert last < 0.5 * first
     assert isinstance(t.strategy, DecoupledDiLoCoStrategy)
+    metrics = t.strategy.final_metrics
+    # 48 steps, H = 24, P lowered to the model's 4 tensors: sends after steps 6, 12, ..., 48;
+    # each lands tau = 2 steps later, so the last one is still in flight when training ends
+    assert metrics["diloco/syncs_sent"] == 8 and metrics["diloco/syncs_applied"] == 7
+    assert metrics["diloco/syncs_failed"] == 0 and metrics["diloco/syncs_skipped"] == 0
+    assert metrics["diloco/bytes_up"] > 0 and metrics["diloco/min_version"] == 2
+
+
+def test_zero_argument_constructor_and_double_registration_work():
+    lightning_diloco.register()
+    lightning_diloco.register()
+    strategy = DecoupledDiLoCoStrategy()
+    assert strategy.run_config.schedule.num_fragments == 24 and strategy.island == 0 and strategy.num_islands == 1
+
+
+def test_bad_arguments_are_refused_at_construction():
+    with pytest.raises(ValueError, match="overlap_steps=30"):
+        DecoupledDiLoCoStrategy(overlap_steps=30)
+    with pytest.raises(ValueError, match="island=2 must be in"):
+        DecoupledDiLoCoStrategy(island=2, num_islands=2)
+
+
+def test_environment_supplies_island_settings(monkeypatch):
+    monkeypatch.setenv("DILOCO_ISLAND", "1")
+    monkeypatch.setenv("DILOCO_NUM_ISLANDS", "3")
+    monkeypatch.setenv("DILOCO_SYNCHRONIZER", "127.0.0.1:1,127.0.0.1:2")
+    s = DecoupledDiLoCoStrategy()
+    assert (s.island, s.num_islands, s.address) == (1, 3, "127.0.0.1:1,127.0.0.1:2")
+    assert DecoupledDiLoCoStrategy(island=0).island == 0  # an explicit argument wins
+
+
+def test_every_step_sync_with_plain_averaging_equals_plain_lightning_training():
+    """H = 1, P = 1, tau = 0, outer lr 1, momentum 0, fp32: the global model is the local one.
+
+    The baseline is Lightning's own DDP strategy with one process (same data pipeline: Lightning
+    shuffles training data through its distributed sampler)."""
+    data = regression_data()
+    plain = TinyRegressor()
+    trainer("ddp", max_epochs=2).fit(plain, loader(data))
+    diloco = TinyRegressor()
+    strategy = DecoupledDiLoCoStrategy(sync_every=1, num_fragments=1, overlap_steps=0, outer_lr=1.0, outer_momentum=0.0, **FP32)
+    trainer(strategy, max_epochs=2).fit(diloco, loader(data))
+    assert len(plain.losses) == len(diloco.losses) == 32
+    assert torch.allclose(torch.tensor(plain.losses), torch.tensor(diloco.losses), rtol=1e-5, atol=1e-6)
+    for a, b in zip(_weights(plain), _weights(diloco)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_synchronous_diloco_matches_a_plain_pytorch_reference_loop():
+    """P = 1, tau = 0, fp32, H = 4: inner AdamW, outer Nesterov on Delta = Theta - theta."""
+    data = regression_data()
+    H, lr, mu = 4, 0.7, 0.9
+    diloco = TinyRegressor()
+    strategy = DecoupledDiLoCoStrategy(sync_every=H, num_fragments=1, overlap_steps=0, end_with_global_model=False, **FP32)
+    trainer(strategy, max_epochs=2, use_distributed_sampler=False).fit(diloco, loader(data))  # the loop's order
+
+    reference = TinyRegressor()
+    inner = reference.configure_optimizers()
+    global_params = [p.detach().clone() for p in reference.parameters()]
+    outer = torch.optim.SGD(global_params, lr=lr, momentum=mu, nesterov=True)
+    step = 0
+    for _ in range(2):
+        for x, y in loader(data):
+            inner.zero_grad()
+            torch.nn.functional.mse_loss(reference.net(x), y).backward()
+            inner.step()
+            step += 1
+            if step % H == 0:
+                with torch.no_grad():
+                    for g, p in zip(global_params, reference.parameters()):
+                        g.grad = g - p
+                    outer.step()
+                    for g, p in zip(global_params, reference.parameters()):
+                        p.copy_(g)
+    assert step == 32
+    for a, b in zip(_weights(reference), _weights(diloco)):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_checkpoint_resume_continues_counters_and_matches_an_uninterrupted_run(tmp_path):
+    data = regression_data()
+    settings = dict(sync_every=4, num_fragments=2, overlap_steps=0, end_with_global_model=False, **FP32)
+
+    straight = TinyRegressor()
+    trainer(DecoupledDiLoCoStrategy(**settings), max_epochs=2).fit(straight, loader(data))
+
+    first = TinyRegressor()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(DecoupledDiLoCoStrategy(**settings), max_epochs=1, enable_checkpointing=True, callbacks=[ckpt]).fit(first, loader(data))
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert saved["decoupled_diloco"]["learner"]["step"] == 16
+
+    resumed = TinyRegressor(seed=123)  # different init: everything must come from the checkpoint
+    t = trainer(DecoupledDiLoCoStrategy(**settings), max_epochs=2)
+    t.fit(resumed, loader(data), ckpt_path=tmp_path / "last.ckpt")
+    assert t.strategy.final_metrics["diloco/min_version"] == 8  # 32 steps / H=4 per fragment
+    for a, b in zip(_weights(straight), _weights(resumed)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_overlapped_fragments_apply_tau_steps_later_and_never_twice_in_flight():
+    model = TinyRegressor()
+    strategy = DecoupledDiLoCoStrategy(sync_every=4, num_fragments=4, overlap_steps=2, **FP32)
+    trainer(strategy, max_epochs=1).fit(model, loader(regression_data()))
+    m = strategy.final_metrics
+    # one fragment due per step; a reply slower than H - tau steps makes its next turn a skip
+    assert m["diloco/syncs_sent"] + m["diloco/syncs_skipped"] == 16
+    assert m["diloco/syncs_sent"] - m["diloco/syncs_applied"] <= 4  # at most P still in flight at the end
+    assert m["diloco/syncs_failed"] == 0
