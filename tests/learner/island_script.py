@@ -1,0 +1,63 @@
+"""One learner island as a user would launch it: `python island_script.py OUT [--devices N]`.
+
+Reads DILOCO_* from the environment, trains TinyRegressor, and writes each rank's final
+weights and the island's metrics to OUT/rank{R}.pt.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import lightning_diloco  # noqa: E402,F401
+from lightning_diloco import DecoupledDiLoCoStrategy  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+from tests.learner.models import TinyRegressor, loader, regression_data, trainer  # noqa: E402
+
+
+class WaitForAllIslands(Callback):
+    """Start the first step only when every island has joined, and give steps a real duration:
+    startup skew between processes is seconds, a tiny step is a millisecond."""
+
+    def __init__(self, num_islands: int, step_seconds: float) -> None:
+        self.num_islands, self.step_seconds = num_islands, step_seconds
+
+    def on_train_start(self, trainer, pl_module):
+        link = trainer.strategy.learner.link
+        deadline = time.monotonic() + 120
+        while link is not None and len(link.status()["live_islands"]) < self.num_islands:
+            assert time.monotonic() < deadline, "the other islands never joined"
+            time.sleep(0.1)
+
+    def on_train_batch_end(self, *args):
+        time.sleep(self.step_seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-seconds", type=float, default=0.02)
+    args = parser.parse_args()
+    strategy = DecoupledDiLoCoStrategy(sync_every=4, num_fragments=2, overlap_steps=1, uplink_codec="fp32", downlink_codec="fp32")
+    model = TinyRegressor(seed=args.seed + strategy.island)  # islands start apart; joining aligns them
+    callbacks = [WaitForAllIslands(strategy.num_islands, args.step_seconds)]
+    trainer(strategy, devices=args.devices, max_epochs=args.epochs, callbacks=callbacks).fit(model, loader(regression_data(n=512)))
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    torch.save({"weights": [p.detach() for p in model.parameters()], "metrics": strategy.final_metrics,
+                "steps": len(model.losses), "losses": model.losses}, Path(args.out) / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Islands as real processes: two islands on one synchronizer, and an island of two DDP ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_diloco.core.config import CodecConfig, MergeConfig, RunConfig, ScheduleConfig
+from lightning_diloco.synchronizer.server import SynchronizerServer
+from lightning_diloco.synchronizer.service import Synchronizer
+
+SCRIPT = Path(__file__).with_name("island_script.py")
+pytestmark = pytest.mark.slow
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DILOCO_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _run(procs, timeout=240):
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        outputs.append(out)
+        assert proc.returncode == 0, out[-3000:]
+    return outputs
+
+
+def test_two_islands_contribute_and_end_on_the_same_global_model(tmp_path):
+    config = RunConfig(
+        schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1),
+        merge=MergeConfig(min_quorum=2, grace_gamma=0.0),
+        codec=CodecConfig(uplink="fp32", downlink="fp32"),
+    )
+    server = SynchronizerServer(Synchronizer(config)).start()
+    try:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(tmp_path / f"island{i}")],
+                env=_env(DILOCO_SYNCHRONIZER=server.address, DILOCO_ISLAND=str(i), DILOCO_NUM_ISLANDS="2"),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for i in range(2)
+        ]
+        _run(procs)
+        status = server.service.status()
+    finally:
+        server.stop(grace=0)
+    results = [torch.load(tmp_path / f"island{i}" / "rank0.pt", weights_only=False) for i in range(2)]
+    # each island saw its own half of the data: 512 samples / 2 islands / batch 16 = 16 steps per epoch
+    assert [r["steps"] for r in results] == [32, 32]
+    assert all(isl["accepted"] >= 8 for isl in status["islands"].values()), status["islands"]
+    assert status["accepted"]["merged"] == sum(isl["accepted"] for isl in status["islands"].values())
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        assert torch.equal(a, b)
+
+
+def test_an_island_of_two_ddp_processes_stays_consistent(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(tmp_path), "--devices", "2"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    _run([proc])
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 32  # 512 samples over 2 ranks, batch 16, 2 epochs
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        assert torch.equal(a, b)  # every rank applied the same fragments at the same steps
+    leader = ranks[0]["metrics"]
+    assert leader["diloco/syncs_applied"] >= 6 and leader["diloco/syncs_failed"] == 0
+    assert ranks[1]["metrics"]["diloco/syncs_applied"] == leader["diloco/syncs_applied"]
+    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
