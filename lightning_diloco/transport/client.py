@@ -92,7 +92,7 @@ class SynchronizerClient:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         root = Path(tls_root_cert).read_bytes() if tls_root_cert else None
         self.channels = [
@@ -108,8 +108,11 @@ class SynchronizerClient:
     def num_shards(self) -> int:
         return len(self.stubs)
 
+    def shard_of(self, fragment: int) -> int:
+        return fragment % self.num_shards
+
     def _stub(self, fragment: int) -> pb_grpc.SynchronizerStub:
-        return self.stubs[fragment % self.num_shards]
+        return self.stubs[self.shard_of(fragment)]
 
     def _count(self, sent: int = 0, received: int = 0) -> None:
         with self._lock:
@@ -118,7 +121,12 @@ class SynchronizerClient:
 
     # ---- retries ------------------------------------------------------------------------------
 
-    def _call(self, what: str, call: Callable[[], T]) -> T:
+    def _call(self, what: str, call: Callable[[], T], shard: int | None = None) -> T:
+        """Run ``call``, retrying while the synchronizer is unreachable.
+
+        Between attempts it waits for the backoff delay or until the shard's channel reconnects,
+        whichever comes first: a synchronizer that is back is used at once, not after a sleep.
+        """
         attempt = 0
         while True:
             try:
@@ -136,9 +144,18 @@ class SynchronizerClient:
                 if attempt >= self.max_retries:
                     raise SynchronizerError(code, "unreachable", f"{what}: gave up after {attempt + 1} attempts: {details}") from None
                 delay = min(self.max_backoff, self.backoff * 2**attempt) * (0.5 + self.rng.random() / 2)
-                log.debug("%s failed (%s); retrying in %.2fs", what, code.name, delay)
-                time.sleep(delay)
+                log.debug("%s failed (%s); retrying within %.2fs", what, code.name, delay)
+                self._wait_ready(shard, delay)
                 attempt += 1
+
+    def _wait_ready(self, shard: int | None, delay: float) -> None:
+        if shard is None:
+            time.sleep(delay)
+            return
+        try:
+            grpc.channel_ready_future(self.channels[shard]).result(timeout=delay)
+        except grpc.FutureTimeoutError:
+            pass
 
     # ---- calls --------------------------------------------------------------------------------
 
@@ -174,7 +191,7 @@ class SynchronizerClient:
             reply = self._stub(fragment).Seed(self._counted(iter_chunks(header, payload, pb.FragmentChunk)), timeout=self.timeout, metadata=self.metadata)
             return reply.seeded, reply.version
 
-        return self._call(f"seed of fragment {fragment}", call)
+        return self._call(f"seed of fragment {fragment}", call, self.shard_of(fragment))
 
     def push(
         self,
@@ -206,7 +223,7 @@ class SynchronizerClient:
             h, data = self._receive(replies, f"reply to push of fragment {fragment}")
             return PushReply(fragment, h.version, h.base_version, h.codec, data, h.contributors, h.reason)
 
-        return self._call(f"push of fragment {fragment}", call)
+        return self._call(f"push of fragment {fragment}", call, self.shard_of(fragment))
 
     def pull(self, fragment: int, newer_than: int = -1, wait: float = 0.0) -> tuple[int, torch.Tensor]:
         """(version, fp32 value) of a fragment, waiting up to ``wait`` s for a version > newer_than."""
@@ -217,13 +234,13 @@ class SynchronizerClient:
             h, data = self._receive(replies, f"pull of fragment {fragment}")
             return h.version, get_codec("fp32").decode(data, len(data) // 4)
 
-        return self._call(f"pull of fragment {fragment}", call)
+        return self._call(f"pull of fragment {fragment}", call, self.shard_of(fragment))
 
     def heartbeat(self, island: int, steps: int, step_time: float) -> dict[int, int]:
         request = pb.HeartbeatRequest(island=island, steps=steps, step_time=step_time)
         versions: dict[int, int] = {}
         for shard, stub in enumerate(self.stubs):
-            reply = self._call(f"heartbeat to shard {shard}", lambda: stub.Heartbeat(request, timeout=self.timeout, metadata=self.metadata))
+            reply = self._call(f"heartbeat to shard {shard}", lambda: stub.Heartbeat(request, timeout=self.timeout, metadata=self.metadata), shard)
             self._count(request.ByteSize(), reply.ByteSize())
             versions.update(reply.versions)
         return versions
