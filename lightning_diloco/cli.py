@@ -15,6 +15,12 @@ def _synchronizer(args: argparse.Namespace) -> int:
     return run_synchronizer(args)
 
 
+def _run(args: argparse.Namespace) -> int:
+    from lightning_diloco.launch.run import run_command
+
+    return run_command(args, args.command_line)
+
+
 def _status(args: argparse.Namespace) -> int:
     from lightning_diloco.synchronizer.main import run_status
 
@@ -34,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_synchronizer_arguments(sync)
     sync.set_defaults(run=_synchronizer)
 
+    from lightning_diloco.launch.run import add_run_arguments
+
+    run = commands.add_parser("run", help="run a synchronizer and M islands of COMMAND on this host (after --)")
+    add_run_arguments(run)
+    run.set_defaults(run=_run)
+
     status = commands.add_parser("status", help="print a synchronizer's status as a table")
     status.add_argument("address", help="host:port, comma-separated for every shard")
     status.add_argument("--token", default=os.environ.get("DILOCO_TOKEN"), help="the run's token (default $DILOCO_TOKEN)")
@@ -44,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command_line: list[str] = []
+    if "--" in argv:  # everything after -- is the island command, never our options
+        split = argv.index("--")
+        argv, command_line = argv[:split], argv[split + 1 :]
     args = parser.parse_args(argv)
+    args.command_line = command_line
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0

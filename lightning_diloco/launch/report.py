@@ -1,0 +1,118 @@
+"""The run report: goodput and global downtime from sampled progress (pure functions).
+
+The launcher samples, every fraction of a second, each island's inner-step count and the run's
+global progress (outer steps for Decoupled DiLoCo, the job's step for the DDP baseline). From
+those samples:
+
+- **useful time** of an island: the time its step count advanced by steps that survive to the
+  end. A DDP job restarted from a checkpoint rolls back to the checkpoint's step: the time spent
+  on the rolled-back steps is not useful. Decoupled DiLoCo islands never roll back.
+- **goodput** = sum of useful island-time / allocated island-time (islands x wall time).
+- **global downtime**: time with no global progress while at least one island was alive, after
+  the first global progress (start-up is not downtime); reported as total and longest interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    t: float
+    global_progress: int
+    steps: dict[int, int]
+    alive: set[int]
+
+
+@dataclass
+class RunReport:
+    method: str
+    islands: int
+    wall_s: float
+    goodput: float
+    downtime_total_s: float
+    downtime_longest_s: float
+    useful_s: dict[int, float]
+    alive_s: dict[int, float]
+    final_steps: dict[int, int]
+    faults: list[str] = field(default_factory=list)
+    restarts: dict[int, int] = field(default_factory=dict)
+    recoveries_s: list[float] = field(default_factory=list)
+    accepted: dict[int, int] = field(default_factory=dict)
+    global_progress: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.method}: {self.islands} islands, {self.wall_s:.1f}s wall, goodput {self.goodput:.1%}, "
+            f"global downtime {self.downtime_total_s:.1f}s total / {self.downtime_longest_s:.1f}s longest, "
+            f"global progress {self.global_progress}",
+            f"faults fired: {len(self.faults)}" + (f" ({'; '.join(self.faults)})" if self.faults else ""),
+        ]
+        for i in range(self.islands):
+            lines.append(
+                f"  island {i}: alive {self.alive_s.get(i, 0.0):.1f}s, useful {self.useful_s.get(i, 0.0):.1f}s, "
+                f"steps {self.final_steps.get(i, 0)}, restarts {self.restarts.get(i, 0)}, "
+                f"contributions accepted {self.accepted.get(i, '-')}"
+            )
+        if self.recoveries_s:
+            lines.append("recoveries (restart to first accepted contribution): " + ", ".join(f"{r:.1f}s" for r in self.recoveries_s))
+        return "\n".join(lines)
+
+
+def useful_time(series: Sequence[tuple[float, int]]) -> float:
+    """Seconds spent on steps that survive to the end, from (time, step count) samples.
+
+    An increase from one sample to the next credits that interval to the steps it added; a
+    decrease (a restart from a checkpoint, or a fresh process starting over at 0 that then
+    resumes) rolls back the credit of every step above the new count.
+    """
+    credits: list[tuple[int, float]] = []  # (step reached, seconds spent reaching it)
+    for (t0, s0), (t1, s1) in zip(series, series[1:]):
+        if s1 < s0:
+            credits = [(s, dt) for s, dt in credits if s <= s1]
+        elif s1 > s0:
+            credits.append((s1, t1 - t0))
+    return sum(dt for _, dt in credits)
+
+
+def downtime(samples: Sequence[Sample]) -> tuple[float, float]:
+    """(total, longest) seconds without global progress while an island was alive."""
+    total = longest = current = 0.0
+    started = False
+    for a, b in zip(samples, samples[1:]):
+        if b.global_progress > a.global_progress:
+            started = True
+            current = 0.0
+            continue
+        if started and (a.alive or b.alive):
+            dt = b.t - a.t
+            total += dt
+            current += dt
+            longest = max(longest, current)
+    return total, longest
+
+
+def build_report(method: str, num_islands: int, samples: Sequence[Sample], alive_s: dict[int, float], *,
+                 rollback_steps: bool) -> RunReport:
+    """``rollback_steps``: island step counts fall back on restart (DDP) instead of being
+    per-process counters that restart at 0 while the island's work is kept (DiLoCo)."""
+    wall = samples[-1].t - samples[0].t if len(samples) > 1 else 0.0
+    useful = {}
+    for i in range(num_islands):
+        series = [(s.t, s.steps.get(i, 0)) for s in samples]
+        useful[i] = useful_time(series) if rollback_steps else _advancing_time(series)
+    total, longest = downtime(samples)
+    goodput = sum(useful.values()) / (num_islands * wall) if wall > 0 else 0.0
+    last = samples[-1] if samples else Sample(0.0, 0, {}, set())
+    return RunReport(method=method, islands=num_islands, wall_s=wall, goodput=goodput, downtime_total_s=total,
+                     downtime_longest_s=longest, useful_s=useful, alive_s=dict(alive_s), final_steps=dict(last.steps),
+                     global_progress=last.global_progress)
+
+
+def _advancing_time(series: Sequence[tuple[float, int]]) -> float:
+    return sum(t1 - t0 for (t0, s0), (t1, s1) in zip(series, series[1:]) if s1 > s0)

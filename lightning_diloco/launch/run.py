@@ -1,0 +1,289 @@
+"""``lightning-diloco run``: a synchronizer and M islands on one host, self-healing, with chaos.
+
+Each island is ``COMMAND`` in its own process tree and clean environment (``DILOCO_*`` set, a
+fresh ``MASTER_PORT``, inherited launcher variables removed). An island that exits abnormally is
+restarted with backoff, up to ``--max-restarts`` times; it rejoins the run by pulling the global
+model. ``--baseline ddp`` runs the same command as one DDP job over M processes instead, restarted
+as a whole from its last checkpoint whenever any rank dies: the comparison the paper makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
+from lightning_diloco.launch.progress import read_progress
+from lightning_diloco.launch.report import RunReport, Sample, build_report
+from lightning_diloco.launch.supervisor import Supervised, clean_environment
+
+log = logging.getLogger(__name__)
+SAMPLE_EVERY = 0.25
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, command: list[str]) -> None:
+        self.args, self.command = args, command
+        self.workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ddp = args.baseline == "ddp"
+        self.units = 1 if self.ddp else args.islands  # supervised process trees
+        horizon = args.chaos_horizon
+        self.pending: list[Fault] = parse_schedule(args.chaos, num_islands=args.islands, horizon_s=horizon) if args.chaos else []
+        self.fired: list[str] = []
+        self.samples: list[Sample] = []
+        self.recoveries: list[float] = []
+        self._awaiting_recovery: dict[int, tuple[float, int]] = {}
+        self._stop = threading.Event()
+        self.synchronizer: Supervised | None = None
+        self.address = args.synchronizer
+        self.client = None
+        self._write = threading.Lock()
+
+    def echo(self, line: str) -> None:
+        with self._write:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    # ---- processes ------------------------------------------------------------------------------
+
+    def _start_synchronizer(self) -> None:
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", str(port),
+               "--checkpoint-dir", str(self.workdir / "synchronizer"), "--checkpoint-every", "1",
+               "--liveness-timeout", str(self.args.liveness_timeout), *self.args.synchronizer_args]
+        self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment({"OMP_NUM_THREADS": "1"}), self.echo)
+        self.synchronizer.start()
+
+    def _island_env(self, i: int) -> dict[str, str]:
+        extra = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "DILOCO_NUM_ISLANDS": str(self.args.islands),
+            "DILOCO_DEVICES": str(self.args.devices_per_island * (self.args.islands if self.ddp else 1)),
+            "DILOCO_PROGRESS_FILE": str(self.workdir / f"progress-{i}.txt"),
+            "DILOCO_CHECKPOINT_DIR": str(self.workdir / f"checkpoints-{i}"),
+        }
+        if self.ddp:
+            extra["DILOCO_STRATEGY"] = "ddp"
+        else:
+            extra.update(DILOCO_STRATEGY="decoupled_diloco", DILOCO_ISLAND=str(i), DILOCO_SYNCHRONIZER=self.address)
+            if self.args.token:
+                extra["DILOCO_TOKEN"] = self.args.token
+        return clean_environment(extra)
+
+    def start(self) -> None:
+        if not self.ddp and self.address is None:
+            self._start_synchronizer()
+        if not self.ddp:
+            from lightning_diloco.transport.client import SynchronizerClient
+
+            self.client = SynchronizerClient(self.address, token=self.args.token, max_retries=0, timeout=2.0)
+        names = ["ddp-job"] if self.ddp else [f"island {i}" for i in range(self.units)]
+        self.islands = [Supervised(names[i], self.command, lambda i=i: self._island_env(i), self.echo) for i in range(self.units)]
+        for island in self.islands:
+            island.start()
+        self.t0 = time.monotonic()
+
+    # ---- faults ----------------------------------------------------------------------------------
+
+    def _rank_pid(self, rank: int) -> int | None:
+        """PID of rank ``rank`` of the DDP job: the top process is rank 0, the others its children."""
+        top = self.islands[0].proc
+        if rank == 0:
+            return top.pid
+        for child in _children(top.pid):
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"LOCAL_RANK={rank}".encode() in env:
+                return child
+        return None
+
+    def _fire(self, fault: Fault, now: float) -> None:
+        self.fired.append(f"{fault.describe()} (fired at {now - self.t0:.1f}s)")
+        self.echo(f"[chaos] {fault.describe()}\n")
+        if fault.kind == "kill-synchronizer":
+            if self.synchronizer is not None:
+                self.synchronizer.expected_exit = True
+                self.synchronizer.signal(signal.SIGKILL)
+            return
+        if self.ddp:
+            pid = self._rank_pid(fault.island)
+            if pid is None:
+                return
+            os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+            if fault.kind == "pause":
+                threading.Timer(fault.duration_s, _safe_kill, args=(pid, signal.SIGCONT)).start()
+            return
+        island = self.islands[fault.island]
+        if fault.kind == "kill":
+            island.expected_exit = True
+            island.signal(signal.SIGKILL)
+        else:
+            island.signal(signal.SIGSTOP)
+            island.paused_until = now + fault.duration_s
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _sample(self, now: float) -> None:
+        steps = {i: read_progress(self.workdir / f"progress-{0 if self.ddp else i}.txt") for i in range(self.args.islands)}
+        alive = {i for i in range(self.args.islands) if self.islands[0 if self.ddp else i].alive}
+        if self.ddp:
+            progress = steps.get(0, 0)
+        else:
+            try:
+                status = self.client.status()
+                progress = status["outer_steps"]
+                self._accepted = {int(i): isl["accepted"] for i, isl in status["islands"].items()}
+                for i, (since, before) in list(self._awaiting_recovery.items()):
+                    if self._accepted.get(i, 0) > before:
+                        self.recoveries.append(now - since)
+                        del self._awaiting_recovery[i]
+            except Exception:  # noqa: BLE001 - the synchronizer may be down right now
+                progress = self.samples[-1].global_progress if self.samples else 0
+        self.samples.append(Sample(now - self.t0, progress, steps, alive))
+
+    def _handle_exits(self, now: float) -> None:
+        for index, island in enumerate(self.islands):
+            code = island.poll()
+            if code is None or island.done:
+                continue
+            if code == 0 and not island.expected_exit:
+                island.done = True
+                self.echo(f"[launcher] {island.name} finished\n")
+                continue
+            if island.restarts >= self.args.max_restarts:
+                island.failed = island.done = True
+                self.echo(f"[launcher] {island.name} exited with {code} and used up its {self.args.max_restarts} restarts\n")
+                continue
+            delay = min(self.args.restart_backoff * 2 ** island.restarts, 30.0) if not island.expected_exit else 0.0
+            island.restart_at = now + delay
+            island.expected_exit = False
+            if self.ddp:
+                island.signal(signal.SIGKILL)  # one rank died: the whole job goes down and restarts
+        for index, island in enumerate(self.islands):
+            if island.restart_at is not None and now >= island.restart_at:
+                island.restart_at = None
+                island.restarts += 1
+                island.start()
+                self.echo(f"[launcher] restarted {island.name} (restart {island.restarts})\n")
+                if not self.ddp:
+                    self._awaiting_recovery[index] = (now, getattr(self, "_accepted", {}).get(index, 0))
+            if island.paused_until is not None and now >= island.paused_until:
+                island.paused_until = None
+                island.signal(signal.SIGCONT)
+        if self.synchronizer is not None and self.synchronizer.poll() is not None and not self._stop.is_set():
+            self.echo("[launcher] synchronizer exited; restarting it from its checkpoint\n")
+            self.synchronizer.expected_exit = False
+            self.synchronizer.start()  # same port, same checkpoint folder
+
+    def loop(self) -> int:
+        next_sample = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            elapsed = now - self.t0
+            steps = self.samples[-1].steps if self.samples else {}
+            for fault in due_faults(self.pending, elapsed, steps):
+                self.pending.remove(fault)
+                self._fire(fault, now)
+            self._handle_exits(now)
+            if now >= next_sample:
+                self._sample(now)
+                next_sample = now + SAMPLE_EVERY
+            if all(i.done for i in self.islands):
+                break
+            self._stop.wait(0.05)
+        return 1 if any(i.failed for i in self.islands) or self._stop.is_set() else 0
+
+    def shutdown(self) -> None:
+        for island in self.islands:
+            island.stop()
+        if self.client is not None:
+            self.client.close()
+        if self.synchronizer is not None:
+            self.synchronizer.stop()
+
+    def report(self) -> RunReport:
+        now = time.monotonic()
+        method = "ddp checkpoint-restart" if self.ddp else "decoupled diloco"
+        alive = {i: self.islands[0 if self.ddp else i].alive_seconds(now) for i in range(self.args.islands)}
+        rep = build_report(method, self.args.islands, self.samples, alive, rollback_steps=self.ddp)
+        rep.faults = self.fired
+        rep.restarts = {i: self.islands[0 if self.ddp else i].restarts for i in range(self.args.islands)}
+        rep.recoveries_s = self.recoveries
+        rep.accepted = dict(getattr(self, "_accepted", {}))
+        return rep
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _safe_kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--islands", type=int, default=2, help="M, learner islands (default %(default)s)")
+    parser.add_argument("--devices-per-island", type=int, default=1, help="DDP processes per island (DILOCO_DEVICES)")
+    parser.add_argument("--synchronizer", help="use this synchronizer (host:port[,...]) instead of starting one")
+    parser.add_argument("--token", default=os.environ.get("DILOCO_TOKEN"), help="shared secret (default $DILOCO_TOKEN)")
+    parser.add_argument("--chaos", help="fault schedule, e.g. 'kill 1 at 20s; pause 2 at 30s for 5s' or @FILE")
+    parser.add_argument("--chaos-horizon", type=float, default=3600.0, help="seconds over which random faults are drawn")
+    parser.add_argument("--report", help="write the run report as JSON here")
+    parser.add_argument("--max-restarts", type=int, default=5, help="restarts per island before the run fails")
+    parser.add_argument("--restart-backoff", type=float, default=1.0, help="first restart delay after a crash, doubling")
+    parser.add_argument("--liveness-timeout", type=float, default=5.0, help="synchronizer: seconds of silence before an island is not waited for")
+    parser.add_argument("--baseline", choices=["ddp"], help="run COMMAND as one DDP job with checkpoint-restart instead")
+    parser.add_argument("--workdir", help="progress files, checkpoints and synchronizer state (default: a temporary folder)")
+    parser.add_argument("--sync", dest="synchronizer_args", action="append", default=[], metavar="ARG",
+                        help="pass ARG to the synchronizer, e.g. --sync=--min-quorum=2 (repeatable)")
+
+
+def run_command(args: argparse.Namespace, command: list[str]) -> int:
+    if not command:
+        raise ValueError("give the training command after --, e.g. lightning-diloco run --islands 2 -- python train.py")
+    if args.islands < 1:
+        raise ValueError(f"--islands={args.islands} must be >= 1")
+    run = Run(args, command)
+    previous = {sig: signal.signal(sig, lambda *_: run._stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = 1
+    try:
+        run.start()
+        code = run.loop()
+    finally:
+        run.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    report = run.report()
+    print("\n" + report.summary(), flush=True)
+    if args.report:
+        Path(args.report).write_text(json.dumps(report.to_dict(), indent=2, default=sorted))
+    return code

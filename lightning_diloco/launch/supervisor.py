@@ -1,0 +1,91 @@
+"""One supervised process tree: clean environment, prefixed output, signals, restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+# Variables of an enclosing launcher that would make an island join someone else's world.
+INHERITED_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_", "PMIX_", "DILOCO_")
+INHERITED_NAMES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                   "LOCAL_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")
+
+
+def clean_environment(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in INHERITED_NAMES and not k.startswith(INHERITED_PREFIXES)}
+    env.update(extra)
+    return env
+
+
+class Supervised:
+    """A process started in its own session so its whole tree can be signalled at once."""
+
+    def __init__(self, name: str, command: Sequence[str], make_env: Callable[[], dict[str, str]],
+                 echo: Callable[[str], None] | None = None) -> None:
+        self.name, self.command, self.make_env = name, list(command), make_env
+        self.echo = echo or (lambda line: sys.stdout.write(line))
+        self.proc: subprocess.Popen | None = None
+        self.lifetimes: list[list[float | None]] = []  # [start, end or None] per incarnation
+        self.restarts = 0
+        self.paused_until: float | None = None
+        self.done = False
+        self.failed = False
+        self.restart_at: float | None = None
+        self.expected_exit = False  # set when we killed it on purpose (chaos)
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.command, env=self.make_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, start_new_session=True)
+        self.lifetimes.append([time.monotonic(), None])
+        self._reader = threading.Thread(target=self._pump, args=(self.proc,), name=f"diloco-launch-{self.name}", daemon=True)
+        self._reader.start()
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.echo(f"[{self.name}] {line}")
+        proc.stdout.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def poll(self) -> int | None:
+        """The exit code if the current incarnation just ended (recorded once), else None."""
+        if self.proc is None or self.lifetimes[-1][1] is not None:
+            return None
+        code = self.proc.poll()
+        if code is not None:
+            self.lifetimes[-1][1] = time.monotonic()
+            if self._reader is not None:
+                self._reader.join(timeout=5)
+        return code
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGCONT (if paused), SIGTERM, then SIGKILL after ``timeout``; waits for the exit."""
+        if not self.alive:
+            self.poll()
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait()
+        self.poll()
+
+    def alive_seconds(self, now: float) -> float:
+        return sum((now if end is None else end) - start for start, end in self.lifetimes)
