@@ -26,9 +26,9 @@ from lightning_diloco.launch.progress import ProgressFile
 
 class BigramLanguage(Dataset):
     def __init__(self, n: int, seq: int, vocab: int, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        logits = torch.randn(vocab, vocab, generator=g) * 3.0
-        probs = torch.softmax(logits, dim=-1)
+        chain = torch.Generator().manual_seed(1234)  # one language for every split
+        probs = torch.softmax(torch.randn(vocab, vocab, generator=chain) * 3.0, dim=-1)
+        g = torch.Generator().manual_seed(seed)  # the split's own samples
         tokens = torch.empty(n, seq, dtype=torch.long)
         tokens[:, 0] = torch.randint(0, vocab, (n,), generator=g)
         for t in range(1, seq):

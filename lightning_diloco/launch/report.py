@@ -34,6 +34,7 @@ class RunReport:
     goodput: float
     downtime_total_s: float
     downtime_longest_s: float
+    downtime_outside_synchronizer_restarts_s: float
     useful_s: dict[int, float]
     alive_s: dict[int, float]
     final_steps: dict[int, int]
@@ -42,6 +43,7 @@ class RunReport:
     recoveries_s: list[float] = field(default_factory=list)
     accepted: dict[int, int] = field(default_factory=dict)
     global_progress: int = 0
+    global_series: list[tuple[float, int]] = field(default_factory=list)  # (seconds, global progress) samples
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -49,7 +51,8 @@ class RunReport:
     def summary(self) -> str:
         lines = [
             f"{self.method}: {self.islands} islands, {self.wall_s:.1f}s wall, goodput {self.goodput:.1%}, "
-            f"global downtime {self.downtime_total_s:.1f}s total / {self.downtime_longest_s:.1f}s longest, "
+            f"global downtime {self.downtime_total_s:.1f}s total / {self.downtime_longest_s:.1f}s longest "
+            f"({self.downtime_outside_synchronizer_restarts_s:.1f}s outside synchronizer restarts), "
             f"global progress {self.global_progress}",
             f"faults fired: {len(self.faults)}" + (f" ({'; '.join(self.faults)})" if self.faults else ""),
         ]
@@ -80,38 +83,56 @@ def useful_time(series: Sequence[tuple[float, int]]) -> float:
     return sum(dt for _, dt in credits)
 
 
-def downtime(samples: Sequence[Sample]) -> tuple[float, float]:
-    """(total, longest) seconds without global progress while an island was alive."""
+def downtime(samples: Sequence[Sample], excluded: Sequence[tuple[float, float]] = ()) -> tuple[float, float]:
+    """(total, longest) seconds without global progress while an island was alive.
+
+    Only stalls that progress ends count: start-up before the first progress and the tail after
+    the last one (islands validating and exiting) are not interruptions. Sample intervals
+    overlapping an ``excluded`` (start, end) window are not counted: the launcher uses this to
+    tell the synchronizer's own restarts apart.
+    """
     total = longest = current = 0.0
     started = False
     for a, b in zip(samples, samples[1:]):
         if b.global_progress > a.global_progress:
-            started = True
-            current = 0.0
+            if started:
+                total += current
+                longest = max(longest, current)
+            started, current = True, 0.0
+            continue
+        if any(a.t < end and b.t > start for start, end in excluded):
             continue
         if started and (a.alive or b.alive):
-            dt = b.t - a.t
-            total += dt
-            current += dt
-            longest = max(longest, current)
+            current += b.t - a.t
     return total, longest
 
 
 def build_report(method: str, num_islands: int, samples: Sequence[Sample], alive_s: dict[int, float], *,
-                 rollback_steps: bool) -> RunReport:
+                 rollback_steps: bool, synchronizer_restarts: Sequence[float] = ()) -> RunReport:
     """``rollback_steps``: island step counts fall back on restart (DDP) instead of being
-    per-process counters that restart at 0 while the island's work is kept (DiLoCo)."""
+    per-process counters that restart at 0 while the island's work is kept (DiLoCo).
+    ``synchronizer_restarts``: times the synchronizer went down; each window lasts until the
+    first global progress after it."""
     wall = samples[-1].t - samples[0].t if len(samples) > 1 else 0.0
     useful = {}
     for i in range(num_islands):
         series = [(s.t, s.steps.get(i, 0)) for s in samples]
         useful[i] = useful_time(series) if rollback_steps else _advancing_time(series)
     total, longest = downtime(samples)
+    windows = [(down, next((x.t for x in samples if x.t > down and x.global_progress > _progress_at(samples, down)), float("inf")))
+               for down in synchronizer_restarts]
+    outside, _ = downtime(samples, windows)
     goodput = sum(useful.values()) / (num_islands * wall) if wall > 0 else 0.0
     last = samples[-1] if samples else Sample(0.0, 0, {}, set())
     return RunReport(method=method, islands=num_islands, wall_s=wall, goodput=goodput, downtime_total_s=total,
-                     downtime_longest_s=longest, useful_s=useful, alive_s=dict(alive_s), final_steps=dict(last.steps),
-                     global_progress=last.global_progress)
+                     downtime_longest_s=longest, downtime_outside_synchronizer_restarts_s=outside, useful_s=useful, alive_s=dict(alive_s), final_steps=dict(last.steps),
+                     global_progress=last.global_progress,
+                     global_series=[(round(x.t, 3), x.global_progress) for x in samples])
+
+
+def _progress_at(samples: Sequence[Sample], t: float) -> int:
+    before = [s.global_progress for s in samples if s.t <= t]
+    return max(before) if before else 0
 
 
 def _advancing_time(series: Sequence[tuple[float, int]]) -> float:

@@ -46,6 +46,8 @@ class Run:
         horizon = args.chaos_horizon
         self.pending: list[Fault] = parse_schedule(args.chaos, num_islands=args.islands, horizon_s=horizon) if args.chaos else []
         self.fired: list[str] = []
+        self.synchronizer_downs: list[float] = []  # run times at which the synchronizer went away
+        self._sync_reachable = True
         self.samples: list[Sample] = []
         self.recoveries: list[float] = []
         self._awaiting_recovery: dict[int, tuple[float, int]] = {}
@@ -66,7 +68,7 @@ class Run:
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", str(port),
-               "--checkpoint-dir", str(self.workdir / "synchronizer"), "--checkpoint-every", "1",
+               "--checkpoint-dir", str(self.workdir / "synchronizer"), "--checkpoint-every", str(self.args.checkpoint_every),
                "--liveness-timeout", str(self.args.liveness_timeout), *self.args.synchronizer_args]
         self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment({"OMP_NUM_THREADS": "1"}), self.echo)
         self.synchronizer.start()
@@ -124,6 +126,7 @@ class Run:
             if self.synchronizer is not None:
                 self.synchronizer.expected_exit = True
                 self.synchronizer.signal(signal.SIGKILL)
+                self._synchronizer_went_down(now)
             return
         if self.ddp:
             pid = self._rank_pid(fault.island)
@@ -157,9 +160,16 @@ class Run:
                     if self._accepted.get(i, 0) > before:
                         self.recoveries.append(now - since)
                         del self._awaiting_recovery[i]
-            except Exception:  # noqa: BLE001 - the synchronizer may be down right now
+                self._sync_reachable = True
+            except Exception:  # noqa: BLE001 - the synchronizer is down: its own restart window
                 progress = self.samples[-1].global_progress if self.samples else 0
+                self._synchronizer_went_down(now)
         self.samples.append(Sample(now - self.t0, progress, steps, alive))
+
+    def _synchronizer_went_down(self, now: float) -> None:
+        if self._sync_reachable:
+            self._sync_reachable = False
+            self.synchronizer_downs.append(now - self.t0)
 
     def _handle_exits(self, now: float) -> None:
         for index, island in enumerate(self.islands):
@@ -225,7 +235,8 @@ class Run:
         now = time.monotonic()
         method = "ddp checkpoint-restart" if self.ddp else "decoupled diloco"
         alive = {i: self.islands[0 if self.ddp else i].alive_seconds(now) for i in range(self.args.islands)}
-        rep = build_report(method, self.args.islands, self.samples, alive, rollback_steps=self.ddp)
+        rep = build_report(method, self.args.islands, self.samples, alive, rollback_steps=self.ddp,
+                           synchronizer_restarts=self.synchronizer_downs)
         rep.faults = self.fired
         rep.restarts = {i: self.islands[0 if self.ddp else i].restarts for i in range(self.args.islands)}
         rep.recoveries_s = self.recoveries
@@ -261,6 +272,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=5, help="restarts per island before the run fails")
     parser.add_argument("--restart-backoff", type=float, default=1.0, help="first restart delay after a crash, doubling")
     parser.add_argument("--liveness-timeout", type=float, default=5.0, help="synchronizer: seconds of silence before an island is not waited for")
+    parser.add_argument("--checkpoint-every", type=int, default=1,
+                        help="synchronizer: outer steps between checkpoints; a killed synchronizer loses at most this many - 1")
     parser.add_argument("--baseline", choices=["ddp"], help="run COMMAND as one DDP job with checkpoint-restart instead")
     parser.add_argument("--workdir", help="progress files, checkpoints and synchronizer state (default: a temporary folder)")
     parser.add_argument("--sync", dest="synchronizer_args", action="append", default=[], metavar="ARG",

@@ -451,7 +451,7 @@ class Synchronizer:
             snapshot = self.snapshot()
             path = snapshot.save(self.checkpoint_dir)
             self.last_checkpoint_steps = snapshot.outer_steps
-        log.info("checkpoint at %d outer steps: %s", snapshot.outer_steps, path)
+        log.debug("checkpoint at %d outer steps: %s", snapshot.outer_steps, path)
         return path
 
     def snapshot(self) -> SynchronizerState:

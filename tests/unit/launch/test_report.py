@@ -20,15 +20,22 @@ def _samples(progress, alive=(0, 1)):
     return [Sample(float(t), g, {0: t, 1: t}, set(alive)) for t, g in enumerate(progress)]
 
 
-def test_downtime_counts_stalls_after_the_first_progress_only():
-    samples = _samples([0, 0, 0, 1, 2, 2, 2, 3, 3])
+def test_downtime_counts_stalls_that_progress_ends():
+    samples = _samples([0, 0, 0, 1, 2, 2, 2, 3, 3, 3])
     total, longest = downtime(samples)
-    assert total == 3.0 and longest == 2.0  # t 4->6 (2 s) and t 7->8 (1 s); start-up 0->3 is not downtime
+    assert total == 2.0 and longest == 2.0  # t 4->6; start-up (0->3) and the tail (7->9) are not interruptions
 
 
 def test_no_downtime_while_no_island_is_alive():
-    samples = [Sample(0.0, 1, {}, {0}), Sample(1.0, 2, {}, {0}), Sample(2.0, 2, {}, set()), Sample(3.0, 2, {}, set())]
-    assert downtime(samples) == (1.0, 1.0)  # only 1->2, when island 0 was still alive at its start
+    alive = [{0}, {0}, set(), set(), {0}, {0}]
+    samples = [Sample(float(t), g, {}, a) for t, (g, a) in enumerate(zip([1, 2, 2, 2, 2, 3], alive))]
+    assert downtime(samples) == (2.0, 2.0)  # 1->2 (island 0 alive at its start) and 3->4 (back at its end)
+
+
+def test_excluded_windows_are_not_downtime():
+    samples = _samples([1, 2, 2, 2, 2, 3])
+    assert downtime(samples) == (3.0, 3.0)
+    assert downtime(samples, [(1.5, 2.5)]) == (1.0, 1.0)  # 1->2 and 2->3 overlap the window
 
 
 def test_goodput_is_useful_over_allocated_island_time():
