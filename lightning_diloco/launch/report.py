@@ -7,7 +7,10 @@ those samples:
 - **useful time** of an island: the time its step count advanced by steps that survive to the
   end. A DDP job restarted from a checkpoint rolls back to the checkpoint's step: the time spent
   on the rolled-back steps is not useful. Decoupled DiLoCo islands never roll back.
-- **goodput** = sum of useful island-time / allocated island-time (islands x wall time).
+- **goodput** = sum of useful island-time / allocated island-time, over the training window:
+  from the first island step to the last (start-up imports and the final validation are
+  excluded for every method alike). An island is allocated from the window's start until it
+  finished its work and exited: one that finished early releases its machines.
 - **global downtime**: time with no global progress while at least one island was alive, after
   the first global progress (start-up is not downtime); reported as total and longest interval.
 """
@@ -108,26 +111,52 @@ def downtime(samples: Sequence[Sample], excluded: Sequence[tuple[float, float]] 
 
 
 def build_report(method: str, num_islands: int, samples: Sequence[Sample], alive_s: dict[int, float], *,
-                 rollback_steps: bool, synchronizer_restarts: Sequence[float] = ()) -> RunReport:
+                 rollback_steps: bool, synchronizer_restarts: Sequence[float] = (),
+                 finished_at: dict[int, float] | None = None) -> RunReport:
     """``rollback_steps``: island step counts fall back on restart (DDP) instead of being
     per-process counters that restart at 0 while the island's work is kept (DiLoCo).
     ``synchronizer_restarts``: times the synchronizer went down; each window lasts until the
-    first global progress after it."""
+    first global progress after it. ``finished_at``: when each island completed its work and
+    exited; it is not allocated after that."""
+    samples = _training_window(samples)
     wall = samples[-1].t - samples[0].t if len(samples) > 1 else 0.0
     useful = {}
     for i in range(num_islands):
         series = [(s.t, s.steps.get(i, 0)) for s in samples]
         useful[i] = useful_time(series) if rollback_steps else _advancing_time(series)
+    allocated = _allocated_time(samples, num_islands, finished_at or {})
     total, longest = downtime(samples)
     windows = [(down, next((x.t for x in samples if x.t > down and x.global_progress > _progress_at(samples, down)), float("inf")))
                for down in synchronizer_restarts]
     outside, _ = downtime(samples, windows)
-    goodput = sum(useful.values()) / (num_islands * wall) if wall > 0 else 0.0
+    goodput = sum(useful.values()) / allocated if allocated > 0 else 0.0
     last = samples[-1] if samples else Sample(0.0, 0, {}, set())
     return RunReport(method=method, islands=num_islands, wall_s=wall, goodput=goodput, downtime_total_s=total,
                      downtime_longest_s=longest, downtime_outside_synchronizer_restarts_s=outside, useful_s=useful, alive_s=dict(alive_s), final_steps=dict(last.steps),
                      global_progress=last.global_progress,
                      global_series=[(round(x.t, 3), x.global_progress) for x in samples])
+
+
+def _allocated_time(samples: Sequence[Sample], num_islands: int, finished_at: dict[int, float]) -> float:
+    if len(samples) < 2:
+        return 0.0
+    start, end = samples[0].t, samples[-1].t
+    return sum(max(0.0, min(finished_at.get(i, end), end) - start) for i in range(num_islands))
+
+
+def _training_window(samples: Sequence[Sample]) -> Sequence[Sample]:
+    """From the sample before the first island step to the last one that saw a step.
+
+    Process start-up (seconds of imports on a CPU) and the final validation are the same for
+    every method and not what goodput compares.
+    """
+    def total(s: Sample) -> int:
+        return sum(s.steps.values())
+
+    moving = [k for k in range(1, len(samples)) if total(samples[k]) != total(samples[k - 1])]
+    if not moving:
+        return samples
+    return samples[moving[0] - 1 : moving[-1] + 1]
 
 
 def _progress_at(samples: Sequence[Sample], t: float) -> int:

@@ -48,6 +48,7 @@ class Run:
         self.fired: list[str] = []
         self.synchronizer_downs: list[float] = []  # run times at which the synchronizer went away
         self._sync_reachable = True
+        self._timers: list[threading.Timer] = []
         self.samples: list[Sample] = []
         self.recoveries: list[float] = []
         self._awaiting_recovery: dict[int, tuple[float, int]] = {}
@@ -132,9 +133,16 @@ class Run:
             pid = self._rank_pid(fault.island)
             if pid is None:
                 return
-            os.kill(pid, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
-            if fault.kind == "pause":
-                threading.Timer(fault.duration_s, _safe_kill, args=(pid, signal.SIGCONT)).start()
+            if fault.kind == "kill":
+                # The surviving ranks would block in their next collective until the process
+                # group times out; a job with checkpoint-restart is torn down and restarted whole.
+                _safe_kill(pid, signal.SIGKILL)
+                self.islands[0].expected_exit = True
+                self.islands[0].signal(signal.SIGKILL)
+            else:
+                _safe_kill(pid, signal.SIGSTOP)
+                self._timers.append(threading.Timer(fault.duration_s, _safe_kill, args=(pid, signal.SIGCONT)))
+                self._timers[-1].start()
             return
         island = self.islands[fault.island]
         if fault.kind == "kill":
@@ -178,6 +186,7 @@ class Run:
                 continue
             if code == 0 and not island.expected_exit:
                 island.done = True
+                island.finished_at = now - self.t0
                 self.echo(f"[launcher] {island.name} finished\n")
                 continue
             if island.restarts >= self.args.max_restarts:
@@ -224,6 +233,8 @@ class Run:
         return 1 if any(i.failed for i in self.islands) or self._stop.is_set() else 0
 
     def shutdown(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
         for island in self.islands:
             island.stop()
         if self.client is not None:
@@ -231,12 +242,17 @@ class Run:
         if self.synchronizer is not None:
             self.synchronizer.stop()
 
+    def _finished_at(self) -> dict[int, float]:
+        units = {i: self.islands[0 if self.ddp else i] for i in range(self.args.islands)}
+        return {i: unit.finished_at for i, unit in units.items() if unit.finished_at is not None}
+
     def report(self) -> RunReport:
         now = time.monotonic()
         method = "ddp checkpoint-restart" if self.ddp else "decoupled diloco"
         alive = {i: self.islands[0 if self.ddp else i].alive_seconds(now) for i in range(self.args.islands)}
         rep = build_report(method, self.args.islands, self.samples, alive, rollback_steps=self.ddp,
-                           synchronizer_restarts=self.synchronizer_downs)
+                           synchronizer_restarts=self.synchronizer_downs,
+                           finished_at=self._finished_at())
         rep.faults = self.fired
         rep.restarts = {i: self.islands[0 if self.ddp else i].restarts for i in range(self.args.islands)}
         rep.recoveries_s = self.recoveries

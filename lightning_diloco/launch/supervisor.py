@@ -34,6 +34,7 @@ class Supervised:
         self.restarts = 0
         self.paused_until: float | None = None
         self.done = False
+        self.finished_at: float | None = None  # run time at which it completed its work
         self.failed = False
         self.restart_at: float | None = None
         self.expected_exit = False  # set when we killed it on purpose (chaos)

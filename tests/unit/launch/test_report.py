@@ -44,3 +44,6 @@ def test_goodput_is_useful_over_allocated_island_time():
     assert report.useful_s == {0: 4.0, 1: 2.0}
     assert report.goodput == pytest.approx(6.0 / 8.0)
     assert "goodput 75.0%" in report.summary()
+    # an island that finished its work at t = 2 is not allocated after that
+    done = build_report("x", 2, samples, {0: 4.0, 1: 2.0}, rollback_steps=False, finished_at={1: 2.0})
+    assert done.goodput == pytest.approx(6.0 / 6.0)
