@@ -22,25 +22,13 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment, split_fragment
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets
+from lightning_diloco.threads import serial_torch_thread
 
 log = logging.getLogger(__name__)
 
 # A push whose base the synchronizer no longer has is answered by pulling the current value.
 REPULL_REASONS = ("stale", "result_expired", "old_sequence")
 STATE_FORMAT = 1
-
-
-def serial_torch_thread() -> None:
-    """Make torch ops in the calling (background) thread single-threaded.
-
-    A thread that runs a large torch op gets its own OpenMP team. Once the process holds more
-    OpenMP threads than cores, libgomp throttles the spin-wait of every team, the training
-    thread's included, so each of the many small ops of a step pays a futex wake-up: measured at
-    +25-35% step time on a 2-core machine from a single fragment seeded by a gRPC worker thread.
-    ``torch.set_num_threads`` from here sets this thread's OpenMP limit (the training thread
-    keeps its own) and the default for threads that have not run torch yet.
-    """
-    torch.set_num_threads(1)
 
 
 class Collective:

@@ -20,8 +20,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import build_layout, tensor_specs
-from lightning_diloco.learner.island import Collective, IslandLearner, TorchCollective, serial_torch_thread
+from lightning_diloco.learner.island import Collective, IslandLearner, TorchCollective
 from lightning_diloco.learner.tokens import default_tokens_per_batch
+from lightning_diloco.threads import serial_torch_thread
 
 log = logging.getLogger(__name__)
 

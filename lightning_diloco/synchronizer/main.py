@@ -98,6 +98,7 @@ def keep_freed_memory() -> bool:
 def run_synchronizer(args: argparse.Namespace) -> int:
     from lightning_diloco.synchronizer.server import SynchronizerServer
     from lightning_diloco.synchronizer.service import Synchronizer
+    from lightning_diloco.threads import serial_torch_thread
 
     keep_freed_memory()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s synchronizer %(levelname)s %(message)s")
@@ -111,7 +112,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
     )
     server = SynchronizerServer(
         service, host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        max_workers=args.max_workers,
+        max_workers=args.max_workers, thread_initializer=serial_torch_thread,
     ).start()
     if args.metrics_port is not None:
         from lightning_diloco.synchronizer.metrics import serve_metrics

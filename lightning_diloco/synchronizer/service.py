@@ -90,6 +90,9 @@ class _Slot:
     done: dict[int, _Done] = field(default_factory=dict)  # island -> its last merged contribution
     guard: NormOutlierGuard | None = None
     last_round: dict = field(default_factory=dict)
+    # Every island whose base was the same version gets the same downlink payload: encode it
+    # once per round, not once per island. Keyed by (new version, base version).
+    replies: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -397,6 +400,7 @@ class Synchronizer:
             "reason": reason,
         }
         slot.pending.clear()
+        slot.replies.clear()
         slot.opened_at = slot.quorum_at = None
         elapsed = time.perf_counter() - started
         with self.lock:
@@ -422,7 +426,10 @@ class Synchronizer:
             )
         done.base = None  # delivered: a replay can rebuild it from history while it lasts
         codec = get_codec(self.config.codec.downlink, self.config.codec.block_size)
-        payload = codec.encode(new - base)
+        key = (done.version, done.base_version)
+        payload = slot.replies.get(key)
+        if payload is None:
+            payload = slot.replies[key] = codec.encode(new - base)
         with self.lock:
             self.bytes_out += payload.numel()
         return Reply(
