@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lightning_diloco.launch.supervisor import clean_environment
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCHEDULE = "kill 1 at 25s; pause 2 at 32s for 6s; kill 3 at 38s"
 
@@ -33,7 +35,7 @@ def run_arm(args: argparse.Namespace, baseline: bool, workdir: Path) -> dict:
         "--step-seconds", str(args.step_seconds), "--hidden", "32", "--layers", "1",
         "--checkpoint-every", str(args.checkpoint_every),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=clean_environment({}))
     if done.returncode != 0 or not report.exists():
         raise RuntimeError(f"{'ddp' if baseline else 'diloco'} arm failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
     return json.loads(report.read_text())

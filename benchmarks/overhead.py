@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_diloco  # noqa: F401
 from lightning_diloco import DecoupledDiLoCoStrategy
+from lightning_diloco.launch.supervisor import clean_environment
 
 
 class RandomTokens(Dataset):
@@ -82,8 +83,11 @@ def run_arm(strategy, args) -> tuple[float, dict]:
 
 
 def _arm_in_subprocess(arm: str, argv: list[str]) -> dict:
+    # a clean environment: a caller that ran DDP itself has MASTER_PORT, LOCAL_RANK... set
     out = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "--arm", arm, *argv],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, env=clean_environment({}))
+    if out.returncode != 0:
+        raise RuntimeError(f"{arm} arm failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -156,6 +156,8 @@ class SynchronizerClient:
             grpc.channel_ready_future(self.channels[shard]).result(timeout=delay)
         except grpc.FutureTimeoutError:
             pass
+        except ValueError:  # the channel was closed under us (shutdown): the next attempt reports it
+            time.sleep(min(delay, 0.05))
 
     # ---- calls --------------------------------------------------------------------------------
 
