@@ -22,7 +22,6 @@ from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, 
 from lightning_diloco.core.fragments import build_layout, tensor_specs
 from lightning_diloco.learner.island import Collective, IslandLearner, TorchCollective
 from lightning_diloco.learner.tokens import default_tokens_per_batch
-from lightning_diloco.threads import serial_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +186,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             log.info("num_fragments lowered to %d: the model has %d trainable tensors", len(specs), len(specs))
         saved = (self._resume or {}).get("embedded")
         state = SynchronizerState.from_state_dict(saved) if saved else None
-        self.embedded = SynchronizerServer(Synchronizer(config, state=state), host="127.0.0.1", port=0, token=self.token,
-                                           thread_initializer=serial_torch_thread).start()
+        self.embedded = SynchronizerServer(Synchronizer(config, state=state), host="127.0.0.1", port=0, token=self.token).start()
         return self.embedded.address
 
     def _warn_on_conflicts(self, authoritative: RunConfig) -> None:

@@ -10,6 +10,8 @@ import os
 import signal
 import threading
 
+import torch
+
 from lightning_diloco.core.config import (
     APPLY_MODES,
     CODECS,
@@ -98,9 +100,11 @@ def keep_freed_memory() -> bool:
 def run_synchronizer(args: argparse.Namespace) -> int:
     from lightning_diloco.synchronizer.server import SynchronizerServer
     from lightning_diloco.synchronizer.service import Synchronizer
-    from lightning_diloco.threads import serial_torch_thread
 
     keep_freed_memory()
+    # Concurrency comes from one thread per call; a torch thread team per call thread would
+    # oversubscribe the cores (measured: 1M-parameter rounds ran 1.3-2x faster single-threaded).
+    torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s synchronizer %(levelname)s %(message)s")
     service = Synchronizer(
         run_config_from_args(args),
@@ -112,7 +116,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
     )
     server = SynchronizerServer(
         service, host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        max_workers=args.max_workers, thread_initializer=serial_torch_thread,
+        max_workers=args.max_workers,
     ).start()
     if args.metrics_port is not None:
         from lightning_diloco.synchronizer.metrics import serve_metrics

@@ -153,14 +153,11 @@ class SynchronizerServer:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         max_workers: int = 256,
-        thread_initializer=None,
     ) -> None:
         """``max_workers`` bounds concurrent calls; a push holds a worker while its round is open,
-        so allow at least islands x (overlap_steps + 1) plus a few. ``thread_initializer`` runs in
-        each worker thread first (an embedded synchronizer makes its torch work single-threaded)."""
+        so allow at least islands x (overlap_steps + 1) plus a few."""
         self.service = service
-        self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="diloco-sync",
-                                                   initializer=thread_initializer)
+        self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="diloco-sync")
         self.server = grpc.server(
             self.executor,
             options=[
