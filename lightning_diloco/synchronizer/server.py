@@ -189,6 +189,7 @@ class SynchronizerServer:
         if self._stopped:
             return
         self._stopped = True
+        self.service.shutdown()
         self.server.stop(grace).wait()
         self.executor.shutdown(wait=True)  # grpc leaves its worker threads to us
         self.service.checkpoint()

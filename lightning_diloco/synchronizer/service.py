@@ -133,6 +133,7 @@ class Synchronizer:
         self.lock = threading.RLock()  # islands, counters, layout adoption
         self.checkpoint_lock = threading.Lock()
         self.islands: dict[int, _Island] = {}
+        self.closing = threading.Event()  # set on shutdown: waiting calls return at once
         self.accepted: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         self.bytes_in = self.bytes_out = 0
@@ -260,7 +261,7 @@ class Synchronizer:
                 if frag is not None and frag.version > newer_than:
                     return frag.version, frag.value.clone()
                 left = deadline - self.clock()
-                if left <= 0:
+                if left <= 0 or self.closing.is_set():
                     if frag is None:
                         raise self.refuse("not_seeded", f"fragment {fragment} has no value yet; seed it first", "FAILED_PRECONDITION")
                     return frag.version, frag.value.clone()
@@ -327,6 +328,8 @@ class Synchronizer:
 
     def _wait_for_merge(self, c: Contribution, slot: _Slot, start: float, timeout: float) -> None:
         while (done := slot.done.get(c.island)) is None or done.seq != c.seq:
+            if self.closing.is_set():  # the contribution stays in the round for the checkpoint-free restart
+                raise TimeoutError(f"round of fragment {c.fragment} still open: the synchronizer is shutting down")
             now = self.clock()
             decision = self._decision(slot, now)
             if decision.close:
@@ -460,6 +463,13 @@ class Synchronizer:
             self.last_checkpoint_steps = snapshot.outer_steps
         log.debug("checkpoint at %d outer steps: %s", snapshot.outer_steps, path)
         return path
+
+    def shutdown(self) -> None:
+        """Release every call waiting on a round or a pull (a stopping server must not wait)."""
+        self.closing.set()
+        for slot in self.slots.values():
+            with slot.cond:
+                slot.cond.notify_all()
 
     def snapshot(self) -> SynchronizerState:
         """A consistent copy of the state, fragment by fragment.
