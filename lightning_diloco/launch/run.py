@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.progress import read_progress
@@ -37,8 +38,9 @@ def free_port() -> int:
 
 
 class Run:
-    def __init__(self, args: argparse.Namespace, command: list[str]) -> None:
+    def __init__(self, args: argparse.Namespace, command: list[str], observers: Sequence[Callable[[dict], None]] = ()) -> None:
         self.args, self.command = args, command
+        self.observers = list(observers)  # called with each synchronizer status the launcher samples
         self.workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ddp = args.baseline == "ddp"
@@ -163,6 +165,8 @@ class Run:
             try:
                 status = self.client.status()
                 progress = status["outer_steps"]
+                for observe in self.observers:
+                    observe(status)
                 self._accepted = {int(i): isl["accepted"] for i, isl in status["islands"].items()}
                 for i, (since, before) in list(self._awaiting_recovery.items()):
                     if self._accepted.get(i, 0) > before:
@@ -296,12 +300,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pass ARG to the synchronizer, e.g. --sync=--min-quorum=2 (repeatable)")
 
 
-def run_command(args: argparse.Namespace, command: list[str]) -> int:
+def run_command(args: argparse.Namespace, command: list[str], observers: Sequence[Callable[[dict], None]] = ()) -> int:
     if not command:
         raise ValueError("give the training command after --, e.g. lightning-diloco run --islands 2 -- python train.py")
     if args.islands < 1:
         raise ValueError(f"--islands={args.islands} must be >= 1")
-    run = Run(args, command)
+    run = Run(args, command, observers)
     previous = {sig: signal.signal(sig, lambda *_: run._stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 1
     try:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -284,6 +285,19 @@ class IslandLearner:
         specs = self.layout.fragment_specs(p)
         for param, value in zip(self._fragment_params(p), split_fragment(flat, specs)):
             param.copy_(value)
+
+    @contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """The last received global fragments in place of the local weights, put back on exit."""
+        saved = [p.detach().clone() for p in self.params]
+        try:
+            for p in range(self.layout.num_fragments):
+                self.write_fragment(p, self.bases[p])
+            yield
+        finally:
+            with torch.no_grad():
+                for param, value in zip(self.params, saved):
+                    param.copy_(value)
 
     # ---- the end ------------------------------------------------------------------------------
 

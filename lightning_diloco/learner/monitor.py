@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 
-import torch
 from lightning.pytorch.callbacks import Callback
-
 
 
 class DiLoCoMonitor(Callback):
@@ -18,7 +17,7 @@ class DiLoCoMonitor(Callback):
 
     def __init__(self, evaluate_global: bool = False) -> None:
         self.evaluate_global = evaluate_global
-        self._saved: list[torch.Tensor] | None = None
+        self._swap: ExitStack | None = None
 
     @staticmethod
     def _learner(trainer):
@@ -37,16 +36,10 @@ class DiLoCoMonitor(Callback):
         learner = self._learner(trainer)
         if not (self.evaluate_global and learner is not None):
             return
-        self._saved = [p.detach().clone() for p in learner.params]
-        with torch.no_grad():
-            for p in range(learner.layout.num_fragments):
-                learner.write_fragment(p, learner.bases[p])
+        self._swap = ExitStack()
+        self._swap.enter_context(learner.global_weights())
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        learner = self._learner(trainer)
-        if self._saved is None or learner is None:
-            return
-        with torch.no_grad():
-            for param, saved in zip(learner.params, self._saved):
-                param.copy_(saved)
-        self._saved = None
+        if self._swap is not None:
+            self._swap.close()  # the local weights are back
+            self._swap = None

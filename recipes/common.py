@@ -1,0 +1,373 @@
+"""What every recipe shares: arguments and presets, launching M islands (or M DDP ranks), training
+one island, evaluation curves, CSV and W&B logging, and the result files compare.py reads.
+
+A recipe run started by a user is the *launcher*: it starts ``lightning-diloco run`` machinery
+(a synchronizer and M island processes, or one M-process DDP job) whose processes run the same
+recipe command again; those see ``DILOCO_STRATEGY`` in their environment and train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+# Settings of the outer loop a recipe passes both to the synchronizer (authoritative) and to each
+# island's strategy; the names are DecoupledDiLoCoStrategy's arguments.
+DILOCO_SETTINGS = {
+    "sync_every": int, "num_fragments": int, "overlap_steps": int, "outer_lr": float, "outer_momentum": float,
+    "min_quorum": int, "merge": str, "apply": str, "mix_alpha": float, "uplink_codec": str, "downlink_codec": str,
+}
+
+
+@dataclass
+class Preset:
+    """A size: model and data shape, optimisation, and the outer settings chosen for it."""
+
+    model: dict[str, Any]
+    batch: int
+    steps: int
+    lr: float
+    diloco: dict[str, Any] = field(default_factory=dict)
+    reference: dict[str, float] = field(default_factory=dict)  # DDP's final figures at equal tokens (README)
+    note: str = ""
+
+
+@dataclass
+class Recipe:
+    name: str
+    module: str  # python -m target
+    presets: dict[str, Preset]
+    metric: str  # the headline figure: eval_loss (lower is better) or accuracy
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    build_module: Callable[[argparse.Namespace], Any]
+    datasets: Callable[[argparse.Namespace], tuple[Any, Any]]
+    tokens_per_sample: Callable[[argparse.Namespace], int]
+
+
+def build_parser(recipe: Recipe, description: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategy", choices=["decoupled_diloco", "ddp"], default="decoupled_diloco")
+    p.add_argument("--islands", type=int, default=4, help="M: islands, or DDP processes for --strategy ddp (default %(default)s)")
+    p.add_argument("--devices", type=int, default=1, help="DDP processes inside each island (default %(default)s)")
+    p.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto (default %(default)s)")
+    p.add_argument("--preset", choices=sorted(recipe.presets), default=next(iter(recipe.presets)))
+    p.add_argument("--steps", type=int, help="inner steps per island (default: the preset's)")
+    p.add_argument("--batch", type=int, help="samples per process and step (default: the preset's)")
+    p.add_argument("--lr", type=float, help="inner AdamW peak learning rate (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, help="steps between evaluation points of the curve (default: steps / 10)")
+    p.add_argument("--eval-batches", type=int, default=8, help="batches per curve point (default %(default)s)")
+    p.add_argument("--final-eval-batches", type=int, default=64, help="batches of the final evaluation (default %(default)s)")
+    p.add_argument("--out", default=None, help="results, curves and CSV logs (default runs/<recipe>-<strategy>)")
+    p.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline unless logged in)")
+    p.add_argument("--wandb-project", default="lightning-diloco")
+    p.add_argument("--wandb-group", default=None, help="W&B group (default: the output folder's name)")
+    p.add_argument("--chaos", help="fault schedule for the launcher, e.g. 'kill 1 at step 300'")
+    g = p.add_argument_group("Decoupled DiLoCo (default: the preset's, else the library's)")
+    for name, kind in DILOCO_SETTINGS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    p.add_argument("--run-t0", type=float, help=argparse.SUPPRESS)  # set by the launcher for its processes
+    recipe.add_arguments(p)
+    return p
+
+
+def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
+    preset = recipe.presets[args.preset]
+    for name in ("steps", "batch", "lr"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    for name, value in preset.diloco.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name, value in preset.model.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    args.eval_every = args.eval_every or max(1, args.steps // 10)
+    args.out = args.out or f"runs/{recipe.name}-{args.preset}-{args.strategy}"
+    if args.islands < 1 or args.devices < 1:
+        raise SystemExit(f"--islands={args.islands} and --devices={args.devices} must be >= 1")
+    return args
+
+
+def diloco_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in DILOCO_SETTINGS if getattr(args, name) is not None}
+
+
+def main(recipe: Recipe, argv: list[str] | None, description: str | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = resolve(recipe, build_parser(recipe, description).parse_args(argv))
+    if os.environ.get("DILOCO_STRATEGY"):
+        return train(recipe, args)
+    return launch(recipe, args, argv)
+
+
+# ---- the launcher -----------------------------------------------------------------------------------
+
+
+def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
+    from lightning_diloco.launch.run import add_run_arguments, run_command
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("result*.json"):
+        stale.unlink()
+    t0 = time.time()
+    command = [sys.executable, "-m", recipe.module, *argv, "--out", str(out), "--run-t0", repr(t0)]
+    ddp = args.strategy == "ddp"
+    launcher = [f"--islands={args.islands}", f"--devices-per-island={args.devices}", f"--workdir={out / 'run'}",
+                f"--report={out / 'run-report.json'}", "--restart-backoff=0.5"]
+    if ddp:
+        launcher.append("--baseline=ddp")
+    else:
+        launcher += [f"--sync=--{k.replace('_', '-')}={v}" for k, v in diloco_settings(args).items()]
+    if args.chaos:
+        launcher.append(f"--chaos={args.chaos}")
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    observer = SynchronizerObserver(args, out) if not ddp else None
+    code = run_command(parser.parse_args(launcher), command, observers=[observer] if observer else [])
+    wall = time.time() - t0
+    if observer:
+        observer.close()
+    summary = summarize(recipe, args, out, wall, observer.last if observer else None)
+    (out / "result.json").write_text(json.dumps(summary, indent=2))
+    print(format_summary(recipe, args, summary), flush=True)
+    return code
+
+
+class SynchronizerObserver:
+    """Keeps the synchronizer's last status, and logs its metrics to W&B as their own run."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.last: dict | None = None
+        self.run = start_wandb(args, out, name=f"{args.strategy}-synchronizer") if args.wandb else None
+        self._next_log = 0.0
+
+    def __call__(self, status: dict) -> None:
+        self.last = status
+        if self.run is not None and time.monotonic() >= self._next_log:
+            self._next_log = time.monotonic() + 2.0
+            self.run.log({"synchronizer/outer_steps": status["outer_steps"], "synchronizer/bytes_in": status["bytes_in"],
+                          "synchronizer/bytes_out": status["bytes_out"], "synchronizer/live_islands": len(status["live_islands"]),
+                          "synchronizer/accepted": sum(status["accepted"].values()),
+                          "synchronizer/refused": sum(status["refused"].values())})
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, status: dict | None) -> dict:
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("result-*.json"))]
+    if not results:
+        raise SystemExit(f"no island wrote a result to {out}; see the output above")
+    last = max(results, key=lambda r: r["finished_at"])  # the island that saw the most merged rounds
+    params = last["params"]
+    processes = args.islands * args.devices
+    if args.strategy == "ddp":
+        # Ring all-reduce of fp32 gradients: each of the M ranks sends 2 (M-1)/M of the gradient per
+        # step; counted between ranks (the processes stand for islands in the comparison).
+        across = 2 * (processes - 1) * 4 * params * last["steps"]
+        across_how = "computed: ring all-reduce of fp32 gradients"
+    else:
+        across = sum(r["diloco"].get("diloco/bytes_up", 0) + r["diloco"].get("diloco/bytes_down", 0) for r in results)
+        across_how = "measured: fragment payloads sent and received by the islands"
+    return {
+        "recipe": recipe.name, "preset": args.preset, "strategy": args.strategy, "islands": args.islands,
+        "devices": args.devices, "steps": last["steps"], "params": params,
+        "tokens": sum(r["tokens"] for r in results), "wall_s": wall, "final": last["final"],
+        "bytes_across": across, "bytes_across_how": across_how,
+        "outer_steps": status["outer_steps"] if status else None,
+        "settings": diloco_settings(args) if args.strategy != "ddp" else {},
+        "islands_results": results,
+    }
+
+
+def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict) -> str:
+    final = s["final"]
+    lines = [f"{recipe.name} ({s['preset']}, {s['strategy']}, M={s['islands']}): "
+             + ", ".join(f"{k} {v:.4f}" for k, v in final.items())]
+    ref = recipe.presets[args.preset].reference.get(recipe.metric)
+    if ref is not None and args.strategy != "ddp":
+        gap = (final[recipe.metric] - ref) / ref * 100
+        lines.append(f"  DDP at equal tokens (README, M=4): {recipe.metric} {ref:.4f}; this run {gap:+.1f}%")
+    lines.append(f"  tokens {s['tokens']:,.0f}, wall-clock {s['wall_s']:.0f} s, outer steps {s['outer_steps']}, "
+                 f"bytes across islands {s['bytes_across'] / 1e6:.2f} MB ({s['bytes_across_how']})")
+    return "\n".join(lines)
+
+
+# ---- one island (or one DDP job) ------------------------------------------------------------------
+
+
+@contextmanager
+def global_weights(trainer):
+    """The island's current global model in place of its local weights (a no-op under DDP)."""
+    learner = getattr(trainer.strategy, "learner", None)
+    if learner is None:
+        yield
+        return
+    with learner.global_weights():
+        yield
+
+
+def evenly_spaced(dataset, n: int):
+    import torch
+
+    if n >= len(dataset):
+        return dataset
+    return torch.utils.data.Subset(dataset, torch.linspace(0, len(dataset) - 1, n).long().tolist())
+
+
+def evaluate(module, loader, device) -> dict[str, float]:
+    """The recipe module's eval metrics (torchmetrics) over ``loader``; training mode after."""
+    import torch
+
+    module.eval()
+    metrics = module.eval_metrics()
+    with torch.no_grad():
+        for batch in loader:
+            module.eval_update(metrics, module.transfer_batch_to_device(batch, device, 0))
+    module.train()
+    return {name: float(metric.compute()) for name, metric in metrics.items()}
+
+
+def train(recipe: Recipe, args: argparse.Namespace) -> int:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+
+    import lightning_diloco
+    from lightning_diloco.launch.progress import ProgressFile
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    strategy_name = os.environ["DILOCO_STRATEGY"]
+    devices = int(os.environ.get("DILOCO_DEVICES", "1"))
+    island = int(os.environ.get("DILOCO_ISLAND", "0"))
+    unit = "ddp" if strategy_name == "ddp" else f"island{island}"
+    out = Path(args.out)
+    t0 = args.run_t0 or time.time()
+    pl.seed_everything(args.seed + (0 if strategy_name == "ddp" else island), verbose=False)
+    train_set, val_set = recipe.datasets(args)
+    module = recipe.build_module(args)  # same initial weights everywhere: the seed is fixed inside
+    val_curve = DataLoader(evenly_spaced(val_set, args.eval_batches * args.batch), batch_size=args.batch)
+    val_final = DataLoader(evenly_spaced(val_set, args.final_eval_batches * args.batch), batch_size=args.batch)
+    tokens_per_step = recipe.tokens_per_sample(args) * args.batch * args.islands * args.devices
+
+    class Curve(Callback):
+        """Eval metric against global tokens and wall-clock, on the global model, every N steps."""
+
+        def __init__(self) -> None:
+            self.rows: list[dict] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            step = trainer.global_step
+            if trainer.global_rank != 0 or (step % args.eval_every and step != args.steps):
+                return
+            with global_weights(trainer):
+                metrics = evaluate(pl_module, val_curve, pl_module.device)
+            row = {"step": step, "tokens": step * tokens_per_step, "wall_s": round(time.time() - t0, 3), **metrics}
+            self.rows.append(row)
+            for logger in trainer.loggers:
+                logger.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, step=step)
+
+    loggers = [CSVLogger(out / "logs", name=unit, version=f"incarnation-{time.time_ns()}")]
+    if args.wandb:
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(**wandb_kwargs(args, out, name=f"{strategy_name}-{unit}")))
+    curve = Curve()
+    callbacks = [ProgressFile(), curve]
+    ckpt_path = None
+    ckpt_dir = os.environ.get("DILOCO_CHECKPOINT_DIR")
+    if strategy_name == "ddp" and args.chaos and ckpt_dir:  # the baseline's checkpoint-restart
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=max(1, args.steps // 20)))
+        last = Path(ckpt_dir) / "last.ckpt"
+        ckpt_path = str(last) if last.exists() else None
+    if strategy_name == "ddp":
+        strategy: Any = "ddp"
+    else:
+        strategy = lightning_diloco.DecoupledDiLoCoStrategy(**diloco_settings(args))
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator=args.accelerator, devices=devices, max_steps=args.steps, logger=loggers,
+        callbacks=callbacks, enable_checkpointing=ckpt_path is not None or (strategy_name == "ddp" and bool(args.chaos)),
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        log_every_n_steps=max(1, args.eval_every // 4), use_distributed_sampler=True,
+    )
+    trainer.fit(module, DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True), ckpt_path=ckpt_path)
+    if trainer.global_rank != 0:
+        return 0
+    final = evaluate(module, val_final, module.device)  # the global model: fit ended by loading it
+    for logger in trainer.loggers:
+        logger.log_metrics({f"final/{k}": v for k, v in final.items()}, step=trainer.global_step)
+        logger.finalize("success")
+    diloco = dict(getattr(trainer.strategy, "final_metrics", {}))
+    result = {
+        "unit": unit, "steps": trainer.global_step, "final": final, "params": sum(p.numel() for p in module.parameters()),
+        "tokens": trainer.global_step * recipe.tokens_per_sample(args) * args.batch * devices,
+        "finished_at": time.time() - t0, "diloco": diloco,
+    }
+    write_json(out / f"result-{unit}.json", result)
+    with open(out / f"curve-{unit}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(curve.rows[0]))
+        writer.writeheader()
+        writer.writerows(curve.rows)
+    return 0
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+# ---- Weights & Biases ---------------------------------------------------------------------------------
+
+
+def wandb_kwargs(args: argparse.Namespace, out: Path, name: str) -> dict[str, Any]:
+    """One W&B run per island (and one for the synchronizer), grouped by the output folder.
+
+    Offline unless the user is logged in (``WANDB_API_KEY`` or ``wandb login``): the runs stay in
+    ``OUT/wandb`` and ``wandb sync OUT/wandb/offline-run-*`` uploads them later.
+    """
+    logged_in = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
+    return {
+        "project": args.wandb_project, "group": args.wandb_group or Path(args.out).resolve().name, "name": name,
+        "save_dir": str(out), "offline": not logged_in, "config": {k: v for k, v in vars(args).items() if k != "run_t0"},
+    }
+
+
+def _netrc_has_wandb() -> bool:
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def start_wandb(args: argparse.Namespace, out: Path, name: str):
+    import wandb
+
+    kw = wandb_kwargs(args, out, name)
+    return wandb.init(project=kw["project"], group=kw["group"], name=name, dir=kw["save_dir"],
+                      mode="offline" if kw["offline"] else "online", config=kw["config"], reinit="create_new")
+
+
+def cosine_with_warmup(steps: int, warmup_fraction: float = 0.05, floor: float = 0.1) -> Callable[[int], float]:
+    """The inner learning-rate multiplier: linear warm-up, then cosine decay to ``floor``."""
+    warmup = max(1, int(steps * warmup_fraction))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

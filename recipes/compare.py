@@ -1,0 +1,188 @@
+"""Decoupled DiLoCo with M islands against DDP with M processes, at equal tokens and global batch.
+
+    python -m recipes.compare --recipe text_lm --preset cpu-tiny            # dense text, M = 4
+    python -m recipes.compare --recipe text_lm --preset cpu-tiny-moe        # mixture of experts
+    python -m recipes.compare --recipe vision --preset cpu-tiny
+    python -m recipes.compare --recipe text_lm --preset cpu-tiny --sweep    # + the outer-settings sweep
+
+Each arm is the recipe run as its own command (a synchronizer and M island processes, or one
+M-process DDP job). Writes OUT/results.md (the table), OUT/results.json, and PNG plots of the eval
+metric against tokens and against wall-clock; with --wandb the arms are one W&B group and the
+table and plots are logged to it too. Arguments after ``--`` go to every arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `recipes` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RECIPES = {"text_lm": ("recipes.text_lm", "eval_loss"), "vision": ("recipes.vision", "accuracy")}
+
+# The sweep: each arm names every setting it uses, so the table reads without the presets.
+PAPER = dict(outer_lr=0.7, outer_momentum=0.9, merge="rda", apply="overwrite", sync_every=24, uplink_codec="int4",
+             downlink_codec="bf16")
+SWEEP = {
+    "paper defaults (lr 0.7, mom 0.9)": {},
+    "parameter averaging (lr 1, mom 0)": dict(outer_lr=1.0, outer_momentum=0.0),
+    "mom 0.5": dict(outer_momentum=0.5),
+    "mom 0.5, merge mean": dict(outer_momentum=0.5, merge="mean"),
+    "lr 1, mom 0.5": dict(outer_lr=1.0, outer_momentum=0.5),
+    "mom 0.5, H 12": dict(outer_momentum=0.5, sync_every=12),
+    "mom 0.5, H 48": dict(outer_momentum=0.5, sync_every=48),
+    "mom 0.5, apply mix": dict(outer_momentum=0.5, apply="mix"),
+    "mom 0.5, apply rebase": dict(outer_momentum=0.5, apply="rebase"),
+    "mom 0.5, fp32 codecs": dict(outer_momentum=0.5, uplink_codec="fp32", downlink_codec="fp32"),
+    "mom 0.5, inner lr x2": dict(outer_momentum=0.5, lr="x2"),
+}
+
+
+def flags(settings: dict, base_lr: float | None) -> list[str]:
+    out = []
+    for key, value in settings.items():
+        if key == "lr":
+            if base_lr is None:
+                raise SystemExit("the inner-lr arm needs the preset's learning rate")
+            value = base_lr * 2 if value == "x2" else value
+        out.append(f"--{key.replace('_', '-')}={value}")
+    return out
+
+
+def run_arm(module: str, out: Path, args: argparse.Namespace, extra: list[str], passthrough: list[str]) -> dict:
+    cmd = [sys.executable, "-m", module, f"--preset={args.preset}", f"--islands={args.islands}", f"--out={out}", *extra]
+    if args.steps:
+        cmd.append(f"--steps={args.steps}")
+    if args.wandb:
+        cmd += ["--wandb", f"--wandb-group={args.group}", f"--wandb-project={args.wandb_project}"]
+    cmd += passthrough
+    print(f"[compare] {' '.join(cmd)}", flush=True)
+    started = time.time()
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (out / "output.log").parent.mkdir(parents=True, exist_ok=True)
+    (out / "output.log").write_text(done.stdout)
+    if done.returncode != 0 or not (out / "result.json").exists():
+        raise SystemExit(f"arm failed ({' '.join(cmd)}), exit {done.returncode}; its output is in {out / 'output.log'}:\n"
+                         + done.stdout[-3000:])
+    print(f"[compare] done in {time.time() - started:.0f} s", flush=True)
+    return json.loads((out / "result.json").read_text())
+
+
+def curve(out: Path, ddp: bool) -> list[dict]:
+    import csv
+
+    path = out / ("curve-ddp.csv" if ddp else "curve-island0.csv")
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def table(rows: list[tuple[str, dict]], metric: str) -> str:
+    ddp = rows[0][1]["final"][metric]
+    lower_better = metric == "eval_loss"
+    head = f"| arm | {metric} | vs DDP | {'perplexity | ' if lower_better else ''}tokens | wall-clock s | bytes across islands |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, r in rows:
+        value = r["final"][metric]
+        gap = f"{(value - ddp) / ddp * 100:+.1f}%" if lower_better else f"{(value - ddp) * 100:+.2f} pts"
+        ppl = f"{r['final']['perplexity']:.3f} | " if lower_better else ""
+        shown = f"{value:.4f}" if lower_better else f"{value * 100:.2f}%"
+        lines.append(f"| {name} | {shown} | {gap if r['strategy'] != 'ddp' else '-'} | {ppl}{r['tokens']:,.0f} | "
+                     f"{r['wall_s']:.0f} | {r['bytes_across'] / 1e6:.2f} MB |")
+    return "\n".join(lines)
+
+
+def plot(arms: list[tuple[str, Path, bool]], metric: str, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for x, label in (("tokens", "training tokens (all islands)"), ("wall_s", "wall-clock seconds")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, folder, ddp in arms:
+            points = curve(folder, ddp)
+            ax.plot([p[x] for p in points], [p[metric] for p in points], label=name, marker="." if ddp else None)
+        ax.set_xlabel(label)
+        ax.set_ylabel(metric)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / f"{metric}-vs-{x}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="text_lm")
+    p.add_argument("--preset", default="cpu-tiny")
+    p.add_argument("--islands", type=int, default=4, help="M: islands and DDP processes (default %(default)s)")
+    p.add_argument("--steps", type=int, help="inner steps (default: the preset's)")
+    p.add_argument("--sweep", action="store_true", help="also run the outer-settings sweep (%d arms)" % len(SWEEP))
+    p.add_argument("--only", action="append", default=[], help="run only the sweep arms whose name contains this")
+    p.add_argument("--out", help="default runs/compare-<recipe>-<preset>")
+    p.add_argument("--wandb", action="store_true")
+    p.add_argument("--wandb-project", default="lightning-diloco")
+    args = p.parse_args(argv)
+    module, metric = RECIPES[args.recipe]
+    out = Path(args.out or f"runs/compare-{args.recipe}-{args.preset}")
+    out.mkdir(parents=True, exist_ok=True)
+    args.group = out.resolve().name
+    base_lr = _preset_lr(module, args.preset)
+
+    ddp_dir, diloco_dir = out / "ddp", out / "diloco"
+    rows = [(f"DDP, {args.islands} processes", run_arm(module, ddp_dir, args, ["--strategy=ddp"], passthrough))]
+    arms = [(rows[0][0], ddp_dir, True)]
+    rows.append((f"Decoupled DiLoCo, {args.islands} islands (preset)", run_arm(module, diloco_dir, args, [], passthrough)))
+    arms.append((rows[-1][0], diloco_dir, False))
+    if args.sweep:
+        for i, (name, change) in enumerate(SWEEP.items()):
+            if args.only and not any(s in name for s in args.only):
+                continue
+            folder = out / f"sweep-{i:02d}"
+            rows.append((name, run_arm(module, folder, args, flags({**PAPER, **change}, base_lr), passthrough)))
+            arms.append((name, folder, False))
+    text = table(rows, metric)
+    settings = "\n".join(f"- {name}: `{json.dumps(r['settings'])}`" for name, r in rows if r["strategy"] != "ddp")
+    plots = plot(arms[:2] if args.sweep else arms, metric, out)
+    (out / "results.md").write_text(f"{text}\n\nSettings of each Decoupled DiLoCo arm:\n{settings}\n")
+    (out / "results.json").write_text(json.dumps([{"arm": n, **{k: v for k, v in r.items() if k != "islands_results"}}
+                                                  for n, r in rows], indent=2))
+    print("\n" + text + f"\n\ntable: {out / 'results.md'}; plots: {', '.join(str(x) for x in plots)}", flush=True)
+    if args.wandb:
+        _log_wandb(args, out, text, plots)
+    return 0
+
+
+def _preset_lr(module: str, preset: str) -> float | None:
+    import importlib
+
+    presets = importlib.import_module(module).PRESETS
+    if preset not in presets:
+        raise SystemExit(f"--preset={preset!r} is not one of {sorted(presets)}")
+    return presets[preset].lr
+
+
+def _log_wandb(args: argparse.Namespace, out: Path, text: str, plots: list[Path]) -> None:
+    import wandb
+
+    from recipes.common import start_wandb
+
+    run = start_wandb(argparse.Namespace(**vars(args), out=str(out), wandb_group=args.group), out, name="compare")
+    run.log({"results": wandb.Html(f"<pre>{text}</pre>"), **{p.stem: wandb.Image(str(p)) for p in plots}})
+    run.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
