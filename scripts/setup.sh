@@ -26,6 +26,18 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   "$VENV/bin/pip" install --quiet --disable-pip-version-check "$CPU_TORCH"
 fi
 
+# The vision recipe's data: Fashion-MNIST from Debian's dataset-fashion-mnist (30 MB).
+if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian's dataset-fashion-mnist"
+    (apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1; }) ||
+      echo "setup: could not install dataset-fashion-mnist; the vision recipe will say so" >&2
+  else
+    echo "setup: for the vision recipe run: sudo apt-get install dataset-fashion-mnist" >&2
+  fi
+fi
+
 stamp="$VENV/.setup-stamp"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

@@ -1,0 +1,72 @@
+"""Bytes crossing island boundaries per training token: Decoupled DiLoCo against DDP, measured on
+network links, with the quality cost from the same run.
+
+    python -m benchmarks.bandwidth [--islands 4] [--steps 400]
+
+Each island (each DDP rank) runs in its own network namespace joined to the root namespace by a
+veth link; the synchronizer listens in the root namespace. The bytes are the links' interface
+counters (TCP/IP headers, HTTP/2 and gRPC framing, heartbeats included) over the steady-state
+window (every unit past step 10, none near its end: joins and final pulls excluded; the totals
+with them are printed too). Arms: DDP (fp32 gradient all-reduce over gloo), and Decoupled DiLoCo
+at the paper's defaults (P = 24, H = 24, int4 uplink, bf16 downlink), with an int4 downlink, and
+at H = 100. Needs root; prints why and exits 0 where namespaces are not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.netns import Namespaces, unavailable
+from benchmarks.netrun import run_arm
+
+ARMS = {
+    "diloco H=24 int4 up / bf16 down": ["--sync-every=24", "--uplink-codec=int4", "--downlink-codec=bf16"],
+    "diloco H=24 int4 up / int4 down": ["--sync-every=24", "--uplink-codec=int4", "--downlink-codec=int4"],
+    "diloco H=100 int4 up / int4 down": ["--sync-every=100", "--uplink-codec=int4", "--downlink-codec=int4"],
+}
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--islands", type=int, default=4)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=3, help="3 layers: 30 tensors, enough for P = 24")
+    p.add_argument("--num-fragments", type=int, default=24)
+    p.add_argument("--only", action="append", default=[], help="run only the DiLoCo arms whose name contains this")
+    args = p.parse_args(argv)
+    why = unavailable()
+    if why:
+        print(f"bandwidth benchmark skipped: {why}")
+        return None
+    batch, seq, vocab = 16, 32, 256
+    train = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(vocab), "--seq", str(seq),
+             "--batch", str(batch)]
+    common_sync = [f"--num-fragments={args.num_fragments}", "--overlap-steps=2"]
+    arms = {k: v for k, v in ARMS.items() if not args.only or any(s in k for s in args.only)}
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="diloco-bandwidth-") as tmp, Namespaces(args.islands) as ns:
+        results["ddp"] = run_arm(ns, True, train, [], Path(tmp) / "ddp", batch * seq, args.steps)
+        for i, (name, flags) in enumerate(arms.items()):
+            results[name] = run_arm(ns, False, train, common_sync + flags, Path(tmp) / f"diloco-{i}", batch * seq, args.steps)
+    ddp = results["ddp"]
+    print(f"bandwidth: {args.islands} islands / DDP ranks, {args.steps} steps, hidden {args.hidden} x {args.layers} layers, "
+          f"P = {args.num_fragments}; bytes on the links per training token (steady state)")
+    print(f"{'arm':<34} {'B/token':>9} {'reduction':>10} {'total MB':>9} {'val loss':>9} {'vs DDP':>7}")
+    summary = {}
+    for name, r in results.items():
+        reduction = ddp.bytes_per_token / r.bytes_per_token
+        gap = (r.val_loss - ddp.val_loss) / ddp.val_loss
+        summary[name] = {"bytes_per_token": r.bytes_per_token, "reduction": reduction, "total_bytes": r.wire_bytes,
+                         "val_loss": r.val_loss, "quality_gap": gap}
+        print(f"{name:<34} {r.bytes_per_token:>9.1f} {reduction:>9.1f}x {r.wire_bytes / 1e6:>9.2f} {r.val_loss:>9.4f} "
+              f"{gap * 100:>+6.1f}%")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

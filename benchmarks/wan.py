@@ -1,0 +1,77 @@
+"""Slow links: time to reach a target eval loss, DDP against Decoupled DiLoCo, at a few link rates.
+
+    python -m benchmarks.wan [--rates 20 100] [--islands 4] [--steps 200]
+
+The islands (DDP ranks) sit in their own network namespaces as in bandwidth.py, each link capped
+with ``tc ... tbf`` at the rate in both directions (no emulated latency: this kernel has no
+netem). Both arms train the same model on the same data for the same steps; the target is the
+worse of the two final eval losses, so both reach it, and each arm's time is the first
+evaluation point at or below it, counted from the start of training (imports and joins
+excluded). Prints the speedup DDP time / Decoupled DiLoCo time per rate. Needs root; prints why
+and exits 0 where namespaces are not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.netns import Namespaces, unavailable
+from benchmarks.netrun import ArmResult, run_arm
+
+
+def time_to(curve: list[dict], target: float) -> float | None:
+    return next((row["seconds"] for row in curve if row["val_loss"] <= target), None)
+
+
+def main(argv: list[str] | None = None) -> list[dict] | None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", type=float, nargs="+", default=[20.0, 100.0], help="link rates in Mbit/s")
+    p.add_argument("--islands", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--num-fragments", type=int, default=8)
+    p.add_argument("--sync-every", type=int, default=24)
+    args = p.parse_args(argv)
+    why = unavailable()
+    if why:
+        print(f"wan benchmark skipped: {why}")
+        return None
+    batch, seq = 16, 32
+    train = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", "64", "--seq", str(seq),
+             "--batch", str(batch), "--eval-every", str(args.eval_every)]
+    sync = [f"--num-fragments={args.num_fragments}", f"--sync-every={args.sync_every}", "--overlap-steps=2",
+            "--uplink-codec=int4", "--downlink-codec=int4", f"--min-quorum={max(1, args.islands - 1)}",
+            "--outer-momentum=0.5"]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="diloco-wan-") as tmp:
+        for rate in args.rates:
+            arms: dict[str, ArmResult] = {}
+            with Namespaces(args.islands, rate_mbit=rate) as ns:
+                for name, ddp in (("ddp", True), ("diloco", False)):
+                    arms[name] = run_arm(ns, ddp, train, sync, Path(tmp) / f"{name}-{rate:g}", batch * seq, args.steps)
+            target = max(arms["ddp"].val_loss, arms["diloco"].val_loss)
+            times = {name: time_to(a.curve, target) for name, a in arms.items()}
+            speedup = times["ddp"] / times["diloco"] if times["ddp"] and times["diloco"] else None
+            rows.append({"rate_mbit": rate, "target": target, "ddp_s": times["ddp"], "diloco_s": times["diloco"],
+                         "speedup": speedup, "ddp_step_s": arms["ddp"].curve[-1]["seconds"] / args.steps,
+                         "diloco_step_s": arms["diloco"].curve[-1]["seconds"] / args.steps,
+                         "ddp_loss": arms["ddp"].val_loss, "diloco_loss": arms["diloco"].val_loss})
+    print(f"wan: {args.islands} islands / DDP ranks, links capped with tbf, {args.steps} steps, "
+          f"H = {args.sync_every}, P = {args.num_fragments}, int4 both ways")
+    print(f"{'Mbit/s':>7} {'target':>7} {'DDP s':>7} {'DiLoCo s':>9} {'speedup':>8} {'DDP s/step':>11} {'DiLoCo s/step':>14}")
+    for r in rows:
+        fmt = lambda v: f"{v:.1f}" if v is not None else "n/a"  # noqa: E731
+        speed = f"{r['speedup']:.1f}x" if r["speedup"] else "n/a"
+        print(f"{r['rate_mbit']:>7g} {r['target']:>7.3f} {fmt(r['ddp_s']):>7} {fmt(r['diloco_s']):>9} {speed:>8} "
+              f"{r['ddp_step_s']:>11.3f} {r['diloco_step_s']:>14.3f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

