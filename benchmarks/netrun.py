@@ -4,7 +4,6 @@ namespace each, and count the bytes on their links: shared by bandwidth.py and w
 from __future__ import annotations
 
 import csv
-import json
 import signal
 import socket
 import subprocess
@@ -29,7 +28,7 @@ class ArmResult:
     window_bytes: int  # the same, between 'all units warm' and 'the first unit near its end'
     window_tokens: int
     tokens: int
-    val_loss: float
+    val_loss: float  # the last curve point: the full validation set, the global model
     wall_s: float
     curve: list[dict] = field(default_factory=list)
 
@@ -89,7 +88,7 @@ def run_arm(ns: Namespaces, ddp: bool, train_args: list[str], sync_args: list[st
             cmd = [*ns.exec_prefix(i), sys.executable, str(ROOT / "examples" / "train_lm.py"), *train_args,
                    "--steps", str(steps), "--checkpoint-every", "1000000"]
             if i == 0:
-                cmd += ["--result", str(workdir / "result.json"), "--curve", str(workdir / "curve.csv")]
+                cmd += ["--curve", str(workdir / "curve.csv")]
             log = open(workdir / f"unit-{i}.log", "w")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_environment(env), cwd=ROOT))
@@ -115,12 +114,11 @@ def run_arm(ns: Namespaces, ddp: bool, train_args: list[str], sync_args: list[st
         for log in logs:
             log.close()
     (b0, s0), (b1, s1) = window
-    result = json.loads((workdir / "result.json").read_text())
     with open(workdir / "curve.csv") as f:
         curve = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
     return ArmResult(
         wire_bytes=end_bytes - start_bytes, window_bytes=b1 - b0, window_tokens=(s1 - s0) * tokens_per_step,
-        tokens=m * steps * tokens_per_step, val_loss=float(result["val_loss"]), wall_s=wall, curve=curve,
+        tokens=m * steps * tokens_per_step, val_loss=curve[-1]["val_loss"], wall_s=wall, curve=curve,
     )
 
 

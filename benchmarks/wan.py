@@ -5,7 +5,7 @@
 The islands (DDP ranks) sit in their own network namespaces as in bandwidth.py, each link capped
 with ``tc ... tbf`` at the rate in both directions (no emulated latency: this kernel has no
 netem). Both arms train the same model on the same data for the same steps; the target is the
-worse of the two final eval losses, so both reach it, and each arm's time is the first
+worse of the two final eval losses (full validation set, global model), so both reach it, and each arm's time is the first
 evaluation point at or below it, counted from the start of training (imports and joins
 excluded). Prints the speedup DDP time / Decoupled DiLoCo time per rate. Needs root; prints why
 and exits 0 where namespaces are not available.
@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", type=float, nargs="+", default=[20.0, 100.0], help="link rates in Mbit/s")
     p.add_argument("--islands", type=int, default=4)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=160)
     p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--num-fragments", type=int, default=8)
     p.add_argument("--sync-every", type=int, default=24)

@@ -97,6 +97,8 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
     args.out = args.out or f"runs/{recipe.name}-{args.preset}-{args.strategy}"
     if args.islands < 1 or args.devices < 1:
         raise SystemExit(f"--islands={args.islands} and --devices={args.devices} must be >= 1")
+    if args.strategy != "ddp" and (args.min_quorum or 1) > args.islands:
+        raise SystemExit(f"--min-quorum={args.min_quorum} exceeds --islands={args.islands}: no round could ever close")
     return args
 
 
@@ -121,7 +123,7 @@ def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("result*.json"):
+    for stale in [*out.glob("result*.json"), *out.glob("curve-*.csv")]:  # a previous run's
         stale.unlink()
     t0 = time.time()
     command = [sys.executable, "-m", recipe.module, *argv, "--out", str(out), "--run-t0", repr(t0)]
@@ -203,8 +205,9 @@ def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict) -> str:
              + ", ".join(f"{k} {v:.4f}" for k, v in final.items())]
     ref = recipe.presets[args.preset].reference.get(recipe.metric)
     if ref is not None and args.strategy != "ddp":
-        gap = (final[recipe.metric] - ref) / ref * 100
-        lines.append(f"  DDP at equal tokens (README, M=4): {recipe.metric} {ref:.4f}; this run {gap:+.1f}%")
+        value = final[recipe.metric]
+        gap = f"{(value - ref) * 100:+.2f} points" if recipe.metric == "accuracy" else f"{(value - ref) / ref * 100:+.1f}%"
+        lines.append(f"  DDP at equal tokens (README, M=4): {recipe.metric} {ref:.4f}; this run {gap}")
     lines.append(f"  tokens {s['tokens']:,.0f}, wall-clock {s['wall_s']:.0f} s, outer steps {s['outer_steps']}, "
                  f"bytes across islands {s['bytes_across'] / 1e6:.2f} MB ({s['bytes_across_how']})")
     return "\n".join(lines)

@@ -85,11 +85,29 @@ def run_arm(module: str, out: Path, args: argparse.Namespace, extra: list[str], 
 
 
 def curve(out: Path, ddp: bool) -> list[dict]:
+    """The eval curve (island 0's, for Decoupled DiLoCo) with ``tokens`` trained by all islands.
+
+    Islands start and run at slightly different speeds, so at island 0's step s the others are
+    not at s: their progress at the same wall-clock time is read off their own curves.
+    """
     import csv
 
-    path = out / ("curve-ddp.csv" if ddp else "curve-island0.csv")
-    with open(path) as f:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    import numpy as np
+
+    def read(path: Path) -> list[dict]:
+        with open(path) as f:
+            return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+    if ddp:
+        return read(out / "curve-ddp.csv")
+    islands = [read(path) for path in sorted(out.glob("curve-island*.csv"))]
+    first = islands[0]
+    per_step = first[-1]["tokens"] / first[-1]["step"] / len(islands)  # one island's tokens per step
+    for row in first:
+        steps = sum(np.interp(row["wall_s"], [0.0] + [r["wall_s"] for r in rows], [0.0] + [r["step"] for r in rows])
+                    for rows in islands)
+        row["tokens"] = steps * per_step
+    return first
 
 
 def table(rows: list[tuple[str, dict]], metric: str) -> str:

@@ -87,9 +87,11 @@ def test_compare_table_reports_the_gap_against_ddp():
     assert "-1.00 pts" in acc
 
 
-def test_bad_island_count_is_refused_with_the_flag_named():
+def test_bad_island_count_or_quorum_is_refused_with_the_flag_named():
     with pytest.raises(SystemExit, match="--islands=0"):
         _args(TEXT, "--islands", "0")
+    with pytest.raises(SystemExit, match="--min-quorum=3 exceeds --islands=2"):
+        _args(TEXT, "--islands", "2", "--min-quorum", "3")
 
 
 def test_unknown_preset_in_compare_is_refused():

@@ -25,8 +25,8 @@ def _run(module, tmp_path, *argv):
     return json.loads((out / "result.json").read_text()), out, done.stdout
 
 
-def test_text_recipe_two_islands_write_the_summary_curves_and_logs(tmp_path):
-    result, out, stdout = _run("recipes.text_lm", tmp_path, "--islands", "2", "--batch", "4")
+def test_moe_recipe_two_islands_write_the_summary_curves_and_logs(tmp_path):
+    result, out, stdout = _run("recipes.text_lm", tmp_path, "--preset", "cpu-tiny-moe", "--islands", "2", "--batch", "4")
     assert result["strategy"] == "decoupled_diloco" and result["steps"] == 8 and len(result["islands_results"]) == 2
     assert result["tokens"] == 2 * 8 * 4 * 64 and 0 < result["final"]["eval_loss"] < 6 and result["final"]["perplexity"] > 1
     assert result["outer_steps"] >= 1 and result["bytes_across"] > 0
@@ -36,25 +36,20 @@ def test_text_recipe_two_islands_write_the_summary_curves_and_logs(tmp_path):
     assert "outer steps" in stdout and "bytes across islands" in stdout
 
 
-def test_moe_recipe_runs_as_a_ddp_job(tmp_path):
-    result, out, _ = _run("recipes.text_lm", tmp_path, "--preset", "cpu-tiny-moe", "--strategy", "ddp", "--islands", "2",
-                          "--batch", "4")
-    assert result["strategy"] == "ddp" and result["steps"] == 8 and result["tokens"] == 2 * 8 * 4 * 64
-    assert result["bytes_across_how"].startswith("computed")
-    assert (out / "curve-ddp.csv").exists()
-
-
 @pytest.mark.skipif(not FASHION_MNIST_DIR.exists(), reason="Debian's dataset-fashion-mnist is not installed")
 def test_vision_recipe_reports_accuracy(tmp_path):
     result, _, _ = _run("recipes.vision", tmp_path, "--preset", "cpu-tiny-cnn", "--islands", "2", "--batch", "8")
     assert 0.0 <= result["final"]["accuracy"] <= 1.0 and result["tokens"] == 2 * 8 * 8
 
 
-def test_compare_writes_the_table_and_plots(tmp_path, capsys):
+def test_compare_runs_ddp_and_diloco_and_writes_the_table_and_plots(tmp_path, capsys):
     out = tmp_path / "cmp"
     compare.main(["--recipe", "text_lm", "--islands", "2", "--steps", "6", "--out", str(out), "--",
                   "--batch", "4", "--eval-every", "3", "--eval-batches", "1", "--final-eval-batches", "1"])
     table = (out / "results.md").read_text()
     assert "| DDP, 2 processes |" in table and "| Decoupled DiLoCo, 2 islands (preset) |" in table
     assert (out / "eval_loss-vs-tokens.png").stat().st_size > 1000 and (out / "eval_loss-vs-wall_s.png").exists()
-    assert len(json.loads((out / "results.json").read_text())) == 2
+    ddp, diloco = json.loads((out / "results.json").read_text())
+    assert ddp["strategy"] == "ddp" and ddp["bytes_across_how"].startswith("computed")
+    assert diloco["strategy"] == "decoupled_diloco" and diloco["tokens"] == ddp["tokens"] == 2 * 6 * 4 * 64
+    assert diloco["bytes_across"] < ddp["bytes_across"]
