@@ -5,9 +5,9 @@ network links, with the quality cost from the same run.
 
 Each island (each DDP rank) runs in its own network namespace joined to the root namespace by a
 veth link; the synchronizer listens in the root namespace. The bytes are the links' interface
-counters (TCP/IP headers, HTTP/2 and gRPC framing, heartbeats included) over the steady-state
-window (every unit past step 10, none near its end: joins and final pulls excluded; the totals
-with them are printed too). Arms: DDP (fp32 gradient all-reduce over gloo), and Decoupled DiLoCo
+counters (TCP/IP headers, HTTP/2 and gRPC framing, heartbeats included) over each unit's
+steady-state window (from its step 10 to 2 steps before its end: joins and final pulls excluded;
+the totals with them are printed too). Arms: DDP (fp32 gradient all-reduce over gloo), and Decoupled DiLoCo
 at the paper's defaults (P = 24, H = 24, int4 uplink, bf16 downlink), with an int4 downlink, and
 at H = 100; quorum M - 1 and apply mix, the recipes' CPU setting. Needs root; prints why and exits 0 where namespaces are not available.
 """

@@ -25,7 +25,7 @@ DDP_PORT = 29511
 @dataclass
 class ArmResult:
     wire_bytes: int  # every byte put on the links (each counted once, where it was sent)
-    window_bytes: int  # the same, between 'all units warm' and 'the first unit near its end'
+    window_bytes: int  # the same, inside each unit's steady-state window (see _watch)
     window_tokens: int
     tokens: int
     val_loss: float  # the last curve point: the full validation set, the global model
@@ -53,8 +53,7 @@ def _wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen) -> 
 def _wire(ns: Namespaces, ddp: bool) -> int:
     # DDP ranks send to each other: what they sent is everything. Islands talk to the
     # synchronizer in the root namespace: what they sent plus what it sent them.
-    counters = ns.counters()
-    return sum(tx for tx, _ in counters) + (0 if ddp else sum(rx for _, rx in counters))
+    return sum(_link_bytes(ns, ddp))
 
 
 def run_arm(ns: Namespaces, ddp: bool, train_args: list[str], sync_args: list[str], workdir: Path,
@@ -113,30 +112,46 @@ def run_arm(ns: Namespaces, ddp: bool, train_args: list[str], sync_args: list[st
                 sync.wait()
         for log in logs:
             log.close()
-    (b0, s0), (b1, s1) = window
+    window_bytes, window_steps = window
     with open(workdir / "curve.csv") as f:
         curve = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
     return ArmResult(
-        wire_bytes=end_bytes - start_bytes, window_bytes=b1 - b0, window_tokens=(s1 - s0) * tokens_per_step,
+        wire_bytes=end_bytes - start_bytes, window_bytes=window_bytes, window_tokens=window_steps * tokens_per_step,
         tokens=m * steps * tokens_per_step, val_loss=curve[-1]["val_loss"], wall_s=wall, curve=curve,
     )
 
 
 def _watch(ns: Namespaces, ddp: bool, procs, workdir: Path, steps: int, deadline: float):
-    """Wait for the units; return ((bytes, unit steps) when all are warm, (same) when the first
-    is near its end): the steady-state window, without joins, start-up and final pulls."""
-    opened = closed = None
+    """Wait for the units; return (bytes, unit steps) summed over the units' own steady-state
+    windows: each link from the moment its unit is past its warm-up to the moment it is near its
+    end, so joins, start-up and final pulls are left out even when the units start seconds apart."""
+    m = len(procs)
+    opened: dict[int, tuple[int, int]] = {}
+    closed: dict[int, tuple[int, int]] = {}
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
             raise RuntimeError(f"the arm ran past its time limit; logs in {workdir}")
-        progress = [read_progress(workdir / f"progress-{i}.txt") for i in range(len(procs))]
+        progress = [read_progress(workdir / f"progress-{i}.txt") for i in range(m)]
         if ddp:
-            progress = [progress[0]] * len(procs)  # every rank is at rank 0's step
-        if opened is None and min(progress) >= WARM:
-            opened = (_wire(ns, ddp), sum(progress))
-        if opened is not None and closed is None and max(progress) >= steps - 2:
-            closed = (_wire(ns, ddp), sum(progress))
+            progress = [progress[0]] * m  # only rank 0 writes progress; every rank is at its step
+        links = _link_bytes(ns, ddp)
+        for i in range(m):
+            if i not in opened and progress[i] >= WARM:
+                opened[i] = (links[i], progress[i])
+            if i in opened and i not in closed and progress[i] >= steps - 2:
+                closed[i] = (links[i], progress[i])
         time.sleep(0.05)
-    if opened is None or closed is None:
-        raise RuntimeError(f"the units ended before a steady-state window (raise --steps); logs in {workdir}")
-    return opened, closed
+    if len(closed) < m:
+        raise RuntimeError(f"units {sorted(set(range(m)) - set(closed))} ended before a steady-state window "
+                           f"(raise --steps); logs in {workdir}")
+    window_bytes = sum(closed[i][0] - opened[i][0] for i in range(m))
+    window_steps = sum(closed[i][1] - opened[i][1] for i in range(m))
+    if window_steps <= 0:
+        raise RuntimeError(f"no steps inside the steady-state windows (raise --steps); logs in {workdir}")
+    return window_bytes, window_steps
+
+
+def _link_bytes(ns: Namespaces, ddp: bool) -> list[int]:
+    """Per unit: what it sent (DDP: each byte once, at its sender), or what it sent and received
+    (islands: the other end is the synchronizer, outside every island)."""
+    return [tx if ddp else tx + rx for tx, rx in ns.counters()]

@@ -326,10 +326,11 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
         "finished_at": time.time() - t0, "diloco": diloco,
     }
     write_json(out / f"result-{unit}.json", result)
-    with open(out / f"curve-{unit}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(curve.rows[0]))
-        writer.writeheader()
-        writer.writerows(curve.rows)
+    if curve.rows:  # this incarnation's points (a restarted island starts its curve again)
+        with open(out / f"curve-{unit}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(curve.rows[0]))
+            writer.writeheader()
+            writer.writerows(curve.rows)
     return 0
 
 

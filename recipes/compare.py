@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ddp_dir, diloco_dir = out / "ddp", out / "diloco"
     rows = [(f"DDP, {args.islands} processes", run_arm(module, ddp_dir, args, ["--strategy=ddp"], passthrough))]
     arms = [(rows[0][0], ddp_dir, True)]
-    rows.append((f"Decoupled DiLoCo, {args.islands} islands (preset)", run_arm(module, diloco_dir, args, [], passthrough,
-                                                                                          reusable=False)))
+    preset = run_arm(module, diloco_dir, args, [], passthrough, reusable=False)  # the preset may have changed
+    rows.append((f"Decoupled DiLoCo, {args.islands} islands (preset)", preset))
     arms.append((rows[-1][0], diloco_dir, False))
     if args.sweep:
         for i, (name, change) in enumerate(SWEEP.items()):
