@@ -6,8 +6,8 @@ Every byte an island sends or receives crosses its link, so the root-side interf
 are the island's traffic across its boundary. Links can be capped with ``tc ... tbf`` in both
 directions (this kernel has tbf and htb; no netem, so no emulated latency).
 
-Everything is created on entry and deleted on exit (also after a crash of the benchmark, via
-``--cleanup``-style removal of leftovers with the same prefix). Needs root and ``ip``/``tc``.
+Everything is created on entry and deleted on exit; entry first removes leftovers with the same
+prefix, so a crashed earlier run does not block the next. Needs root and ``ip``/``tc``.
 """
 
 from __future__ import annotations
