@@ -23,6 +23,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment, split_fragment
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets
+from lightning_diloco.core.threads import single_threaded_torch
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,9 @@ class IslandLearner:
         self._heartbeat: threading.Thread | None = None
         if self.is_leader:
             workers = min(P, sched.overlap_steps + 2)
-            self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"diloco-island{island}-sync")
+            self._executor = ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix=f"diloco-island{island}-sync", initializer=single_threaded_torch
+            )
             self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_every,), name=f"diloco-island{island}-heartbeat", daemon=True)
 
     # ---- joining ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.synchronizer.service import Contribution, Refusal, Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
@@ -157,7 +158,10 @@ class SynchronizerServer:
         """``max_workers`` bounds concurrent calls; a push holds a worker while its round is open,
         so allow at least islands x (overlap_steps + 1) plus a few."""
         self.service = service
-        self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="diloco-sync")
+        # embedded in a training process, the handlers' torch work must not add OpenMP teams
+        self.executor = futures.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="diloco-sync", initializer=single_threaded_torch
+        )
         self.server = grpc.server(
             self.executor,
             options=[

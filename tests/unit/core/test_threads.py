@@ -1,0 +1,60 @@
+"""Background threads beside a training loop add no OpenMP teams (the cause of a 1.3x step time)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from lightning_diloco.core.threads import single_threaded_torch
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+
+
+@pytest.fixture
+def two_torch_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # the training thread's default on a 2-core machine
+    yield
+    torch.set_num_threads(previous)
+
+
+def _threads_added_by_a_parallel_op(limit: bool) -> tuple[int, int]:
+    """(OS threads the op added, torch threads seen) on a helper thread that stays alive."""
+    seen: dict[str, int] = {}
+
+    def work() -> None:
+        if limit:
+            assert single_threaded_torch()
+        before = len(os.listdir("/proc/self/task"))
+        assert float((torch.ones(4_000_000) * 2).sum()) == 8_000_000  # big enough to run in parallel
+        seen["added"] = len(os.listdir("/proc/self/task")) - before
+        seen["torch"] = torch.get_num_threads()
+
+    helper = threading.Thread(target=work)
+    helper.start()
+    helper.join()
+    return seen["added"], seen["torch"]
+
+
+def test_a_limited_helper_thread_runs_torch_without_a_team_of_its_own(two_torch_threads):
+    added, torch_threads = _threads_added_by_a_parallel_op(limit=False)
+    assert added >= 1 and torch_threads == 2  # the control: an unlimited helper grows a team
+    added, torch_threads = _threads_added_by_a_parallel_op(limit=True)
+    assert added == 0 and torch_threads == 1
+    assert torch.get_num_threads() == 2  # the calling (training) thread keeps its team
+
+
+def test_the_island_and_synchronizer_pools_limit_their_threads(two_torch_threads):
+    from lightning_diloco.core.config import RunConfig, ScheduleConfig
+    from lightning_diloco.synchronizer.server import SynchronizerServer
+    from lightning_diloco.synchronizer.service import Synchronizer
+
+    server = SynchronizerServer(Synchronizer(RunConfig(schedule=ScheduleConfig(num_fragments=1, sync_every=4))))
+    try:
+        assert server.executor.submit(torch.get_num_threads).result() == 1
+    finally:
+        server.stop(grace=0)
+    assert torch.get_num_threads() == 2
