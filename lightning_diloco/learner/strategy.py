@@ -80,6 +80,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         tokens_per_batch: Callable[[Any], float] | None = None,
         end_with_global_model: bool = True,
         push_wait: float = 120.0,
+        join_wait: float = 300.0,
         **ddp_kwargs: Any,
     ) -> None:
         """Arguments left as None come from the environment (``DILOCO_SYNCHRONIZER``,
@@ -91,6 +92,8 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         ``tokens_per_batch``: counts a batch's tokens (default: attention-mask ones, else
         input_ids elements, else samples). ``end_with_global_model``: load the global model into
         the module when training ends. ``push_wait``: seconds a fragment may wait for its round.
+        ``join_wait``: seconds an island waits at start for a synchronizer it cannot reach yet
+        (one started after the islands, or restarting) before failing.
         Other keyword arguments go to :class:`~lightning.pytorch.strategies.DDPStrategy`.
         """
         super().__init__(**ddp_kwargs)
@@ -110,6 +113,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         self.count_tokens = tokens_per_batch or default_tokens_per_batch
         self.end_with_global_model = end_with_global_model
         self.push_wait = push_wait
+        self.join_wait = join_wait
         self.learner: IslandLearner | None = None
         self.final_metrics: dict[str, float] = {}  # the learner's metrics when fit ended
         self.embedded = None
@@ -170,7 +174,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         if address is None:
             address = self._start_embedded(specs)
         link = SynchronizerClient(address, token=self.token)
-        info = link.join(self.island, self.world_size, specs)
+        info = link.join(self.island, self.world_size, specs, patience=self.join_wait)
         self._warn_on_conflicts(info.config)
         return link, info.config
 

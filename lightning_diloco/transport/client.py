@@ -121,13 +121,15 @@ class SynchronizerClient:
 
     # ---- retries ------------------------------------------------------------------------------
 
-    def _call(self, what: str, call: Callable[[], T], shard: int | None = None) -> T:
+    def _call(self, what: str, call: Callable[[], T], shard: int | None = None, patience: float = 0.0) -> T:
         """Run ``call``, retrying while the synchronizer is unreachable.
 
         Between attempts it waits for the backoff delay or until the shard's channel reconnects,
         whichever comes first: a synchronizer that is back is used at once, not after a sleep.
+        ``patience``: seconds during which it keeps retrying even after ``max_retries``.
         """
         attempt = 0
+        keep_trying_until = time.monotonic() + patience
         while True:
             try:
                 return call()
@@ -141,33 +143,39 @@ class SynchronizerClient:
                     raise TimeoutError(f"{what}: {details or 'deadline exceeded'}") from None
                 elif code not in RETRYABLE:
                     raise SynchronizerError(code, reason, f"{what} refused ({code.name}): {details}") from None
-                if attempt >= self.max_retries:
+                if attempt >= self.max_retries and time.monotonic() >= keep_trying_until:
                     raise SynchronizerError(code, "unreachable", f"{what}: gave up after {attempt + 1} attempts: {details}") from None
-                delay = min(self.max_backoff, self.backoff * 2**attempt) * (0.5 + self.rng.random() / 2)
+                delay = min(self.max_backoff, self.backoff * 2 ** min(attempt, 30)) * (0.5 + self.rng.random() / 2)
                 log.debug("%s failed (%s); retrying within %.2fs", what, code.name, delay)
                 self._wait_ready(shard, delay)
                 attempt += 1
 
     def _wait_ready(self, shard: int | None, delay: float) -> None:
-        if shard is None:
-            time.sleep(delay)
-            return
-        try:
-            grpc.channel_ready_future(self.channels[shard]).result(timeout=delay)
-        except grpc.FutureTimeoutError:
-            pass
-        except ValueError:  # the channel was closed under us (shutdown): the next attempt reports it
-            time.sleep(min(delay, 0.05))
+        """Wait ``delay`` seconds or until the shard's channel (every channel: None) is ready."""
+        started = time.monotonic()
+        for channel in self.channels if shard is None else [self.channels[shard]]:
+            ready = grpc.channel_ready_future(channel)
+            try:
+                ready.result(timeout=max(0.0, started + delay - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                ready.cancel()  # stops its connectivity polling thread
+                return
+            except ValueError:  # the channel was closed under us (shutdown): the next attempt reports it
+                break
+        # a ready channel can still answer UNAVAILABLE (a server shutting down): do not spin
+        time.sleep(max(0.0, started + min(delay, 0.5) - time.monotonic()))
 
     # ---- calls --------------------------------------------------------------------------------
 
-    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> JoinInfo:
+    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], patience: float = 0.0) -> JoinInfo:
+        """Join every shard. ``patience``: seconds to keep waiting for a synchronizer that is not
+        reachable yet (an island may start before it, or while it restarts)."""
         request = pb.JoinRequest(
             island=island,
             world_size=world_size,
             tensors=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in specs],
         )
-        info = self._call("join", lambda: self._join_all(request))
+        info = self._call("join", lambda: self._join_all(request), patience=patience)
         self._join_request = request
         return info
 

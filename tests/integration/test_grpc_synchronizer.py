@@ -228,6 +228,39 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
             restarted["server"].stop(grace=0)
 
 
+def test_an_island_started_before_its_synchronizer_waits_and_joins():
+    import socket
+    import time
+
+    with socket.socket() as probe:  # a port nothing listens on yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = run_config()
+    client = SynchronizerClient(f"127.0.0.1:{port}", max_retries=0, backoff=0.05, max_backoff=0.2)
+    started: dict = {}
+
+    def start_later():
+        time.sleep(1.0)
+        started["server"] = SynchronizerServer(Synchronizer(config), port=port).start()
+
+    thread = threading.Thread(target=start_later, name="diloco-test-late-start")
+    try:
+        with pytest.raises(SynchronizerError) as refused:  # no patience: fails at once, saying why
+            client.join(0, 1, SPECS)
+        assert refused.value.reason == "unreachable"
+        thread.start()
+        began = time.monotonic()
+        info = client.join(0, 1, SPECS, patience=30.0)
+        assert info.config == config
+        assert time.monotonic() - began < 10.0  # joined once the synchronizer was up, not at the deadline
+    finally:
+        if thread.ident is not None:
+            thread.join()
+        client.close()
+        if "server" in started:
+            started["server"].stop(grace=0)
+
+
 def test_sixteen_concurrent_learners_merge_exactly_like_the_reference(started):
     islands, rounds = 16, 6
     config = run_config(num_fragments=2, min_quorum=islands, uplink="fp32", downlink="fp32")

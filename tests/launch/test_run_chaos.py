@@ -28,16 +28,20 @@ def test_three_islands_survive_kills_a_pause_and_a_synchronizer_restart(tmp_path
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     report = json.loads(report_path.read_text())
+    log = done.stdout[-6000:]  # the launcher's and the islands' output, for a failure's message
 
     assert len(report["faults"]) == 4, report["faults"]
-    assert report["restarts"] == {"0": 0, "1": 2, "2": 0}
+    # island 1 restarted for its two kills only. CI once read 3 here (output not kept); the likely
+    # cause, a restarted island's join giving up after ~10-20 s of retries while the synchronizer
+    # was restarting, is gone: a starting island now waits for the synchronizer (join_wait)
+    assert report["restarts"] == {"0": 0, "1": 2, "2": 0}, log
     # the killed island came back and its contributions were accepted again, both times
     assert len(report["recoveries_s"]) == 2
     # the global model never stopped moving, except while the synchronizer itself restarted: at
     # most a few sampling periods (0.25 s) without an outer step in all. Two cores run three
     # islands, their restarts and the synchronizer; a restarted island importing torch starves the
     # others for up to a second (measured once in CI: 1.01 s; a DDP job here loses ~26 s).
-    assert report["downtime_outside_synchronizer_restarts_s"] <= SAMPLE_EVERY * 6, report["global_series"]
+    assert report["downtime_outside_synchronizer_restarts_s"] <= SAMPLE_EVERY * 6, (report["global_series"], log)
     # no checkpointed outer step was lost: global progress never goes back
     progress = [p for _, p in report["global_series"]]
     assert all(b >= a for a, b in zip(progress, progress[1:])), progress
