@@ -28,9 +28,9 @@ def _threads_added_by_a_parallel_op(limit: bool) -> tuple[int, int]:
     def work() -> None:
         if limit:
             assert single_threaded_torch()
-        before = len(os.listdir("/proc/self/task"))
+        before = set(os.listdir("/proc/self/task"))
         assert float((torch.ones(4_000_000) * 2).sum()) == 8_000_000  # big enough to run in parallel
-        seen["added"] = len(os.listdir("/proc/self/task")) - before
+        seen["added"] = len(set(os.listdir("/proc/self/task")) - before)  # threads of earlier tests may end meanwhile
         seen["torch"] = torch.get_num_threads()
 
     helper = threading.Thread(target=work)
@@ -42,8 +42,9 @@ def _threads_added_by_a_parallel_op(limit: bool) -> tuple[int, int]:
 def test_a_limited_helper_thread_runs_torch_without_a_team_of_its_own(two_torch_threads):
     added, torch_threads = _threads_added_by_a_parallel_op(limit=False)
     assert added >= 1 and torch_threads == 2  # the control: an unlimited helper grows a team
-    added, torch_threads = _threads_added_by_a_parallel_op(limit=True)
-    assert added == 0 and torch_threads == 1
+    # another test's leftover thread may start meanwhile: one clean try of three is enough
+    tries = [_threads_added_by_a_parallel_op(limit=True) for _ in range(3)]
+    assert min(added for added, _ in tries) == 0 and all(torch_threads == 1 for _, torch_threads in tries)
     assert torch.get_num_threads() == 2  # the calling (training) thread keeps its team
 
 
