@@ -110,6 +110,36 @@ def downtime(samples: Sequence[Sample], excluded: Sequence[tuple[float, float]] 
     return total, longest
 
 
+class RecoveryClock:
+    """Seconds from each island restart to the island's first accepted contribution after it.
+
+    The synchronizer counts accepted contributions per incarnation: after its own restart the
+    counts start again from zero, so a baseline taken before that restart is reset to zero (an
+    island restarted together with the synchronizer was otherwise never seen to recover).
+    """
+
+    def __init__(self) -> None:
+        self.recoveries: list[float] = []
+        self.accepted: dict[int, int] = {}  # per island, in the synchronizer's current incarnation
+        self._awaiting: dict[int, tuple[float, int]] = {}  # island -> (restarted at, accepted then)
+        self._incarnation = None
+
+    def island_restarted(self, island: int, now: float) -> None:
+        self._awaiting[island] = (now, self.accepted.get(island, 0))
+
+    def observe(self, status: dict, now: float) -> None:
+        incarnation = status.get("incarnation")
+        if incarnation != self._incarnation:
+            if self._incarnation is not None:
+                self._awaiting = {i: (since, 0) for i, (since, _) in self._awaiting.items()}
+            self._incarnation = incarnation
+        self.accepted = {int(i): island["accepted"] for i, island in status["islands"].items()}
+        for i, (since, before) in list(self._awaiting.items()):
+            if self.accepted.get(i, 0) > before:
+                self.recoveries.append(now - since)
+                del self._awaiting[i]
+
+
 def build_report(method: str, num_islands: int, samples: Sequence[Sample], alive_s: dict[int, float], *,
                  rollback_steps: bool, synchronizer_restarts: Sequence[float] = (),
                  finished_at: dict[int, float] | None = None) -> RunReport:

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.progress import read_progress
-from lightning_diloco.launch.report import RunReport, Sample, build_report
+from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
 from lightning_diloco.launch.supervisor import Supervised, clean_environment
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,7 @@ class Run:
         self._sync_reachable = True
         self._timers: list[threading.Timer] = []
         self.samples: list[Sample] = []
-        self.recoveries: list[float] = []
-        self._awaiting_recovery: dict[int, tuple[float, int]] = {}
+        self.recovery = RecoveryClock()
         self._stop = threading.Event()
         self.synchronizer: Supervised | None = None
         self.address = args.synchronizer
@@ -167,11 +166,7 @@ class Run:
                 progress = status["outer_steps"]
                 for observe in self.observers:
                     observe(status)
-                self._accepted = {int(i): isl["accepted"] for i, isl in status["islands"].items()}
-                for i, (since, before) in list(self._awaiting_recovery.items()):
-                    if self._accepted.get(i, 0) > before:
-                        self.recoveries.append(now - since)
-                        del self._awaiting_recovery[i]
+                self.recovery.observe(status, now)
                 self._sync_reachable = True
             except Exception:  # noqa: BLE001 - the synchronizer is down: its own restart window
                 progress = self.samples[-1].global_progress if self.samples else 0
@@ -209,7 +204,7 @@ class Run:
                 island.start()
                 self.echo(f"[launcher] restarted {island.name} (restart {island.restarts})\n")
                 if not self.ddp:
-                    self._awaiting_recovery[index] = (now, getattr(self, "_accepted", {}).get(index, 0))
+                    self.recovery.island_restarted(index, now)
             if island.paused_until is not None and now >= island.paused_until:
                 island.paused_until = None
                 island.signal(signal.SIGCONT)
@@ -259,8 +254,8 @@ class Run:
                            finished_at=self._finished_at())
         rep.faults = self.fired
         rep.restarts = {i: self.islands[0 if self.ddp else i].restarts for i in range(self.args.islands)}
-        rep.recoveries_s = self.recoveries
-        rep.accepted = dict(getattr(self, "_accepted", {}))
+        rep.recoveries_s = self.recovery.recoveries
+        rep.accepted = dict(self.recovery.accepted)
         return rep
 
 

@@ -11,6 +11,7 @@ import logging
 import statistics
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class Synchronizer:
         self.config = config
         self.owned = owned_by_shard(shard, num_shards)
         self.shard, self.num_shards = shard, num_shards
+        self.incarnation = uuid.uuid4().hex[:12]  # per-process counters (accepted, refused) restart with it
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.liveness_timeout = liveness_timeout
@@ -516,6 +518,7 @@ class Synchronizer:
         return {
             "shard": self.shard,
             "num_shards": self.num_shards,
+            "incarnation": self.incarnation,
             "layout_hash": self.state.layout.hash if self.state else "",
             "outer_steps": self.state.outer_steps if self.state else 0,
             "versions": self.versions(),

@@ -143,8 +143,12 @@ class SynchronizerClient:
                     raise TimeoutError(f"{what}: {details or 'deadline exceeded'}") from None
                 elif code not in RETRYABLE:
                     raise SynchronizerError(code, reason, f"{what} refused ({code.name}): {details}") from None
-                if attempt >= self.max_retries and time.monotonic() >= keep_trying_until:
-                    raise SynchronizerError(code, "unreachable", f"{what}: gave up after {attempt + 1} attempts: {details}") from None
+                if attempt >= self.max_retries:
+                    left = keep_trying_until - time.monotonic()
+                    if left <= 0:
+                        raise SynchronizerError(code, "unreachable", f"{what}: gave up after {attempt + 1} attempts: {details}") from None
+                    if attempt == self.max_retries:  # say once why the caller is waiting
+                        log.warning("%s: no synchronizer reachable at %s yet; trying for %.0f s more", what, ",".join(self.addresses), left)
                 delay = min(self.max_backoff, self.backoff * 2 ** min(attempt, 30)) * (0.5 + self.rng.random() / 2)
                 log.debug("%s failed (%s); retrying within %.2fs", what, code.name, delay)
                 self._wait_ready(shard, delay)

@@ -228,7 +228,7 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
             restarted["server"].stop(grace=0)
 
 
-def test_an_island_started_before_its_synchronizer_waits_and_joins():
+def test_an_island_started_before_its_synchronizer_waits_and_joins(caplog):
     import socket
     import time
 
@@ -250,8 +250,10 @@ def test_an_island_started_before_its_synchronizer_waits_and_joins():
         assert refused.value.reason == "unreachable"
         thread.start()
         began = time.monotonic()
-        info = client.join(0, 1, SPECS, patience=30.0)
+        with caplog.at_level("WARNING", logger="lightning_diloco.transport.client"):
+            info = client.join(0, 1, SPECS, patience=30.0)
         assert info.config == config
+        assert f"no synchronizer reachable at 127.0.0.1:{port} yet" in caplog.text  # says why it waits
         assert time.monotonic() - began < 10.0  # joined once the synchronizer was up, not at the deadline
     finally:
         if thread.ident is not None:

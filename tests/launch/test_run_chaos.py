@@ -35,8 +35,9 @@ def test_three_islands_survive_kills_a_pause_and_a_synchronizer_restart(tmp_path
     # cause, a restarted island's join giving up after ~10-20 s of retries while the synchronizer
     # was restarting, is gone: a starting island now waits for the synchronizer (join_wait)
     assert report["restarts"] == {"0": 0, "1": 2, "2": 0}, log
-    # the killed island came back and its contributions were accepted again, both times
-    assert len(report["recoveries_s"]) == 2
+    # the killed island came back and its contributions were accepted again, both times (also when
+    # its second kill and the synchronizer's fall together: CI once saw that read 1)
+    assert len(report["recoveries_s"]) == 2, log
     # the global model never stopped moving, except while the synchronizer itself restarted: at
     # most a few sampling periods (0.25 s) without an outer step in all. Two cores run three
     # islands, their restarts and the synchronizer; a restarted island importing torch starves the

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_diloco.launch.report import Sample, build_report, downtime, useful_time
+from lightning_diloco.launch.report import RecoveryClock, Sample, build_report, downtime, useful_time
 
 
 def test_useful_time_credits_every_advancing_interval():
@@ -47,3 +47,28 @@ def test_goodput_is_useful_over_allocated_island_time():
     # an island that finished its work at t = 2 is not allocated after that
     done = build_report("x", 2, samples, {0: 4.0, 1: 2.0}, rollback_steps=False, finished_at={1: 2.0})
     assert done.goodput == pytest.approx(6.0 / 6.0)
+
+
+def _status(incarnation, **accepted):
+    return {"incarnation": incarnation, "islands": {i[1:]: {"accepted": n} for i, n in accepted.items()}}
+
+
+def test_recovery_is_the_first_contribution_accepted_after_a_restart():
+    clock = RecoveryClock()
+    clock.observe(_status("a", i1=40), now=10.0)
+    clock.island_restarted(1, now=11.0)
+    clock.observe(_status("a", i1=40), now=12.0)  # still starting
+    clock.observe(_status("a", i1=41), now=13.5)
+    assert clock.recoveries == [2.5]
+
+
+def test_recovery_counts_from_zero_again_after_the_synchronizer_restarts():
+    # the island restarts while the synchronizer is down; the new synchronizer counts from 0,
+    # and 7 accepted is a recovery even though the old incarnation had counted 40
+    clock = RecoveryClock()
+    clock.observe(_status("a", i1=40), now=10.0)
+    clock.island_restarted(1, now=11.0)
+    clock.observe(_status("b", i1=0), now=14.0)
+    assert clock.recoveries == []
+    clock.observe(_status("b", i1=7), now=15.0)
+    assert clock.recoveries == [4.0] and clock.accepted == {1: 7}
