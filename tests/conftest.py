@@ -48,3 +48,12 @@ def no_leaks():
         time.sleep(0.05)
     assert not leaked_threads, f"test leaked threads: {leaked_threads}"
     assert not leaked_children, f"test leaked child processes: {sorted(leaked_children)}"
+
+
+@pytest.fixture
+def two_torch_threads():
+    """torch at 2 threads (a training thread's default on 2 cores) for the test, then back."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)

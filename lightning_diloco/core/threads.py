@@ -51,8 +51,8 @@ def _omp_set_num_threads():
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if any(name in line for name in OPENMP_LIBRARIES)}
-        for path in sorted(paths):
-            return ctypes.CDLL(path).omp_set_num_threads
+        if paths:
+            return ctypes.CDLL(min(paths)).omp_set_num_threads
     except (OSError, AttributeError):
         pass
     log.debug("no OpenMP runtime found: background torch work keeps the default thread count")

@@ -125,7 +125,9 @@ class SynchronizerClient:
         """Run ``call``, retrying while the synchronizer is unreachable.
 
         Between attempts it waits for the backoff delay or until the shard's channel reconnects,
-        whichever comes first: a synchronizer that is back is used at once, not after a sleep.
+        whichever comes first (but at least half a second, or the delay if shorter, so a server
+        that answers UNAVAILABLE on a ready channel is not hammered): a synchronizer that is back
+        is used at once, not after the full backoff.
         ``patience``: seconds during which it keeps retrying even after ``max_retries``.
         """
         attempt = 0

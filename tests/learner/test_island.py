@@ -221,13 +221,8 @@ def test_state_dict_round_trips_and_refuses_another_model(closing):
         learner.load_state_dict({**state, "layout_hash": "x"})
 
 
-def test_sync_threads_run_torch_single_threaded_and_leave_the_training_thread_alone(closing):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        learner, *_ = _island(_config())
-        closing(learner)
-        assert learner._executor.submit(torch.get_num_threads).result() == 1
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(previous)
+def test_sync_threads_run_torch_single_threaded_and_leave_the_training_thread_alone(closing, two_torch_threads):
+    learner, *_ = _island(_config())
+    closing(learner)
+    assert learner._executor.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == 2

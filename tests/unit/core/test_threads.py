@@ -13,14 +13,6 @@ from lightning_diloco.core.threads import single_threaded_torch
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
 
 
-@pytest.fixture
-def two_torch_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)  # the training thread's default on a 2-core machine
-    yield
-    torch.set_num_threads(previous)
-
-
 def _threads_added_by_a_parallel_op(limit: bool) -> tuple[int, int]:
     """(OS threads the op added, torch threads seen) on a helper thread that stays alive."""
     seen: dict[str, int] = {}
@@ -48,7 +40,7 @@ def test_a_limited_helper_thread_runs_torch_without_a_team_of_its_own(two_torch_
     assert torch.get_num_threads() == 2  # the calling (training) thread keeps its team
 
 
-def test_the_island_and_synchronizer_pools_limit_their_threads(two_torch_threads):
+def test_the_synchronizer_pool_runs_torch_single_threaded(two_torch_threads):
     from lightning_diloco.core.config import RunConfig, ScheduleConfig
     from lightning_diloco.synchronizer.server import SynchronizerServer
     from lightning_diloco.synchronizer.service import Synchronizer
