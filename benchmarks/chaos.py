@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--schedule", default=DEFAULT_SCHEDULE)
     parser.add_argument("--num-fragments", type=int, default=4)
     parser.add_argument("--sync-every", type=int, default=4)
-    parser.add_argument("--checkpoint-every", type=int, default=100, help="DDP arm: steps between checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (both arms: a killed unit resumes from its last one)")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="diloco-chaos-") as tmp:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.netns import Namespaces
-from lightning_diloco.launch.progress import read_progress
+from lightning_diloco.launch.supervisor import read_progress
 from lightning_diloco.launch.supervisor import clean_environment
 
 ROOT = Path(__file__).resolve().parents[1]

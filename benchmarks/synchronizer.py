@@ -3,8 +3,9 @@
     python -m benchmarks.synchronizer [--learners 1 4 16 64] [--sizes 1000000 16000000] [--codec bf16]
 
 Every round waits for all M learners (K = M, no grace), so a round's latency is the time from
-the first push to the last reply. Prints contributions/s, MB/s of payload ingested and round
-latency per (M, fragment size), and the ratio of each M against M = 1 measured in the same run.
+the first push to the new version's arrival through the learners' subscriptions (the downlink
+in the same codec). Prints contributions/s, MB/s of payload ingested and round latency per
+(M, fragment size), and the ratio of each M against M = 1 measured in the same run.
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ def run_case(learners: int, numel: int, rounds: int, codec_name: str) -> dict:
         clients[0].seed(0, 0, torch.zeros(numel))
         for i in range(1, learners):
             clients[i].join(i, 1, specs)
+        arrived = [threading.Condition() for _ in range(learners)]
+        versions = [0] * learners
+
+        def on_version(i, event):
+            with arrived[i]:
+                versions[i] = event.version
+                arrived[i].notify_all()
+
+        for i, client in enumerate(clients):
+            client.subscribe(i, lambda i=i: {0: versions[i]}, on_request=lambda *_: None,
+                             on_version=lambda event, i=i: on_version(i, event))
         payload = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3)
         latencies: list[float] = []
         barrier = threading.Barrier(learners)
@@ -56,8 +68,11 @@ def run_case(learners: int, numel: int, rounds: int, codec_name: str) -> dict:
                 for r in range(rounds):
                     barrier.wait()
                     start = time.perf_counter()
-                    clients[i].push(island=i, fragment=0, base_version=r, tokens=1.0, steps=1, codec=codec_name,
-                                    seq=r, payload=payload, layout_hash=info.layout_hash, wait=600)
+                    clients[i].push(island=i, fragment=0, round=r, base_version=r, tokens=1.0, steps=1, codec=codec_name,
+                                    seq=r, payload=payload, layout_hash=info.layout_hash)
+                    with arrived[i]:
+                        if not arrived[i].wait_for(lambda: versions[i] > r, timeout=600):
+                            raise TimeoutError(f"learner {i}: no version {r + 1} within 600 s")
                     if i == 0:
                         latencies.append(time.perf_counter() - start)
             except BaseException as err:  # reported after the join

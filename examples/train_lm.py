@@ -3,8 +3,8 @@
     lightning-diloco run --islands 3 -- python examples/train_lm.py --steps 300
 
 Reads the launcher's environment: DILOCO_STRATEGY (decoupled_diloco, or ddp for the baseline),
-DILOCO_DEVICES, DILOCO_NUM_NODES, DILOCO_CHECKPOINT_DIR (the DDP baseline resumes from its last
-checkpoint there).
+DILOCO_DEVICES, DILOCO_NUM_NODES, DILOCO_CHECKPOINT_DIR (a restarted island, and the DDP
+baseline, resume from their last checkpoint there).
 The data: sequences from a fixed random bigram model, so there is structure to learn and an
 eval loss floor (the chain's entropy) to approach.
 """
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="extra sleep per step")
-    parser.add_argument("--checkpoint-every", type=int, default=50, help="DDP baseline: steps between checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints under the launcher")
     parser.add_argument("--slow-unit", type=int, default=-1, help="island (DDP: rank) whose emulated steps take --slowdown x as long")
     parser.add_argument("--slowdown", type=float, default=1.0)
     parser.add_argument("--independent", action="store_true", help="train without any synchronization (plain Lightning)")
@@ -127,7 +127,7 @@ def main() -> None:
     ckpt_dir = os.environ.get("DILOCO_CHECKPOINT_DIR")
     callbacks = [ProgressFile()]
     ckpt_path = None
-    if strategy == "ddp" and ckpt_dir:
+    if ckpt_dir and strategy != "auto":  # a killed island (or the DDP baseline) resumes from its last checkpoint
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=args.checkpoint_every))
         last = Path(ckpt_dir) / "last.ckpt"
         ckpt_path = str(last) if last.exists() else None
@@ -137,7 +137,7 @@ def main() -> None:
         callbacks.append(LossCurve(val, args.eval_every, args.curve, args.batch))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, num_nodes=num_nodes, max_steps=args.steps, logger=False,
-        enable_checkpointing=ckpt_path is not None or strategy == "ddp", enable_progress_bar=False,
+        enable_checkpointing=bool(ckpt_dir) and strategy != "auto", enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, val_check_interval=None, check_val_every_n_epoch=None,
         limit_val_batches=8, num_sanity_val_steps=0,
     )

@@ -1,14 +1,31 @@
 """lightning_diloco: Decoupled DiLoCo for PyTorch Lightning.
 
 Importing the package registers ``Trainer(strategy="decoupled_diloco")`` (and
-``"decoupled_diloco_spawn"``) with Lightning.
+``"decoupled_diloco_spawn"``) with Lightning, once Lightning is loaded: the synchronizer and the
+core never import Lightning themselves.
 """
+
+from __future__ import annotations
+
+import importlib
+
+from lightning_diloco._registration import register_when_lightning_loads
 
 __version__ = "0.1.0"
 
-from lightning_diloco.learner.monitor import DiLoCoMonitor  # noqa: E402
-from lightning_diloco.learner.strategy import DecoupledDiLoCoStrategy, register  # noqa: E402
+_LAZY = {
+    "DecoupledDiLoCoStrategy": "lightning_diloco.learner.strategy",
+    "register": "lightning_diloco.learner.strategy",
+    "DiLoCoMonitor": "lightning_diloco.learner.monitor",
+    "ProgressFile": "lightning_diloco.launch.progress",
+}
+__all__ = [*_LAZY, "__version__"]
 
-register()
 
-__all__ = ["DecoupledDiLoCoStrategy", "DiLoCoMonitor", "__version__"]
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_diloco' has no attribute {name!r}")
+
+
+register_when_lightning_loads()

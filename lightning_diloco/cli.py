@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from lightning_diloco import __version__
@@ -42,13 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     from lightning_diloco.launch.run import add_run_arguments
 
-    run = commands.add_parser("run", help="run a synchronizer and M islands of COMMAND on this host (after --)")
+    run = commands.add_parser(
+        "run", help="run a synchronizer and M islands of COMMAND on this host (after --)",
+        usage="lightning-diloco run [OPTIONS] -- COMMAND [ARGS ...]",
+        description="Run a synchronizer and M islands, each COMMAND in its own process tree, e.g. "
+                    "lightning-diloco run --islands 3 -- python examples/train_lm.py --steps 300",
+    )
     add_run_arguments(run)
     run.set_defaults(run=_run)
 
     status = commands.add_parser("status", help="print a synchronizer's status as a table")
     status.add_argument("address", help="host:port, comma-separated for every shard")
-    status.add_argument("--token", default=os.environ.get("DILOCO_TOKEN"), help="the run's token (default $DILOCO_TOKEN)")
+    from lightning_diloco.synchronizer.main import add_token_arguments
+
+    add_token_arguments(status, "run's token")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(run=_status)
     return parser

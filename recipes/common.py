@@ -71,12 +71,14 @@ def build_parser(recipe: Recipe, description: str | None) -> argparse.ArgumentPa
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline unless logged in)")
     p.add_argument("--wandb-project", default="lightning-diloco")
     p.add_argument("--wandb-group", default=None, help="W&B group (default: the output folder's name)")
-    p.add_argument("--chaos", help="fault schedule for the launcher, e.g. 'kill 1 at step 300'")
+    p.add_argument("--chaos", help="fault schedule for the launcher, e.g. 'kill 1 at step 300'; islands then "
+                   "checkpoint every steps / 20 and a restarted one resumes from its last checkpoint")
+    p.add_argument("--stagger", type=float, default=0.0, help="start island i i x this many seconds after island 0")
+    p.add_argument("--slow-island", type=int, default=-1, help="island (DDP: rank) whose steps take --slowdown x as long")
+    p.add_argument("--slowdown", type=float, default=1.0, help="step-time factor of --slow-island (default %(default)s)")
     g = p.add_argument_group("Decoupled DiLoCo (default: the preset's, else the library's)")
     for name, kind in DILOCO_SETTINGS.items():
         g.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-    g.add_argument("--delta-vs-own-base", action="store_true", default=None,
-                   help="synchronizer: outer gradients against each island's own base, not the current global")
     p.add_argument("--run-t0", type=float, help=argparse.SUPPRESS)  # set by the launcher for its processes
     recipe.add_arguments(p)
     return p
@@ -89,12 +91,17 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, name, getattr(preset, name))
     for name, value in preset.diloco.items():
         if getattr(args, name, None) is None:
-            setattr(args, name, max(1, args.islands - 1) if value == "M-1" else value)
+            setattr(args, name, value)
     for name, value in preset.model.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     args.eval_every = args.eval_every or max(1, args.steps // 10)
     args.out = args.out or f"runs/{recipe.name}-{args.preset}-{args.strategy}"
+    if args.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise SystemExit("--wandb needs Weights & Biases: pip install 'lightning-diloco[wandb]'")
     if args.islands < 1 or args.devices < 1:
         raise SystemExit(f"--islands={args.islands} and --devices={args.devices} must be >= 1")
     if args.strategy != "ddp" and (args.min_quorum or 1) > args.islands:
@@ -134,10 +141,10 @@ def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
         launcher.append("--baseline=ddp")
     else:
         launcher += [f"--sync=--{k.replace('_', '-')}={v}" for k, v in diloco_settings(args).items()]
-        if args.delta_vs_own_base:
-            launcher.append("--sync=--delta-vs-own-base")
     if args.chaos:
         launcher.append(f"--chaos={args.chaos}")
+    if args.stagger:
+        launcher.append(f"--stagger={args.stagger}")
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     observer = SynchronizerObserver(args, out) if not ddp else None
@@ -194,7 +201,8 @@ def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, 
         "tokens": sum(r["tokens"] for r in results), "wall_s": wall, "final": last["final"],
         "bytes_across": across, "bytes_across_how": across_how,
         "outer_steps": status["outer_steps"] if status else None,
-        "settings": {**diloco_settings(args), "delta_vs_own_base": bool(args.delta_vs_own_base)} if args.strategy != "ddp" else {},
+        "synchronizer": status,  # its last status: rounds, islands, counters
+        "settings": diloco_settings(args) if args.strategy != "ddp" else {},
         "islands_results": results,
     }
 
@@ -289,16 +297,28 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
             for logger in trainer.loggers:
                 logger.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, step=step)
 
+    class Straggler(Callback):
+        """Makes one unit's steps take ``--slowdown`` x as long (a slower chip, or a shared host):
+        island ``--slow-island``, or that rank of the DDP job."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            unit_index = trainer.global_rank if strategy_name == "ddp" else island
+            if unit_index == args.slow_island:
+                time.sleep((args.slowdown - 1.0) * (time.perf_counter() - self.started))
+
     loggers = [CSVLogger(out / "logs", name=unit, version=f"incarnation-{time.time_ns()}")]
     if args.wandb:
         from lightning.pytorch.loggers import WandbLogger
 
         loggers.append(WandbLogger(**wandb_kwargs(args, out, name=f"{strategy_name}-{unit}")))
     curve = Curve()
-    callbacks = [ProgressFile(), curve]
+    callbacks = [ProgressFile(), curve] + ([Straggler()] if args.slowdown > 1.0 else [])
     ckpt_path = None
     ckpt_dir = os.environ.get("DILOCO_CHECKPOINT_DIR")
-    if strategy_name == "ddp" and args.chaos and ckpt_dir:  # the baseline's checkpoint-restart
+    if args.chaos and ckpt_dir:  # checkpoint-restart: the DDP baseline's, and a killed island's resume
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=max(1, args.steps // 20)))
         last = Path(ckpt_dir) / "last.ckpt"
         ckpt_path = str(last) if last.exists() else None
@@ -308,7 +328,7 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
         strategy = lightning_diloco.DecoupledDiLoCoStrategy(**diloco_settings(args))
     trainer = pl.Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=devices, max_steps=args.steps, logger=loggers,
-        callbacks=callbacks, enable_checkpointing=ckpt_path is not None or (strategy_name == "ddp" and bool(args.chaos)),
+        callbacks=callbacks, enable_checkpointing=bool(args.chaos and ckpt_dir),
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         log_every_n_steps=max(1, args.eval_every // 4), use_distributed_sampler=True,
     )

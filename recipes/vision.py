@@ -22,7 +22,7 @@ from recipes.common import Preset, Recipe, cosine_with_warmup, main as run_recip
 
 TINY_VIT = dict(arch="vit", hidden=64, layers=2, heads=4, intermediate=128, patch=7, image=28)
 # The text sweep's best setting (README, "Choosing the settings"); the ViT has 40 tensors.
-CPU_DILOCO = dict(num_fragments=8, min_quorum="M-1", apply="mix")
+CPU_DILOCO = dict(num_fragments=8, apply="mix")
 PRESETS = {
     "cpu-tiny": Preset(model=TINY_VIT, batch=32, steps=600, lr=2e-3, diloco=CPU_DILOCO, reference={"accuracy": 0.8325}),
     "cpu-tiny-cnn": Preset(model={**TINY_VIT, "arch": "cnn", "hidden": 32}, batch=32, steps=600, lr=2e-3,

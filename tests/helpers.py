@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+
 import torch
 
 from lightning_diloco.core.codecs import get_codec
@@ -36,10 +40,12 @@ def initial_fragments(config, seed=0):
     return {p: torch.randn(lay.fragment_numel(p), generator=g) for p in range(lay.num_fragments)}
 
 
-def contribution(config, island, fragment, delta, *, base_version=0, seq=0, tokens=100.0, steps=4, codec="fp32", layout_hash=None):
+def contribution(config, island, fragment, delta, *, round=0, base_version=0, seq=0, tokens=100.0, steps=4, codec="fp32",
+                 layout_hash=None):
     return Contribution(
         island=island,
         fragment=fragment,
+        round=round,
         base_version=base_version,
         tokens=tokens,
         steps=steps,
@@ -48,3 +54,33 @@ def contribution(config, island, fragment, delta, *, base_version=0, seq=0, toke
         payload=get_codec(codec).encode(delta),
         layout_hash=layout_hash or layout(config).hash,
     )
+
+
+class FakeClock:
+    """Monotonic seconds that move only when a test says so."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; past ``timeout`` s kill its whole process tree and fail
+    with its output. Keep ``timeout`` below the test's own pytest timeout, so this one fires."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[:6])} ... ran past {timeout:.0f} s and was killed; its output:\n{out[-4000:]}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

@@ -66,12 +66,16 @@ class Codec:
         return f"{type(self).__name__}()"
 
 
+class NonFiniteError(ValueError):
+    """Input or output with NaN or inf values: never sent, never merged."""
+
+
 def _refuse_non_finite(x: torch.Tensor, what: str) -> None:
     # NaN propagates through max and an inf lands in max or min: two cheap reductions instead of
     # a full isfinite pass; the exact count is only computed on the error path.
     if x.numel() and not (bool(torch.isfinite(x.amax())) and bool(torch.isfinite(x.amin()))):
         bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(f"{what} has {bad} non-finite value(s) (NaN or inf); refusing to send or merge them")
+        raise NonFiniteError(f"{what} has {bad} non-finite value(s) (NaN or inf); refusing to send or merge them")
 
 
 class FloatCodec(Codec):

@@ -77,29 +77,31 @@ class MergeConfig:
     """gamma in [0, 1): after quorum, wait at most gamma * max(0, tau * step_time - time_to_quorum
     - sync_time) for more islands. 0 closes at quorum."""
     history: int = 4
-    """S: versions of each fragment kept so a contribution may be based on an older one. A base
-    older than that is refused as stale. Costs S copies of the model in synchronizer memory."""
-    staleness_discount: float = 0.0
-    """lambda >= 0: weight w / (1 + lambda * age), age = versions between the base and now.
-    0 (default) disables it."""
-    delta_vs_own_base: bool = False
-    """Measure each outer gradient against the island's own base instead of the current global
-    fragment (off: the paper's Theta_p - theta_m)."""
-    outlier_z: float = 0.0
-    """Reject a contribution whose outer-gradient norm exceeds z times the running median of
-    accepted norms. 0 disables the guard."""
-    outlier_window: int = 64
-    """Accepted norms remembered per fragment for the outlier guard's median."""
+    """S: versions of each fragment kept (at least one more than the islands that joined), so an
+    island holding one of them is sent the next version as a delta; one holding an older version
+    gets the full value. Costs S copies of the model in synchronizer memory."""
+    staleness_discount: float = 1.0
+    """lambda >= 0: a contribution whose base is ``age`` versions old (it missed a round and is
+    merged into the next one) weighs w / (1 + lambda * age). 0 disables the discount."""
+    outlier_z: float = 10.0
+    """z: an outer gradient longer than z x the reference norm (the lower median of the other
+    contributions in the round and of each island's recent norms; core/guard.py) is scaled down
+    to that length. Bounds what one bad or hostile island can do to a round; 0 disables it."""
+    outlier_window: int = 16
+    """Recent merged contributions per island whose median is that island's vote in the reference."""
 
     def __post_init__(self) -> None:
         _check_choice("method", self.method, MERGE_METHODS)
         _check(self.min_quorum >= 1, f"min_quorum={self.min_quorum} must be >= 1")
         _check(0.0 <= self.grace_gamma < 1.0, f"grace_gamma={self.grace_gamma} must be in [0, 1)")
         _check(self.history >= 1, f"history={self.history} must keep at least the current version (>= 1)")
-        _check(self.staleness_discount >= 0.0, f"staleness_discount={self.staleness_discount} must be >= 0")
+        _check(
+            math.isfinite(self.staleness_discount) and self.staleness_discount >= 0.0,
+            f"staleness_discount={self.staleness_discount} must be a finite number >= 0",
+        )
         _check(
             self.outlier_z == 0.0 or self.outlier_z > 1.0,
-            f"outlier_z={self.outlier_z} must be 0 (off) or > 1; a guard at or below the median rejects honest islands",
+            f"outlier_z={self.outlier_z} must be 0 (off) or > 1; a bound at or below the reference cuts honest islands short",
         )
         _check(self.outlier_window >= 3, f"outlier_window={self.outlier_window} must be >= 3 norms")
 

@@ -19,6 +19,9 @@ from torch import nn
 EMBEDDING = "embedding"
 DENSE = "dense"
 ROLES = (EMBEDDING, DENSE)
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+MAX_TENSORS = 100_000
+MAX_PARAMETERS = 10**12  # a trillion: far beyond one run's model, far below what overflows anything
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,17 @@ class TensorSpec:
     role: str
 
     def __post_init__(self) -> None:
+        name = self.name[:100]
+        if not self.name or len(self.name) > 1000:
+            raise ValueError(f"tensor name {name!r} must be 1 to 1000 characters")
         if self.role not in ROLES:
-            raise ValueError(f"tensor {self.name!r} has role {self.role!r}; expected one of {ROLES}")
+            raise ValueError(f"tensor {name!r} has role {self.role[:40]!r}; expected one of {ROLES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {self.dtype[:40]!r}; expected one of {DTYPES}")
+        if len(self.shape) > 8 or any(d < 1 for d in self.shape):
+            raise ValueError(f"tensor {name!r} has shape {self.shape[:9]}; expected at most 8 dimensions, each >= 1")
+        if self.numel > MAX_PARAMETERS:
+            raise ValueError(f"tensor {name!r} has {self.numel} elements; more than {MAX_PARAMETERS} is not a model")
 
     @property
     def numel(self) -> int:
@@ -115,6 +127,11 @@ def build_layout(specs: Sequence[TensorSpec], num_fragments: int) -> FragmentLay
     """
     if not specs:
         raise ValueError("the model has no trainable parameters; nothing to synchronize")
+    if len(specs) > MAX_TENSORS or sum(s.numel for s in specs) > MAX_PARAMETERS:
+        raise ValueError(f"{len(specs)} tensors of {sum(s.numel for s in specs)} parameters in all is beyond any model "
+                         f"(at most {MAX_TENSORS} tensors, {MAX_PARAMETERS} parameters)")
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError("two trainable tensors have the same name; names identify tensors across islands")
     if num_fragments > len(specs):
         raise ValueError(
             f"num_fragments={num_fragments} exceeds the model's {len(specs)} trainable tensors; "

@@ -8,12 +8,14 @@ parameter in the fragment) and a weight w_m = c_tok**2 / c_steps.
   Delta = (sum w_m |Delta_m| / sum w_m) * normalize(sum w_m normalize(Delta_m)),
   with normalize(0) = 0 and norms taken per tensor. Unlike a plain mean, RDA keeps the typical
   step length when islands disagree in direction.
+
+Norms are taken in float64: the fp32 norm of finite values overflows from about 1e19 per element,
+and no finite input may make a merge non-finite. How far one contribution can move a merge is
+bounded in core/guard.py.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -62,11 +64,11 @@ def radial_directional_average(
     for delta, w in zip(deltas, weights):
         if not w:
             continue
-        norm = float(torch.linalg.vector_norm(delta))
+        norm = float(torch.linalg.vector_norm(delta, dtype=torch.float64))
         radius += w * norm / total
         if norm > 0:
             direction.add_(delta, alpha=w / norm)
-    direction_norm = float(torch.linalg.vector_norm(direction))
+    direction_norm = float(torch.linalg.vector_norm(direction, dtype=torch.float64))
     # normalize(0) = 0. Opposite islands cancel only up to rounding, and normalizing that residue
     # would point the full radius in a random direction, so a sum of unit vectors shorter than
     # 1e-6 of its largest possible length counts as zero.
@@ -103,26 +105,3 @@ def merge_outer_gradients(
             merged.append(weighted_mean(per_tensor, weights, target))
     return merged
 
-
-class NormOutlierGuard:
-    """Refuses an outer gradient whose norm exceeds ``z`` times the median of recent accepted ones.
-
-    It stays open until ``min_history`` norms were accepted, so the first rounds cannot be judged
-    against nothing.
-    """
-
-    def __init__(self, z: float, window: int = 64, min_history: int = 3) -> None:
-        self.z, self.min_history = z, min_history
-        self.norms: deque[float] = deque(maxlen=window)
-
-    def check(self, norm: float) -> str | None:
-        """None when acceptable, else the reason for refusing."""
-        if not self.z or len(self.norms) < self.min_history:
-            return None
-        median = statistics.median(self.norms)
-        if median > 0 and norm > self.z * median:
-            return f"outer-gradient norm {norm:.4g} exceeds {self.z} x the running median {median:.4g}"
-        return None
-
-    def record(self, norm: float) -> None:
-        self.norms.append(norm)

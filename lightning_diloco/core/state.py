@@ -1,62 +1,79 @@
-"""The synchronizer's global state: fragments, versions, history, outer momentum; checkpoints.
+"""The synchronizer's global state: fragments, versions, history, outer momentum, rounds.
 
-A checkpoint is one ``torch.save`` file of plain tensors, numbers and strings (loadable with
-``weights_only=True``) plus a readable JSON summary beside it. Both are written atomically:
-temporary file, fsync, rename, so a crash mid-write leaves the previous checkpoint in place.
+Its checkpoints are plain tensors, numbers and strings (loadable with ``weights_only=True``),
+written and verified by core/checkpoints.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from lightning_diloco.core import checkpoints
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment
 from lightning_diloco.core.outer import OuterOptimizer
 
-CHECKPOINT_FORMAT = 1
-CHECKPOINT_NAME = "synchronizer.pt"
-SUMMARY_NAME = "synchronizer.json"
+CHECKPOINT_FORMAT = 2
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    # NaN propagates through max and an inf lands in max or min: two reductions, no mask
+    return x.numel() == 0 or bool(torch.isfinite(x.amax()) & torch.isfinite(x.amin()))
 
 
 class FragmentState:
-    """One global fragment: its current value, the last S versions and its outer momentum."""
+    """One global fragment: its current value, the last S versions, its outer momentum, and the
+    round of the run the synchronizer collects next (-1 before the first send)."""
 
     def __init__(self, value: torch.Tensor, config: RunConfig, version: int = 0) -> None:
         self.value = value.detach().to(torch.float32).reshape(-1).clone()
         self.version = version
         self.history: dict[int, torch.Tensor] = {version: self.value.clone()}
         self.depth = config.merge.history
-        self.delta_vs_own_base = config.merge.delta_vs_own_base
         self.outer = OuterOptimizer(self.value, config.outer)
+        self.next_round = -1
 
     def base(self, version: int) -> torch.Tensor | None:
         """The fragment at ``version`` if still kept, else None (stale or from the future)."""
         return self.history.get(version)
 
-    def outer_gradient(self, base_version: int, delta: torch.Tensor) -> torch.Tensor:
-        """Delta_m = Theta_ref - theta_m, with theta_m = Theta_base + d. Overwrites ``delta``.
+    @staticmethod
+    def outer_gradient(delta: torch.Tensor) -> torch.Tensor:
+        """Delta_m = Theta_base - theta_m = -d, measured against the island's own base. Overwrites
+        ``delta``.
 
-        Theta_ref is the current global fragment (paper) or the island's own base; when the
-        island's base is the reference (the common case) this is just -d.
+        Why its own base and not the current global value (the paper's Theta_p - theta_m): the two
+        agree when the base is current, but for a base that is ``age`` versions old the current
+        value adds -(Theta_now - Theta_base), which undoes the rounds the island missed; with outer
+        momentum that feedback diverged with quorum 1 and islands out of phase (measured, issue
+        12). Measured against its own base a late contribution adds only its own progress, and
+        the round discounts it by its age.
         """
-        out = delta.neg_()
-        if not self.delta_vs_own_base and base_version != self.version:
-            out.add_(self.value).sub_(self.history[base_version])
-        return out
+        return delta.neg_()
 
-    def apply(self, outer_gradient: torch.Tensor) -> int:
-        """One outer step; publishes and returns the new version."""
+    def apply(self, outer_gradient: torch.Tensor, keep: int = 0) -> int | None:
+        """One outer step; publishes and returns the new version. Keeps max(S, ``keep``) versions.
+
+        A step that would make the value or the momentum non-finite is not taken: the state stays
+        exactly as it was and None is returned.
+        """
+        momentum = self.outer.momentum_buffer
+        saved = (self.value.clone(), None if momentum is None else momentum.clone())
         self.outer.step(outer_gradient)
+        momentum = self.outer.momentum_buffer
+        if not (all_finite(self.value) and (momentum is None or all_finite(momentum))):
+            self.value.copy_(saved[0])
+            self.outer.momentum_buffer = saved[1]
+            return None
         self.version += 1
         self.history[self.version] = self.value.clone()
-        for old in [v for v in self.history if v <= self.version - self.depth]:
+        depth = max(self.depth, keep)
+        for old in [v for v in self.history if v <= self.version - depth]:
             del self.history[old]
         return self.version
 
@@ -65,6 +82,7 @@ class FragmentState:
             "version": self.version,
             "history": dict(self.history),
             "momentum": self.outer.momentum_buffer,
+            "next_round": self.next_round,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -75,6 +93,7 @@ class FragmentState:
         self.history = {v: t.clone() for v, t in history.items()}
         self.value.copy_(history[version])
         self.outer.momentum_buffer = state["momentum"]
+        self.next_round = int(state.get("next_round", -1))
 
 
 class SynchronizerState:
@@ -121,9 +140,10 @@ class SynchronizerState:
     def versions(self) -> dict[int, int]:
         return {p: f.version for p, f in self.fragments.items()}
 
-    def apply(self, p: int, outer_gradient: torch.Tensor) -> int:
-        self.outer_steps += 1
-        return self.fragments[p].apply(outer_gradient)
+    def apply(self, p: int, outer_gradient: torch.Tensor, keep: int = 0) -> int | None:
+        version = self.fragments[p].apply(outer_gradient, keep)
+        self.outer_steps += version is not None
+        return version
 
     def state_dict(self) -> dict:
         return {
@@ -158,39 +178,14 @@ class SynchronizerState:
         }
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Atomically write the checkpoint and its JSON summary into ``directory``."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / CHECKPOINT_NAME
-        _atomic_write(path, lambda f: torch.save(self.state_dict(), f))
-        _atomic_write(directory / SUMMARY_NAME, lambda f: f.write(json.dumps(self.summary(), indent=2).encode()))
-        return path
+        """Write a checksummed checkpoint into ``directory`` (the last few are kept)."""
+        return checkpoints.save(self.state_dict(), self.summary(), directory)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> SynchronizerState | None:
-        """The checkpoint in ``directory``, or None when there is none."""
-        path = Path(directory) / CHECKPOINT_NAME
-        if not path.exists():
-            return None
-        return cls.from_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-
-
-def _atomic_write(path: Path, write: Callable) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+        """The newest valid checkpoint in ``directory``, or None when there is none (ValueError
+        when there are checkpoints and none is valid)."""
+        return checkpoints.load(directory, cls.from_state_dict)
 
 
 def owned_by_shard(shard: int, num_shards: int) -> Callable[[int], bool]:

@@ -4,6 +4,7 @@ A schedule is a list of faults separated by ``;`` or newlines (a file given as `
 
     kill 1 at 10s              SIGKILL island 1 ten seconds after the start
     kill 1 at step 200         ... once island 1 reports 200 inner steps
+    kill 1 at 10s for 20s      ... and keep it down 20 s before the launcher restarts it
     pause 2 at 15s for 5s      SIGSTOP island 2, SIGCONT it 5 s later (a straggler)
     kill-synchronizer at 20s   SIGKILL the synchronizer; it restarts from its checkpoint
     random mtbf 30s seed 3     kills of random islands, exponential gaps of mean 30 s
@@ -32,7 +33,7 @@ class Fault:
     def describe(self) -> str:
         who = "synchronizer" if self.island is None else f"island {self.island}"
         when = f"{self.at_s:g}s" if self.at_s is not None else f"step {self.at_step}"
-        extra = f" for {self.duration_s:g}s" if self.kind == "pause" else ""
+        extra = f" for {self.duration_s:g}s" if self.duration_s else ""
         return f"{self.kind} {who} at {when}{extra}"
 
 

@@ -25,10 +25,3 @@ class ProgressFile(Callback):
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(str(trainer.global_step))
         os.replace(tmp, self.path)  # readers never see a half-written number
-
-
-def read_progress(path: Path) -> int:
-    try:
-        return int(path.read_text().strip() or 0)
-    except (OSError, ValueError):
-        return 0

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
-from lightning_diloco.launch.progress import read_progress
+from lightning_diloco.launch.supervisor import read_progress
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
-from lightning_diloco.launch.supervisor import Supervised, clean_environment
+from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, clean_environment
+from lightning_diloco.synchronizer.main import add_token_arguments, resolve_token
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY = 0.25
@@ -56,8 +57,10 @@ class Run:
         self._stop = threading.Event()
         self.synchronizer: Supervised | None = None
         self.address = args.synchronizer
+        self.token = resolve_token(args)
         self.client = None
         self._write = threading.Lock()
+        self.failures: list[str] = []  # why units failed, for the run's last line
 
     def echo(self, line: str) -> None:
         with self._write:
@@ -72,7 +75,9 @@ class Run:
         cmd = [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", str(port),
                "--checkpoint-dir", str(self.workdir / "synchronizer"), "--checkpoint-every", str(self.args.checkpoint_every),
                "--liveness-timeout", str(self.args.liveness_timeout), *self.args.synchronizer_args]
-        self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment({"OMP_NUM_THREADS": "1"}), self.echo)
+        # the token goes by environment, never on a command line (the process list shows those)
+        env = {"OMP_NUM_THREADS": "1", **({"DILOCO_TOKEN": self.token} if self.token else {})}
+        self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment(env), self.echo)
         self.synchronizer.start()
 
     def _island_env(self, i: int) -> dict[str, str]:
@@ -84,12 +89,19 @@ class Run:
             "DILOCO_PROGRESS_FILE": str(self.workdir / f"progress-{i}.txt"),
             "DILOCO_CHECKPOINT_DIR": str(self.workdir / f"checkpoints-{i}"),
         }
+        if "OMP_NUM_THREADS" not in os.environ:
+            # Every island process shares this host's cores. Left unset, Lightning gives each
+            # process cores // its own world size threads, so M one-process islands ran M times
+            # too many OpenMP threads, spinning against each other (measured: 4 islands on 2
+            # cores trained 5x slower).
+            processes = self.args.islands * self.args.devices_per_island
+            extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
         if self.ddp:
             extra["DILOCO_STRATEGY"] = "ddp"
         else:
             extra.update(DILOCO_STRATEGY="decoupled_diloco", DILOCO_ISLAND=str(i), DILOCO_SYNCHRONIZER=self.address)
-            if self.args.token:
-                extra["DILOCO_TOKEN"] = self.args.token
+            if self.token:
+                extra["DILOCO_TOKEN"] = self.token
         return clean_environment(extra)
 
     def start(self) -> None:
@@ -98,12 +110,15 @@ class Run:
         if not self.ddp:
             from lightning_diloco.transport.client import SynchronizerClient
 
-            self.client = SynchronizerClient(self.address, token=self.args.token, max_retries=0, timeout=2.0)
+            self.client = SynchronizerClient(self.address, token=self.token, max_retries=0, timeout=2.0)
         names = ["ddp-job"] if self.ddp else [f"island {i}" for i in range(self.units)]
         self.islands = [Supervised(names[i], self.command, lambda i=i: self._island_env(i), self.echo) for i in range(self.units)]
-        for island in self.islands:
-            island.start()
         self.t0 = time.monotonic()
+        for i, island in enumerate(self.islands):
+            if self.ddp or not self.args.stagger or i == 0:
+                island.start()
+            else:  # island i starts i x stagger seconds after the first (the loop starts it)
+                island.restart_at = self.t0 + i * self.args.stagger
 
     # ---- faults ----------------------------------------------------------------------------------
 
@@ -148,6 +163,7 @@ class Run:
         island = self.islands[fault.island]
         if fault.kind == "kill":
             island.expected_exit = True
+            island.hold_s = fault.duration_s
             island.signal(signal.SIGKILL)
         else:
             island.signal(signal.SIGSTOP)
@@ -156,7 +172,8 @@ class Run:
     # ---- the loop ------------------------------------------------------------------------------
 
     def _sample(self, now: float) -> None:
-        steps = {i: read_progress(self.workdir / f"progress-{0 if self.ddp else i}.txt") for i in range(self.args.islands)}
+        files = {i: self.workdir / f"progress-{0 if self.ddp else i}.txt" for i in range(self.args.islands)}
+        steps = {i: read_progress(f) for i, f in files.items()}
         alive = {i for i in range(self.args.islands) if self.islands[0 if self.ddp else i].alive}
         if self.ddp:
             progress = steps.get(0, 0)
@@ -164,6 +181,9 @@ class Run:
             try:
                 status = self.client.status()
                 progress = status["outer_steps"]
+                for i, f in files.items():  # a script without the ProgressFile callback: its heartbeats say
+                    if not f.exists() and str(i) in status["islands"]:
+                        steps[i] = status["islands"][str(i)]["steps"]
                 for observe in self.observers:
                     observe(status)
                 self.recovery.observe(status, now)
@@ -188,23 +208,34 @@ class Run:
                 island.finished_at = now - self.t0
                 self.echo(f"[launcher] {island.name} finished\n")
                 continue
+            if code == EXIT_REFUSED:  # a restart would be refused the same way
+                island.failed = island.done = True
+                why = next((line for line in reversed(island.last_lines) if "refused" in line), "see its output above")
+                self.failures.append(f"{island.name} was refused by the synchronizer: {why}")
+                self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
+                self._stop.set()  # every island runs the same command: the others would be refused too
+                continue
             if island.restarts >= self.args.max_restarts:
                 island.failed = island.done = True
-                self.echo(f"[launcher] {island.name} exited with {code} and used up its {self.args.max_restarts} restarts\n")
+                self.failures.append(f"{island.name} exited with {code} and used up its {self.args.max_restarts} restarts")
+                self.echo(f"[launcher] {self.failures[-1]}\n")
                 continue
-            delay = min(self.args.restart_backoff * 2 ** island.restarts, 30.0) if not island.expected_exit else 0.0
+            delay = island.hold_s if island.expected_exit else min(self.args.restart_backoff * 2 ** island.restarts, 30.0)
             island.restart_at = now + delay
-            island.expected_exit = False
+            island.expected_exit, island.hold_s = False, 0.0
             if self.ddp:
                 island.signal(signal.SIGKILL)  # one rank died: the whole job goes down and restarts
         for index, island in enumerate(self.islands):
             if island.restart_at is not None and now >= island.restart_at:
                 island.restart_at = None
-                island.restarts += 1
+                first = island.proc is None
                 island.start()
+                if first:  # a staggered start
+                    continue
+                island.restarts += 1
                 self.echo(f"[launcher] restarted {island.name} (restart {island.restarts})\n")
-                if not self.ddp:
-                    self.recovery.island_restarted(index, now)
+                if not self.ddp:  # a recovery counts from the moment the island went down
+                    self.recovery.island_restarted(index, island.lifetimes[-2][1] or now)
             if island.paused_until is not None and now >= island.paused_until:
                 island.paused_until = None
                 island.signal(signal.SIGCONT)
@@ -280,12 +311,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--islands", type=int, default=2, help="M, learner islands (default %(default)s)")
     parser.add_argument("--devices-per-island", type=int, default=1, help="DDP processes per island (DILOCO_DEVICES)")
     parser.add_argument("--synchronizer", help="use this synchronizer (host:port[,...]) instead of starting one")
-    parser.add_argument("--token", default=os.environ.get("DILOCO_TOKEN"), help="shared secret (default $DILOCO_TOKEN)")
+    add_token_arguments(parser, "run's shared secret")
     parser.add_argument("--chaos", help="fault schedule, e.g. 'kill 1 at 20s; pause 2 at 30s for 5s' or @FILE")
     parser.add_argument("--chaos-horizon", type=float, default=3600.0, help="seconds over which random faults are drawn")
     parser.add_argument("--report", help="write the run report as JSON here")
     parser.add_argument("--max-restarts", type=int, default=5, help="restarts per island before the run fails")
     parser.add_argument("--restart-backoff", type=float, default=1.0, help="first restart delay after a crash, doubling")
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="start island i i x this many seconds after island 0 (islands out of phase, as on a real cluster)")
     parser.add_argument("--liveness-timeout", type=float, default=5.0, help="synchronizer: seconds of silence before an island is not waited for")
     parser.add_argument("--checkpoint-every", type=int, default=1,
                         help="synchronizer: outer steps between checkpoints; a killed synchronizer loses at most this many - 1")
@@ -312,6 +345,8 @@ def run_command(args: argparse.Namespace, command: list[str], observers: Sequenc
             signal.signal(sig, handler)
     report = run.report()
     print("\n" + report.summary(), flush=True)
+    if run.failures:
+        print("run failed: " + "; ".join(run.failures), flush=True)
     if args.report:
         Path(args.report).write_text(json.dumps(report.to_dict(), indent=2, default=sorted))
     return code

@@ -8,7 +8,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+EXIT_REFUSED = 78  # EX_CONFIG: an island the synchronizer refused for good; restarting it cannot help
 
 # Variables of an enclosing launcher that would make an island join someone else's world.
 INHERITED_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_", "PMIX_", "DILOCO_")
@@ -36,9 +40,11 @@ class Supervised:
         self.done = False
         self.finished_at: float | None = None  # run time at which it completed its work
         self.failed = False
-        self.restart_at: float | None = None
+        self.restart_at: float | None = None  # when to (re)start it; None: not waiting to
+        self.hold_s = 0.0  # chaos: how long a killed unit stays down before its restart
         self.expected_exit = False  # set when we killed it on purpose (chaos)
         self._reader: threading.Thread | None = None
+        self.last_lines: deque[str] = deque(maxlen=20)  # its latest output, to say why it failed
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.command, env=self.make_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -49,6 +55,7 @@ class Supervised:
 
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
+            self.last_lines.append(line.rstrip())
             self.echo(f"[{self.name}] {line}")
         proc.stdout.close()
 
@@ -90,3 +97,10 @@ class Supervised:
 
     def alive_seconds(self, now: float) -> float:
         return sum((now if end is None else end) - start for start, end in self.lifetimes)
+
+
+def read_progress(path: Path) -> int:
+    try:
+        return int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0

@@ -2,9 +2,16 @@
 
 Framework-free: the Lightning strategy feeds it the model's parameters, calls :meth:`after_step`
 after every inner optimizer step, and provides the island's collectives. Only the leader (rank 0
-of the island) talks to the synchronizer, from a background thread pool; every decision that
-changes the parameters is made by the leader and broadcast, so all ranks apply the same fragment
-at the same step and enter the same collectives in the same order.
+of the island) talks to the synchronizer; every decision that changes the parameters is made by
+the leader and broadcast, so all ranks apply the same fragment at the same step and enter the
+same collectives in the same order.
+
+The island follows the run's clock: its *schedule step* starts at the run's step when it joins
+and jumps forward when the synchronizer asks for a round it has not reached yet, so it sends each
+fragment in the same round as every other island. It applies every new global version it
+receives (contributor or not) at its next step boundary, except that a fragment it sent waits
+``overlap_steps`` steps first; the send's flight ends with the first version of the round it was
+sent for, or a later one.
 """
 
 from __future__ import annotations
@@ -13,65 +20,61 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from lightning_diloco.core.apply import apply_global, keeps_counters
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment, split_fragment
-from lightning_diloco.core.schedule import due_fragment, fragment_offsets
+from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
 from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.learner.collective import Collective
+from lightning_diloco.learner.inbox import Arrival, Inbox
 
 log = logging.getLogger(__name__)
 
-# A push whose base the synchronizer no longer has is answered by pulling the current value.
-REPULL_REASONS = ("stale", "result_expired", "old_sequence")
-STATE_FORMAT = 1
-
-
-class Collective:
-    """Broadcasts from the island leader to its ranks; the identity for a one-process island."""
-
-    world_size = 1
-
-    def broadcast_object(self, obj):
-        return obj
-
-    def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-
-class TorchCollective(Collective):
-    """Broadcasts over the island's default torch.distributed group (rank 0 leads).
-
-    ``device``: where tensors must be for the backend (the GPU for NCCL, the CPU for gloo).
-    """
-
-    def __init__(self, world_size: int, device: torch.device) -> None:
-        self.world_size, self.device = world_size, device
-
-    def broadcast_object(self, obj):
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0, device=self.device)
-        return box[0]
-
-    def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        moved = tensor.to(self.device)
-        torch.distributed.broadcast(moved, src=0)
-        return moved.cpu() if moved is not tensor else tensor
+STATE_FORMAT = 2
+COUNTERS = ("sent", "applied", "received", "skipped", "failed", "late", "requested", "realigned")
 
 
 @dataclass
 class _Flight:
     fragment: int
+    round: int
+    """The round it was sent for. The synchronizer may merge it into another one (an open round
+    it joins, or the next one when it came late): the ack says which."""
     apply_at: int
     snapshot: torch.Tensor | None  # kept for apply='rebase'
     tokens_at_send: float
     steps_at_send: int
-    future: Future | None  # leader only
+    sent_at: float
+    future: Future | None  # leader only: the push's ack
+
+    def merged_in(self) -> int | None:
+        """The round the synchronizer put it in, once the ack is back (None before, or on failure)."""
+        if self.future is None or not self.future.done() or self.future.exception() is not None:
+            return None
+        return self.future.result().round
+
+    def ended_by(self, arrival: Arrival) -> bool:
+        """Whether ``arrival`` is the version of (or after) the round holding this contribution."""
+        merged_in = self.merged_in()
+        return merged_in is not None and arrival.round >= merged_in
+
+    def failed(self) -> bool:
+        return self.future is not None and self.future.done() and self.future.exception() is not None
+
+
+@dataclass(frozen=True)
+class _Apply:
+    fragment: int
+    version: int
+    ends_flight: bool
+    included: bool
 
 
 class IslandLearner:
@@ -89,7 +92,8 @@ class IslandLearner:
     ) -> None:
         """``params``: the model's trainable tensors in ``layout.specs`` order. ``link``: a
         :class:`~lightning_diloco.transport.client.SynchronizerClient` on the leader, None on
-        other ranks. ``push_wait``: seconds a push may wait for its round to close."""
+        other ranks. ``push_wait``: seconds a sent fragment may wait for the version of its round
+        before the send counts as failed and the fragment may be sent again."""
         assert len(params) == len(layout.specs), f"{len(params)=} != {len(layout.specs)=}"
         self.params, self.layout, self.config = list(params), layout, config
         self.island, self.link = island, link
@@ -98,25 +102,30 @@ class IslandLearner:
         sched = config.schedule
         self.offsets = fragment_offsets(layout.num_fragments, sched.sync_every)
         self.uplink = get_codec(config.codec.uplink, config.codec.block_size)
-        self.downlink = get_codec(config.codec.downlink, config.codec.block_size)
         self.push_wait = push_wait
 
         P = layout.num_fragments
         self.step = 0
+        self.schedule_step = 0
         self.versions = [0] * P
         self.bases: list[torch.Tensor] = [flatten_fragment(self._fragment_params(p)) for p in range(P)]
+        self.sent_round = [-1] * P
         self.tokens = [0.0] * P
         self.steps = [0] * P
         self.seq = time.time_ns() // 1000  # increasing across restarts: the synchronizer dedups by it
         self.in_flight: dict[int, _Flight] = {}
-        self.counters = dict.fromkeys(("sent", "applied", "skipped", "failed", "repulled"), 0)
-        self.bytes_up = self.bytes_down = 0
+        self.merged_any = False  # a contribution of this island is in the global model
+        self._lock = threading.Lock()  # counters and bytes written from the sync threads
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.bytes_up = 0
         self.blocked_s = 0.0
         self.staleness = 0
         self.reachable = True
         self._step_time = 0.0
         self._last_step_at: float | None = None
 
+        self.inbox: Inbox | None = None
+        self._seen_reconnects = 0
         self._executor: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -127,50 +136,69 @@ class IslandLearner:
             )
             self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_every,), name=f"diloco-island{island}-heartbeat", daemon=True)
 
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
     # ---- joining ----------------------------------------------------------------------------
 
     def _fragment_params(self, p: int) -> list[torch.Tensor]:
         return [self.params[i] for i in self.layout.fragments[p]]
 
-    def start(self, resume: dict | None = None) -> None:
-        """Seed unseeded fragments, pull every global fragment and start from the global model.
+    def _share(self, obj):
+        """The leader's ``obj`` on every rank of the island."""
+        return self.collective.broadcast_object(obj) if self.collective.world_size > 1 else obj
+
+    def _share_fragment(self, p: int, value: torch.Tensor | None) -> torch.Tensor:
+        if self.collective.world_size == 1:
+            return value
+        if value is None:
+            value = torch.empty(self.layout.fragment_numel(p))
+        return self.collective.broadcast_tensor(value)
+
+    def start(self, resume: dict | None = None, run_step: int = 0) -> None:
+        """Seed unseeded fragments, pull every global fragment and start from the global model,
+        at the run's step (``run_step`` from the join, or later, or the resumed one).
 
         With ``resume`` (a :meth:`state_dict`), fragments whose global version is still the one
         saved keep their local values and counters: the run continues as if never stopped.
         """
         if resume is not None:
             self.load_state_dict(resume)
-        plan = None
-        if self.is_leader:
-            plan = self._pull_global(resume)
-        plan = self.collective.broadcast_object(plan)
+        plan = self._pull_global(resume, run_step) if self.is_leader else None
+        plan = self._share(plan)
         for p, version in plan["versions"].items():
-            value = self.bases[p] if self.is_leader else torch.empty(self.layout.fragment_numel(p))
-            value = self.collective.broadcast_tensor(value)
+            value = self._share_fragment(p, self.bases[p] if self.is_leader else None)
             self.bases[p], self.versions[p] = value, version
             if p in plan["overwrite"]:
                 self.write_fragment(p, value)
                 self.tokens[p], self.steps[p] = 0.0, 0
-        if self._heartbeat is not None:
+        self.schedule_step = plan["schedule_step"]
+        if self.is_leader:
+            self.inbox = Inbox(self.versions, self.bases, self.config.codec.block_size)
+            self.link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
+                                on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
             self._heartbeat.start()
-        log.info("island %d joined at versions %s (%d fragments from the global model)", self.island, self.versions, len(plan["overwrite"]))
+        log.info("island %d joined at schedule step %d, versions %s (%d fragments from the global model)",
+                 self.island, self.schedule_step, self.versions, len(plan["overwrite"]))
 
-    def _pull_global(self, resume: dict | None) -> dict:
-        versions = self.link.heartbeat(self.island, self.step, 0.0)
-        for p, version in sorted(versions.items()):
+    def _pull_global(self, resume: dict | None, run_step: int) -> dict:
+        beat = self.link.heartbeat(self.island, self.step, 0.0, self.schedule_step)
+        for p, version in sorted(beat.versions.items()):
             if version < 0:
                 self.link.seed(self.island, p, flatten_fragment(self._fragment_params(p)))
         overwrite = []
         pulled = {}
         for p in range(self.layout.num_fragments):
             version, value = self.link.pull(p)
-            self.bytes_down += value.numel() * 4
             pulled[p] = version
             if resume is not None and resume["versions"][p] == version:
                 continue  # nothing merged since our checkpoint: keep local progress
             self.bases[p] = value
             overwrite.append(p)
-        return {"versions": pulled, "overwrite": overwrite}
+        # the run's clock wins, unless this island's own (resumed) clock is ahead of it
+        schedule_step = max(self.schedule_step, run_step, beat.run_step)
+        return {"versions": pulled, "overwrite": overwrite, "schedule_step": schedule_step}
 
     # ---- the inner-step hook ------------------------------------------------------------------
 
@@ -181,107 +209,143 @@ class IslandLearner:
             dt = started - self._last_step_at
             self._step_time = dt if not self._step_time else 0.9 * self._step_time + 0.1 * dt
         self.step += 1
+        self.schedule_step += 1
         island_tokens = tokens * self.collective.world_size  # ranks see equal shards
         for p in range(self.layout.num_fragments):
             self.tokens[p] += island_tokens
             self.steps[p] += 1
-        due = due_fragment(self.step, self.offsets, self.config.schedule.sync_every)
-        if due is not None:
-            if due in self.in_flight:
-                self.counters["skipped"] += 1  # never two sends of one fragment in flight
-            else:
-                self._send(due)
-        if self.in_flight:
-            self._apply_arrived()
+        plan = self._share(self._plan() if self.is_leader else None)
+        self.schedule_step = plan["schedule_step"]
+        for p in plan["fail"]:
+            self.in_flight.pop(p, None)
+        for p, r in plan["send"]:
+            self._send(p, r)
+        applies = plan["apply"]
+        if self.config.schedule.overlap_steps == 0 and plan["send"]:  # synchronous DiLoCo waits for its rounds
+            applies = applies + self._share(self._await_rounds([p for p, _ in plan["send"]]) if self.is_leader else None)
+        for a in applies:
+            self._apply(a)
         self._last_step_at = time.perf_counter()
         self.blocked_s += self._last_step_at - started
 
-    def _send(self, p: int) -> None:
+    def _plan(self) -> dict:
+        """The leader's decisions for this step boundary: realign, send, apply, give up."""
+        H = self.config.schedule.sync_every
+        requests = self.inbox.take_requests()
+        furthest = max((r.due_step for r in requests.values()), default=-1)
+        if furthest > self.schedule_step:  # the run is ahead of us: skip to its step
+            self.schedule_step = furthest
+            self._count("realigned")
+        wanted = {p: r.round for p, r in requests.items()}
+        due = due_fragment(self.schedule_step, self.offsets, H)
+        if due is not None:
+            wanted[due] = max(wanted.get(due, -1), round_of(self.schedule_step, H))
+        fail = self._failed_flights()
+        send = []
+        for p, r in sorted(wanted.items()):
+            if self.sent_round[p] >= r:
+                continue  # already sent for that round (asked for it, then due by our own clock)
+            if p in self.in_flight and p not in fail:
+                self._count("skipped")  # never two sends of one fragment in flight
+                continue
+            send.append((p, r))
+            if p in requests:
+                self._count("requested")
+        reconnected = self.inbox.reconnects != self._seen_reconnects
+        self._seen_reconnects = self.inbox.reconnects
+        if reconnected:  # what waited in rounds may be gone with a restarted synchronizer
+            for p in self.in_flight:
+                if p not in fail:
+                    fail.append(p)
+                    self._count("failed")
+        arrivals = self.inbox.take(lambda a: a.fragment not in self.in_flight or a.fragment in fail
+                                   or self.step >= self.in_flight[a.fragment].apply_at)
+        return {"schedule_step": self.schedule_step, "fail": fail, "send": send,
+                "apply": [self._decision(a, ends=a.fragment in self.in_flight and a.fragment not in fail) for a in arrivals]}
+
+    def _decision(self, a: Arrival, ends: bool) -> _Apply:
+        ends = ends and self.in_flight[a.fragment].ended_by(a)
+        return _Apply(a.fragment, a.version, ends, a.included)
+
+    def _failed_flights(self) -> list[int]:
+        """Flights whose push was refused or unreachable (at their apply step), or that waited too long."""
+        now, out = time.monotonic(), []
+        for p, f in self.in_flight.items():
+            refused = f.failed() and self.step >= f.apply_at
+            if refused or now - f.sent_at > self.push_wait:
+                why = f.future.exception() if refused else f"no version of round {f.round} within {self.push_wait:.0f}s"
+                log.warning("island %d: sync of fragment %d failed: %s", self.island, p, why)
+                self.reachable = self.reachable and not refused
+                self._count("failed")
+                out.append(p)
+        return out
+
+    def _await_rounds(self, fragments: list[int]) -> list[_Apply]:
+        """Synchronous DiLoCo (overlap 0): wait for the version of each round just sent for."""
+        def arrived() -> bool:
+            return all(self._settled(p) for p in fragments)
+
+        self.inbox.wait(arrived, self.push_wait)
+        arrivals = self.inbox.take(lambda a: a.fragment in fragments and self.in_flight[a.fragment].ended_by(a))
+        return [self._decision(a, ends=True) for a in arrivals]
+
+    def _settled(self, p: int) -> bool:
+        """(Under the inbox lock) the version of p's round arrived, or its push failed."""
+        arrival = self.inbox.fresh.get(p)
+        flight = self.in_flight[p]
+        return (arrival is not None and flight.ended_by(arrival)) or flight.failed()
+
+    def _send(self, p: int, r: int) -> None:
         snapshot = flatten_fragment(self._fragment_params(p))  # host copy, 1/P of the model
         keep = snapshot if self.config.schedule.apply == "rebase" else None
         future = None
         if self.is_leader:
             self.seq += 1
             future = self._executor.submit(
-                self._exchange, p, snapshot, self.versions[p], self.bases[p], self.tokens[p], self.steps[p], self.seq
+                self._exchange, p, r, snapshot, self.versions[p], self.bases[p], self.tokens[p], self.steps[p], self.seq
             )
-        self.in_flight[p] = _Flight(p, self.step + self.config.schedule.overlap_steps, keep, self.tokens[p], self.steps[p], future)
-        self.counters["sent"] += 1
+            future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
+        self.in_flight[p] = _Flight(p, r, self.step + self.config.schedule.overlap_steps, keep, self.tokens[p],
+                                    self.steps[p], time.monotonic(), future)
+        self.sent_round[p] = r
+        self._count("sent")
 
-    def _exchange(self, p, snapshot, base_version, base, tokens, steps, seq) -> tuple[int, torch.Tensor]:
-        """Background: push the delta and return (new version, new global value)."""
-        from lightning_diloco.transport.client import SynchronizerError
-
+    def _exchange(self, p, r, snapshot, base_version, base, tokens, steps, seq):
+        """Background: push the delta; the merged version comes through the subscription."""
         payload = self.uplink.encode(snapshot - base)
-        self.bytes_up += payload.numel()
-        try:
-            reply = self.link.push(
-                island=self.island, fragment=p, base_version=base_version, tokens=max(tokens, 1.0), steps=max(steps, 1),
-                codec=self.uplink.name, seq=seq, payload=payload, layout_hash=self.layout.hash, wait=self.push_wait,
-            )
-        except SynchronizerError as err:
-            if err.reason not in REPULL_REASONS:
-                raise
-            log.info("island %d: fragment %d %s; pulling the current global value", self.island, p, err.reason)
-            self.counters["repulled"] += 1
-            version, value = self.link.pull(p)
-            self.bytes_down += value.numel() * 4
-            return version, value
-        self.bytes_down += len(reply.payload)
-        update = get_codec(reply.codec, self.config.codec.block_size).decode(reply.payload, snapshot.numel())
-        return reply.version, base + update
-
-    def _apply_arrived(self) -> None:
-        due = sorted(p for p, f in self.in_flight.items() if f.apply_at <= self.step)
-        if not due:
-            return
-        ready = None
-        if self.is_leader:
-            wait = self.config.schedule.overlap_steps == 0  # synchronous DiLoCo waits for the reply
-            ready = [p for p in due if wait or self.in_flight[p].future.done()]
-        ready = self.collective.broadcast_object(ready) if self.collective.world_size > 1 else ready
-        for p in ready:
-            flight = self.in_flight.pop(p)
-            outcome = self._outcome(flight) if self.is_leader else None
-            if self.collective.world_size > 1:
-                outcome = self.collective.broadcast_object(None if outcome is None else outcome[0])
-                if outcome is not None:
-                    value = self.bases[p] if self.is_leader else torch.empty(self.layout.fragment_numel(p))
-                    outcome = (outcome, self.collective.broadcast_tensor(value))
-            if outcome is not None:
-                self._apply(flight, *outcome)
-
-    def _outcome(self, flight: _Flight) -> tuple[int, torch.Tensor] | None:
-        try:
-            version, value = flight.future.result()
-        except Exception as err:  # the synchronizer is away or refused: train on, resend next time
-            self.counters["failed"] += 1
-            self.reachable = False
-            log.warning("island %d: sync of fragment %d failed: %s", self.island, flight.fragment, err)
-            return None
+        with self._lock:
+            self.bytes_up += payload.numel()
+        ack = self.link.push(
+            island=self.island, fragment=p, round=r, base_version=base_version, tokens=max(tokens, 1.0),
+            steps=max(steps, 1), codec=self.uplink.name, seq=seq, payload=payload, layout_hash=self.layout.hash,
+        )
         self.reachable = True
-        self.bases[flight.fragment] = value  # broadcast from here to the other ranks
-        return version, value
+        if ack.late:
+            self._count("late")
+        return ack
 
-    def _apply(self, flight: _Flight, version: int, value: torch.Tensor) -> None:
-        p, sched = flight.fragment, self.config.schedule
-        if sched.apply == "overwrite":
-            target = value
-        else:
-            current = flatten_fragment(self._fragment_params(p))
-            if sched.apply == "mix":
-                target = current.mul_(sched.mix_alpha).add_(value, alpha=1.0 - sched.mix_alpha)
-            else:  # rebase: keep the progress made since the snapshot
-                target = current.sub_(flight.snapshot).add_(value)
-        self.write_fragment(p, target)
-        self.staleness = max(0, version - self.versions[p] - 1)
-        self.bases[p], self.versions[p] = value, version
-        if sched.apply == "rebase":
-            self.tokens[p] -= flight.tokens_at_send
-            self.steps[p] -= flight.steps_at_send
+    def _apply(self, a: _Apply) -> None:
+        p, sched = a.fragment, self.config.schedule
+        value = self.inbox.received[p][1] if self.is_leader else None
+        value = self._share_fragment(p, value)
+        flight = self.in_flight.get(p)
+        reference = flight.snapshot if (a.ends_flight and flight.snapshot is not None) else self.bases[p]
+        current = flatten_fragment(self._fragment_params(p))
+        self.write_fragment(p, apply_global(sched.apply, current, value, reference, alpha=sched.mix_alpha))
+        if keeps_counters(sched.apply):
+            if a.ends_flight:
+                self.tokens[p] -= flight.tokens_at_send
+                self.steps[p] -= flight.steps_at_send
+            elif flight is not None and flight.snapshot is not None:  # the flight's progress moved with us
+                flight.snapshot.add_(value).sub_(self.bases[p])
         else:
             self.tokens[p], self.steps[p] = 0.0, 0
-        self.counters["applied"] += 1
+        self.staleness = max(0, a.version - self.versions[p] - 1)
+        self.bases[p], self.versions[p] = value, a.version
+        self.merged_any = self.merged_any or a.included
+        if a.ends_flight:
+            del self.in_flight[p]
+        self._count("applied" if a.ends_flight else "received")
 
     @torch.no_grad()
     def write_fragment(self, p: int, flat: torch.Tensor) -> None:
@@ -291,7 +355,7 @@ class IslandLearner:
 
     @contextmanager
     def global_weights(self) -> Iterator[None]:
-        """The last received global fragments in place of the local weights, put back on exit."""
+        """The last applied global fragments in place of the local weights, put back on exit."""
         saved = [p.detach().clone() for p in self.params]
         try:
             for p in range(self.layout.num_fragments):
@@ -304,40 +368,53 @@ class IslandLearner:
 
     # ---- the end ------------------------------------------------------------------------------
 
-    def finish(self, timeout: float = 30.0) -> None:
-        """Wait for what is in flight, then load the current global model on every rank."""
+    def finish(self, timeout: float = 30.0) -> bool:
+        """Wait for the rounds still in flight, then load the current global model on every rank.
+
+        The global model replaces the local weights only if it holds this island's work (one of
+        its contributions was merged); otherwise the local weights stay and a warning says why.
+        Returns whether the global model was loaded.
+        """
         plan = None
         if self.is_leader:
-            deadline = time.monotonic() + timeout
-            for flight in self.in_flight.values():
-                try:
-                    flight.future.result(timeout=max(0.0, deadline - time.monotonic()))
-                except Exception as err:  # noqa: BLE001 - reported; the pull below decides
-                    log.warning("island %d: last sync of fragment %d did not complete: %s", self.island, flight.fragment, err)
-            try:
-                plan = {}
-                for p in range(self.layout.num_fragments):
-                    version, self.bases[p] = self.link.pull(p)
-                    plan[p] = version
-            except Exception as err:  # keep the local model rather than crash at the very end
-                log.warning("island %d: could not pull the final global model: %s", self.island, err)
-                plan = None
+            plan = self._final_plan(timeout)
         self.in_flight.clear()
-        plan = self.collective.broadcast_object(plan) if self.collective.world_size > 1 else plan
+        plan = self._share(plan)
         if plan is None:
-            return
+            return False
         for p, version in plan.items():
-            value = self.bases[p] if self.is_leader else torch.empty(self.layout.fragment_numel(p))
-            self.bases[p] = self.collective.broadcast_tensor(value) if self.collective.world_size > 1 else value
+            self.bases[p] = self._share_fragment(p, self.bases[p] if self.is_leader else None)
             self.versions[p] = version
             self.write_fragment(p, self.bases[p])
+        return True
+
+    def _final_plan(self, timeout: float) -> dict | None:
+        self.inbox.wait(lambda: all(self._settled(p) for p in self.in_flight), timeout)
+        for p in self.in_flight:
+            if not self._settled(p):
+                log.warning("island %d: the round of fragment %d (round %d) did not close within %.0f s of the end",
+                            self.island, p, self.in_flight[p].round, timeout)
+        self.merged_any = self.merged_any or any(a.included for a in self.inbox.take(lambda a: True))
+        if not self.merged_any:
+            log.warning("island %d: none of its contributions was merged into the global model before training ended "
+                        "(a run shorter than the sync schedule?); keeping the local weights", self.island)
+            return None
+        try:
+            plan = {}
+            for p in range(self.layout.num_fragments):
+                version, self.bases[p] = self.link.pull(p)
+                plan[p] = version
+            return plan
+        except Exception as err:  # keep the local model rather than crash at the very end
+            log.warning("island %d: could not pull the final global model, keeping the local weights: %s", self.island, err)
+            return None
 
     def close(self) -> None:
         self._stop.set()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         if self.link is not None:
-            self.link.close()  # cancels pushes still waiting on a round
+            self.link.close()  # ends the subscription and cancels pushes in progress
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         if self._heartbeat is not None and self._heartbeat.is_alive():
@@ -346,7 +423,7 @@ class IslandLearner:
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
             try:
-                self.link.heartbeat(self.island, self.step, self._step_time)
+                self.link.heartbeat(self.island, self.step, self._step_time, self.schedule_step)
                 self.reachable = True
             except Exception as err:  # noqa: BLE001 - liveness only; pushes report real failures
                 self.reachable = False
@@ -360,8 +437,10 @@ class IslandLearner:
             "format": STATE_FORMAT,
             "layout_hash": self.layout.hash,
             "step": self.step,
+            "schedule_step": self.schedule_step,
             "versions": list(self.versions),
             "bases": [b.clone() for b in self.bases],
+            "sent_round": list(self.sent_round),
             "tokens": list(self.tokens),
             "steps": list(self.steps),
             "seq": self.seq,
@@ -371,24 +450,30 @@ class IslandLearner:
         if state.get("format") != STATE_FORMAT or state.get("layout_hash") != self.layout.hash:
             raise ValueError(
                 f"the checkpoint's DiLoCo state (format {state.get('format')}, layout {state.get('layout_hash')}) does not "
-                f"match this model (layout {self.layout.hash}); resume with the same model and num_fragments"
+                f"match this model (format {STATE_FORMAT}, layout {self.layout.hash}); resume with the same model and "
+                "num_fragments"
             )
         self.step = int(state["step"])
+        self.schedule_step = int(state["schedule_step"])
         self.versions = [int(v) for v in state["versions"]]
         self.bases = [b.clone() for b in state["bases"]]
+        self.sent_round = [int(r) for r in state["sent_round"]]
         self.tokens = [float(t) for t in state["tokens"]]
         self.steps = [int(s) for s in state["steps"]]
         self.seq = max(self.seq, int(state["seq"]))
 
     def metrics(self) -> dict[str, float]:
-        out = {f"diloco/syncs_{k}": float(v) for k, v in self.counters.items()}
+        with self._lock:
+            out = {f"diloco/syncs_{k}": float(v) for k, v in self.counters.items()}
+            bytes_up = self.bytes_up
         out.update({
-            "diloco/bytes_up": float(self.bytes_up),
-            "diloco/bytes_down": float(self.bytes_down),
+            "diloco/bytes_up": float(bytes_up),
+            "diloco/bytes_down": float(self.inbox.bytes_received if self.inbox else 0),
             "diloco/blocked_s": self.blocked_s,
             "diloco/staleness": float(self.staleness),
             "diloco/in_flight": float(len(self.in_flight)),
             "diloco/min_version": float(min(self.versions)),
+            "diloco/schedule_step": float(self.schedule_step),
             "diloco/synchronizer_reachable": float(self.reachable),
         })
         return out

@@ -33,13 +33,23 @@ class DiLoCoMonitor(Callback):
         pl_module.log("diloco/reachable", m["diloco/synchronizer_reachable"], prog_bar=True, on_step=True, on_epoch=False)
 
     def on_validation_start(self, trainer, pl_module) -> None:
+        self._restore()  # a second validation in a row: from the local weights again
         learner = self._learner(trainer)
         if not (self.evaluate_global and learner is not None):
             return
         self._swap = ExitStack()
         self._swap.enter_context(learner.global_weights())
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def _restore(self) -> None:
         if self._swap is not None:
             self._swap.close()  # the local weights are back
             self._swap = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._restore()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        self._restore()

@@ -17,10 +17,14 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import build_layout, tensor_specs
-from lightning_diloco.learner.island import Collective, IslandLearner, TorchCollective
+from lightning_diloco.learner.collective import Collective, TorchCollective
+from lightning_diloco.learner.island import IslandLearner
+from lightning_diloco.launch.supervisor import EXIT_REFUSED
+from lightning_diloco.reasons import Reason
 from lightning_diloco.learner.tokens import default_tokens_per_batch
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,20 @@ RUN_SETTINGS = {
     "downlink_codec": ("codec", "downlink"),
 }
 CHECKPOINT_KEY = "decoupled_diloco"
+
+
+class RefusedByRun(SystemExit):
+    """The synchronizer refused to let this island join (another model, a wrong token, ...).
+
+    Exits the process with ``EXIT_REFUSED`` after logging why, so a launcher knows a restart is
+    pointless (``lightning-diloco run`` fails the run at once with the reason)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_REFUSED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _env_int(name: str, value: int | None, default: int) -> int:
@@ -126,6 +144,10 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         for arg, value in settings.items():
             section, field = RUN_SETTINGS[arg]
             sections[section][field] = value
+        schedule = sections["schedule"]
+        if "sync_every" in schedule and "num_fragments" not in schedule:
+            # sync_every alone: as many fragments as the default, but never more than fit in H steps
+            schedule["num_fragments"] = min(ScheduleConfig.num_fragments, schedule["sync_every"])
         return RunConfig(
             schedule=ScheduleConfig(**sections["schedule"]),
             merge=MergeConfig(**sections["merge"]),
@@ -152,9 +174,10 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         params = [named[s.name] for s in specs]
         link = None
         config_dict = None
+        run_step = 0
         if self.global_rank == 0:
-            link, config = self._connect(specs)
-            config_dict = config.to_dict()
+            link, info = self._connect(specs)
+            config_dict, run_step = info.config.to_dict(), info.run_step
         collective: Collective = Collective()
         if self.world_size > 1:
             collective = TorchCollective(self.world_size, self.root_device if self._uses_nccl() else torch.device("cpu"))
@@ -162,21 +185,40 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         config = RunConfig.from_dict(config_dict)
         layout = build_layout(specs, config.schedule.num_fragments)
         self.learner = IslandLearner(params, layout, config, island=self.island, link=link, collective=collective, push_wait=self.push_wait)
-        self.learner.start(resume=(self._resume or {}).get("learner"))
+        self.learner.start(resume=(self._resume or {}).get("learner"), run_step=run_step)
+        if self.global_rank == 0:
+            sched, merge = config.schedule, config.merge
+            rank_zero_info(
+                f"Decoupled DiLoCo: island {self.island} of {self.num_islands} ({self.world_size} process(es)), "
+                f"synchronizer {self.address or 'embedded'}; P={sched.num_fragments} H={sched.sync_every} "
+                f"tau={sched.overlap_steps} quorum K={merge.min_quorum} apply={sched.apply}; "
+                f"uplink {config.codec.uplink}, downlink {config.codec.downlink}; starting at the run's step "
+                f"{self.learner.schedule_step}"
+            )
 
     def _uses_nccl(self) -> bool:
         return torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
 
     def _connect(self, specs):
-        from lightning_diloco.transport.client import SynchronizerClient
+        from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
 
         address = self.address
         if address is None:
             address = self._start_embedded(specs)
         link = SynchronizerClient(address, token=self.token)
-        info = link.join(self.island, self.world_size, specs, patience=self.join_wait)
+        try:
+            info = link.join(self.island, self.world_size, specs, patience=self.join_wait)
+        except SynchronizerError as err:
+            link.close()
+            if err.reason == Reason.UNREACHABLE:
+                raise RuntimeError(f"island {self.island}: no synchronizer answered at {address} within "
+                                   f"join_wait={self.join_wait:g}s ({err}); start it, check the address, or raise "
+                                   "join_wait") from None
+            message = f"island {self.island}: the synchronizer at {address} refused it ({err.reason}): {err}"
+            log.error(message)
+            raise RefusedByRun(message) from None
         self._warn_on_conflicts(info.config)
-        return link, info.config
+        return link, info
 
     def _start_embedded(self, specs) -> str:
         from lightning_diloco.core.state import SynchronizerState

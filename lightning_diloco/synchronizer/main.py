@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 import torch
 
@@ -39,8 +40,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-quorum", type=int, default=m.min_quorum, help="K, islands needed to close a round (default %(default)s)")
     g.add_argument("--grace-gamma", type=float, default=m.grace_gamma, help="gamma, fraction of the slack spent waiting after quorum (default %(default)s)")
     g.add_argument("--history", type=int, default=m.history, help="S, versions kept per fragment (default %(default)s)")
-    g.add_argument("--staleness-discount", type=float, default=m.staleness_discount, help="lambda, 0 disables (default %(default)s)")
-    g.add_argument("--delta-vs-own-base", action="store_true", help="measure outer gradients against each island's base")
+    g.add_argument("--staleness-discount", type=float, default=m.staleness_discount,
+                   help="lambda: a late contribution based age versions back weighs w / (1 + lambda * age); 0 disables (default %(default)s)")
     g.add_argument("--outlier-z", type=float, default=m.outlier_z, help="refuse norms above z x running median; 0 disables (default %(default)s)")
     g.add_argument("--outer-lr", type=float, default=o.lr, help="outer SGD learning rate (default %(default)s)")
     g.add_argument("--outer-momentum", type=float, default=o.momentum, help="outer Nesterov momentum (default %(default)s)")
@@ -58,11 +59,27 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         ),
         merge=MergeConfig(
             method=args.merge, min_quorum=args.min_quorum, grace_gamma=args.grace_gamma, history=args.history,
-            staleness_discount=args.staleness_discount, delta_vs_own_base=args.delta_vs_own_base, outlier_z=args.outlier_z,
+            staleness_discount=args.staleness_discount, outlier_z=args.outlier_z,
         ),
         outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum, nesterov=not args.no_nesterov),
         codec=CodecConfig(uplink=args.uplink_codec, downlink=args.downlink_codec, block_size=args.block_size),
     )
+
+
+def add_token_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--token-file`` (and $DILOCO_TOKEN); ``--token`` too, though it shows in the process list."""
+    parser.add_argument("--token-file", help=f"file holding the {what} (default: $DILOCO_TOKEN)")
+    parser.add_argument("--token", help="the token itself; visible to every user of this host in the process list, "
+                        "prefer --token-file or $DILOCO_TOKEN")
+
+
+def resolve_token(args: argparse.Namespace) -> str | None:
+    if args.token_file:
+        try:
+            return Path(args.token_file).read_text().strip() or None
+        except OSError as err:
+            raise ValueError(f"--token-file {args.token_file}: {err.strerror or err}") from None
+    return args.token or os.environ.get("DILOCO_TOKEN") or None
 
 
 def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +90,7 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", help="resume from and write checkpoints here")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="outer steps between checkpoints (default %(default)s)")
     parser.add_argument("--liveness-timeout", type=float, default=15.0, help="seconds of silence before an island is not waited for")
-    parser.add_argument("--token", default=os.environ.get("DILOCO_TOKEN"), help="shared secret islands must present (default $DILOCO_TOKEN)")
+    add_token_arguments(parser, "shared secret islands must present")
     parser.add_argument("--tls-cert", help="PEM certificate file: serve TLS")
     parser.add_argument("--tls-key", help="PEM private key file for --tls-cert")
     parser.add_argument("--max-workers", type=int, default=256, help="concurrent calls; a waiting push holds one")
@@ -115,7 +132,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
         liveness_timeout=args.liveness_timeout,
     )
     server = SynchronizerServer(
-        service, host=args.host, port=args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        service, host=args.host, port=args.port, token=resolve_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         max_workers=args.max_workers,
     ).start()
     if args.metrics_port is not None:
@@ -129,15 +146,24 @@ def run_synchronizer(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shutting down: final checkpoint")
-    server.stop(grace=1.0)
+    try:
+        server.stop(grace=1.0)
+    except Exception as err:  # noqa: BLE001 - said once, plainly, with where
+        log.error("the final checkpoint into %s failed: %s; the last good one there is kept", args.checkpoint_dir, err)
+        return 1
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from lightning_diloco.transport.client import SynchronizerClient
+    from lightning_diloco.reasons import Reason
+    from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
 
-    with SynchronizerClient(args.address, token=args.token, max_retries=1) as client:
-        shards = [client.status(i) for i in range(client.num_shards)]
+    with SynchronizerClient(args.address, token=resolve_token(args), max_retries=1) as client:
+        try:
+            shards = [client.status(i) for i in range(client.num_shards)]
+        except SynchronizerError as err:
+            hint = " (pass the run's token: --token-file or $DILOCO_TOKEN)" if err.reason == Reason.UNAUTHENTICATED else ""
+            raise ValueError(f"{err}{hint}") from None
     if args.json:
         print(json.dumps(shards, indent=2))
         return 0

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import functools
 import hmac
+import threading
 import json
 import logging
+import math
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -17,6 +20,8 @@ import grpc
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer.rounds import RoundRequest
 from lightning_diloco.synchronizer.service import Contribution, Refusal, Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
@@ -24,7 +29,17 @@ from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PUSH_WAIT = 300.0
+MAX_PULL_WAIT = 60.0  # seconds a Pull may wait for a newer version, whatever the client asks
+MAX_DETAILS = 1000  # characters of a refusal's message sent back: it may quote client input
+RESERVE = 8  # workers kept free of long calls (subscriptions, waiting pulls) for everything else
+STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for the rest
+    Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.OUT_OF_RANGE,
+    Reason.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.TOO_MANY_ISLANDS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    **dict.fromkeys([Reason.LAYOUT_MISMATCH, Reason.NOT_JOINED, Reason.NOT_SEEDED, Reason.WRONG_SESSION,
+                     Reason.OLD_SEQUENCE, Reason.SEQUENCE_REUSED], grpc.StatusCode.FAILED_PRECONDITION),
+}
 
 
 def _handler(method):
@@ -38,16 +53,56 @@ def _handler(method):
             # refusal is raised here, before the first message goes out.
             return method(self, request, context)
         except Refusal as refusal:
-            context.abort(grpc.StatusCode[refusal.status], f"{refusal.reason}: {refusal}")
-        except TimeoutError as err:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round_open: {err}")
+            _abort(context, refusal)
+        except StopIteration:  # a client stream that ended before its first message
+            _abort(context, self.service.refuse(Reason.BAD_PAYLOAD, f"the {method.__name__} stream carried no message"))
 
     return wrapper
 
 
+def _abort(context: grpc.ServicerContext, refusal: Refusal) -> None:
+    code = STATUS.get(refusal.reason, grpc.StatusCode.INVALID_ARGUMENT)
+    context.abort(code, f"{refusal.reason}: {refusal}"[:MAX_DETAILS])
+
+
+def _events(events: Iterator, context: grpc.ServicerContext, release) -> Iterator[pb.SyncEvent]:
+    """Subscription events as messages; a version is streamed in chunks, its header on the first."""
+    try:
+        for event in events:
+            if isinstance(event, RoundRequest):
+                yield pb.SyncEvent(request=pb.RoundRequest(fragment=event.fragment, round=event.round, due_step=event.due_step))
+                continue
+            header = pb.FragmentHeader(fragment=event.fragment, version=event.version, base_version=event.base_version,
+                                       codec=event.codec, payload_bytes=event.payload.numel(), round=event.round,
+                                       included=event.included)
+            yield from iter_chunks(header, event.payload, lambda header=None, data=b"": pb.SyncEvent(chunk=pb.FragmentChunk(header=header, data=data)))
+    except Refusal as refusal:
+        _abort(context, refusal)
+    finally:
+        release()
+
+
+def _bounded_wait(seconds: float, context: grpc.ServicerContext) -> float:
+    """A client's wait request, clamped to [0, MAX_PULL_WAIT] and to its own deadline."""
+    wait = seconds if math.isfinite(seconds) else MAX_PULL_WAIT
+    remaining = context.time_remaining()
+    if remaining is not None:
+        wait = min(wait, remaining - 0.05)
+    return max(0.0, min(wait, MAX_PULL_WAIT))
+
+
 class SynchronizerServicer(pb_grpc.SynchronizerServicer):
-    def __init__(self, service: Synchronizer, token: str | None = None) -> None:
+    def __init__(self, service: Synchronizer, token: str | None = None, max_workers: int = 256) -> None:
         self.service, self.token = service, token
+        # a call that holds its worker for long takes a slot; when none is left it is refused
+        # at once, so Status, joins and pushes always find a worker
+        self.long_calls = threading.BoundedSemaphore(max(1, max_workers - RESERVE))
+
+    def _long_call(self, what: str):
+        if not self.long_calls.acquire(blocking=False):
+            raise self.service.refuse(Reason.BUSY, f"every worker for long calls is taken; the {what} is refused, retry later "
+                                      "(or start the synchronizer with more --max-workers)")
+        return self.long_calls.release
 
     def authorize(self, context: grpc.ServicerContext) -> None:
         if not self.token:
@@ -55,31 +110,34 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         metadata = dict(context.invocation_metadata())
         given = metadata.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-            raise self.service.refuse_auth("missing or wrong token; pass the run's token (DILOCO_TOKEN)")
+            raise self.service.refuse(Reason.UNAUTHENTICATED, "missing or wrong token; pass the run's token (DILOCO_TOKEN)")
 
     def _payload(self, first, rest, expected: int, declared: int, what: str) -> bytearray:
         if declared != expected:
             raise self.service.refuse(
-                "bad_payload", f"{what} declares {declared} bytes but its codec and fragment need {expected}"
+                Reason.BAD_PAYLOAD, f"{what} declares {declared} bytes but its codec and fragment need {expected}"
             )
         try:
             return assemble(first.data, rest, expected, what)
         except ValueError as err:
-            raise self.service.refuse("bad_payload", str(err)) from None
+            raise self.service.refuse(Reason.BAD_PAYLOAD, str(err)) from None
 
     @_handler
     def Join(self, request, context):
-        specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
         try:
+            specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
             reply = self.service.join(request.island, request.world_size, specs)
         except ValueError as err:  # a malformed spec, e.g. an unknown role
-            raise self.service.refuse("layout_mismatch", str(err)) from None
+            raise self.service.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         return pb.JoinReply(
             config_json=json.dumps(reply["config"]),
             layout_hash=reply["layout_hash"],
             versions=reply["versions"],
             shard=self.service.shard,
             num_shards=self.service.num_shards,
+            run_step=reply["run_step"],
+            session=reply["session"],
+            incarnation=self.service.incarnation,
         )
 
     @_handler
@@ -88,7 +146,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         h = first.header
         expected = self.service.expected_payload_bytes("fp32", h.fragment)
         payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"seed of fragment {h.fragment}")
-        seeded = self.service.seed(h.island, h.fragment, payload)
+        seeded = self.service.seed(h.island, h.fragment, payload, session=h.session)
         return pb.SeedReply(seeded=seeded, version=self.service.versions()[h.fragment])
 
     @_handler
@@ -97,44 +155,34 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         h = first.header
         expected = self.service.expected_payload_bytes(h.codec, h.fragment)
         payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"push of fragment {h.fragment}")
-        contribution = Contribution(
-            island=h.island,
-            fragment=h.fragment,
-            base_version=h.base_version,
-            tokens=h.tokens,
-            steps=h.steps,
-            codec=h.codec,
-            seq=h.seq,
-            payload=payload,
-            layout_hash=h.layout_hash,
-        )
-        remaining = context.time_remaining()
-        wait = DEFAULT_PUSH_WAIT if remaining is None else max(0.0, min(DEFAULT_PUSH_WAIT, remaining - 0.05))
-        reply = self.service.push(contribution, timeout=wait)
-        header = pb.FragmentHeader(
-            fragment=reply.fragment,
-            version=reply.version,
-            base_version=reply.base_version,
-            codec=reply.codec,
-            payload_bytes=reply.payload.numel(),
-            contributors=reply.contributors,
-            reason=reply.reason,
-        )
-        return iter_chunks(header, reply.payload, pb.FragmentChunk)
+        ack = self.service.push(Contribution(
+            island=h.island, fragment=h.fragment, round=h.round, base_version=h.base_version, tokens=h.tokens,
+            steps=h.steps, codec=h.codec, seq=h.seq, payload=payload, layout_hash=h.layout_hash, session=h.session,
+        ))
+        return pb.PushAck(fragment=ack.fragment, round=ack.round, late=ack.late, duplicate=ack.duplicate, version=ack.version)
+
+    @_handler
+    def Subscribe(self, request, context):
+        events = self.service.subscribe(request.island, dict(request.versions), active=context.is_active, session=request.session)
+        return _events(events, context, self._long_call("subscription"))
 
     @_handler
     def Pull(self, request, context):
-        remaining = context.time_remaining()
-        wait = request.wait_seconds if remaining is None else max(0.0, min(request.wait_seconds, remaining - 0.05))
-        version, value = self.service.pull(request.fragment, request.newer_than, timeout=wait)
+        wait = _bounded_wait(request.wait_seconds, context)
+        release = self._long_call("waiting pull") if wait > 0 else (lambda: None)
+        try:
+            version, value = self.service.pull(request.fragment, request.newer_than, timeout=wait, active=context.is_active)
+        finally:
+            release()
         payload = get_codec("fp32").encode(value)
         header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec="fp32", payload_bytes=payload.numel())
         return iter_chunks(header, payload, pb.FragmentChunk)
 
     @_handler
     def Heartbeat(self, request, context):
-        self.service.heartbeat(request.island, request.steps, request.step_time)
-        return pb.HeartbeatReply(versions=self.service.versions())
+        run_step = self.service.heartbeat(request.island, request.steps, request.step_time, request.schedule_step,
+                                          session=request.session)
+        return pb.HeartbeatReply(versions=self.service.versions(), run_step=run_step)
 
     @_handler
     def Status(self, request, context):
@@ -155,8 +203,8 @@ class SynchronizerServer:
         tls_key: str | Path | None = None,
         max_workers: int = 256,
     ) -> None:
-        """``max_workers`` bounds concurrent calls; a push holds a worker while its round is open,
-        so allow at least islands x (overlap_steps + 1) plus a few."""
+        """``max_workers`` bounds concurrent calls; each island's subscription holds one worker for
+        as long as it is connected, so allow at least islands x shards plus a few."""
         self.service = service
         # embedded in a training process, the handlers' torch work must not add OpenMP teams
         self.executor = futures.ThreadPoolExecutor(
@@ -170,7 +218,7 @@ class SynchronizerServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_SynchronizerServicer_to_server(SynchronizerServicer(service, token), self.server)
+        pb_grpc.add_SynchronizerServicer_to_server(SynchronizerServicer(service, token, max_workers), self.server)
         address = f"{host}:{port}"
         if tls_cert or tls_key:
             if not (tls_cert and tls_key):
@@ -185,6 +233,7 @@ class SynchronizerServer:
         self._stopped = False
 
     def start(self) -> SynchronizerServer:
+        self.service.start()
         self.server.start()
         log.info("synchronizer shard %d/%d listening on %s", self.service.shard, self.service.num_shards, self.address)
         return self

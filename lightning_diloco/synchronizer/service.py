@@ -1,53 +1,78 @@
-"""The synchronizer's rounds: validate, reconstruct, wait for quorum and grace, merge, step, publish.
+"""The synchronizer: validates requests and wires rounds, membership and state together.
 
-Transport-agnostic: the gRPC server and in-process callers drive the same object. Each fragment
-has its own lock and open round, so rounds of different fragments never wait on each other.
+Transport-agnostic: the gRPC server and in-process callers drive the same object.
+
+- A push is validated, measured against its base and put into its fragment's round; it is
+  answered at once with an :class:`~lightning_diloco.synchronizer.rounds.Ack` (which round, late
+  or not). A push that opens a round asks every other live island to send that fragment now.
+- Each fragment has one closer thread (:meth:`start`) that closes its round when the quorum and
+  grace rules say so, whether or not anyone is waiting; tests move a fake clock and call
+  :meth:`poll` instead.
+- Every new version reaches every subscribed island (:meth:`subscribe`), contributor or not, as a
+  delta against the version that island last received.
+
 Every refusal is a :class:`Refusal` with a short reason code that Status counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
-import statistics
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lightning_diloco.core.codecs import Payload, get_codec
+from lightning_diloco.core import checkpoints
+from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec
 from lightning_diloco.core.config import CODECS, RunConfig
-from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout, split_fragment
-from lightning_diloco.core.merge import NormOutlierGuard, contribution_weight, merge_outer_gradients
-from lightning_diloco.core.quorum import RoundView, decide
-from lightning_diloco.core.state import SynchronizerState, owned_by_shard
+from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
+from lightning_diloco.core.schedule import due_step, fragment_offsets
+from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard
+from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer.durability import Checkpointer
+from lightning_diloco.synchronizer.membership import Membership, SessionError
+from lightning_diloco.synchronizer.rounds import (
+    Ack,
+    ClosedRound,
+    Entry,
+    FragmentRounds,
+    RoundRequest,
+    SequenceError,
+    VersionUpdate,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS = 1e15
 MAX_STEPS = 10**9
+CLOSER_TICK = 0.25  # seconds between a closer's looks at liveness while a round waits
 
 
 class Refusal(Exception):
     """A request the synchronizer will not act on. The global state is untouched.
 
-    ``reason`` is a short code (counted in Status); ``status`` names the gRPC status code the
-    transport answers with; the message says what was wrong and how to fix it.
+    ``reason`` is counted in Status; the message says what was wrong and how to fix it.
     """
 
-    def __init__(self, reason: str, message: str, status: str = "INVALID_ARGUMENT") -> None:
+    def __init__(self, reason: Reason, message: str) -> None:
         super().__init__(message)
-        self.reason, self.status = reason, status
+        self.reason = reason
 
 
 @dataclass(frozen=True, kw_only=True)
 class Contribution:
     island: int
     fragment: int
+    round: int
+    """The round it was sent for: schedule step // H at the send."""
     base_version: int
     tokens: float
     steps: int
@@ -55,54 +80,8 @@ class Contribution:
     seq: int
     payload: Payload
     layout_hash: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Reply:
-    """The new global fragment for one island, as a delta against that island's base."""
-
-    fragment: int
-    version: int
-    base_version: int
-    codec: str
-    payload: torch.Tensor
-    contributors: int
-    reason: str
-
-
-@dataclass
-class _Pending:
-    seq: int
-    base_version: int
-    base: torch.Tensor
-    outer_gradient: torch.Tensor
-    weight: float
-    norm: float
-
-
-@dataclass
-class _Slot:
-    """One fragment's lock, open round and bookkeeping."""
-
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    pending: dict[int, _Pending] = field(default_factory=dict)
-    opened_at: float | None = None
-    quorum_at: float | None = None
-    done: dict[int, _Done] = field(default_factory=dict)  # island -> its last merged contribution
-    guard: NormOutlierGuard | None = None
-    last_round: dict = field(default_factory=dict)
-    # Every island whose base was the same version gets the same downlink payload: encode it
-    # once per round, not once per island. Keyed by (new version, base version).
-    replies: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class _Island:
-    world_size: int
-    last_seen: float
-    steps: int = 0
-    step_time: float = 0.0
-    accepted: int = 0
+    session: str | None = None
+    """The session its island's join issued; None from an in-process caller (trusted)."""
 
 
 class Synchronizer:
@@ -122,54 +101,94 @@ class Synchronizer:
 
         ``liveness_timeout``: seconds without a heartbeat (or any request) after which an island
         is no longer waited for. ``state``: start from this state (e.g. restored from an island's
-        checkpoint) unless ``checkpoint_dir`` holds one.
+        checkpoint) unless ``checkpoint_dir`` holds one. Call :meth:`start` to run the closers.
         """
         self.config = config
         self.owned = owned_by_shard(shard, num_shards)
         self.shard, self.num_shards = shard, num_shards
         self.incarnation = uuid.uuid4().hex[:12]  # per-process counters (accepted, refused) restart with it
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.checkpoint_every = checkpoint_every
-        self.liveness_timeout = liveness_timeout
         self.clock = clock
-        self.lock = threading.RLock()  # islands, counters, layout adoption
-        self.checkpoint_lock = threading.Lock()
-        self.islands: dict[int, _Island] = {}
+        self.lock = threading.RLock()  # counters, layout adoption
+        self.membership = Membership(liveness_timeout, lead_steps=4 * config.schedule.sync_every)
         self.closing = threading.Event()  # set on shutdown: waiting calls return at once
         self.accepted: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         self.bytes_in = self.bytes_out = 0
         self.sync_time = 0.0
         self.state: SynchronizerState | None = state
-        self.last_checkpoint_steps = state.outer_steps if state else 0
-        loaded = SynchronizerState.load(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
+        loaded = None
+        if self.checkpoint_dir is not None:  # refused at start, not after the first merges
+            checkpoints.check_writable(self.checkpoint_dir)
+            loaded = SynchronizerState.load(self.checkpoint_dir)
         if loaded is not None:
             self.state = loaded
             if loaded.config != config:
                 log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
             self.config = loaded.config
-            self.last_checkpoint_steps = loaded.outer_steps
             log.info("resumed from %s at versions %s", self.checkpoint_dir, loaded.versions())
-        self.slots = {p: self._new_slot() for p in range(self.config.schedule.num_fragments) if self.owned(p)}
+        sched = self.config.schedule
+        self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
+        self.rounds: dict[int, FragmentRounds] = {}
+        self._started = False
+        self._closers: list[threading.Thread] = []
+        self.checkpointer = Checkpointer(self, self.checkpoint_dir, checkpoint_every)
+        if self.state is not None:
+            self._make_rounds(self.state.layout)
 
-    def _new_slot(self) -> _Slot:
-        merge = self.config.merge
-        return _Slot(guard=NormOutlierGuard(merge.outlier_z, merge.outlier_window) if merge.outlier_z else None)
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> Synchronizer:
+        """Run one closer thread per owned fragment, now or once the first island has joined."""
+        with self.lock:
+            self._started = True
+            self._start_closers()
+            self.checkpointer.start()
+        return self
+
+    def _start_closers(self) -> None:
+        running = {t.name for t in self._closers}
+        for p in self.rounds:
+            name = f"diloco-closer-{p}"
+            if name not in running:
+                thread = threading.Thread(target=self._close_loop, args=(p,), name=name, daemon=True)
+                thread.start()
+                self._closers.append(thread)
+
+    def shutdown(self) -> None:
+        """Stop the closers and release every call waiting on a round, a pull or a subscription."""
+        self.closing.set()
+        for rounds in self.rounds.values():
+            with rounds.cond:
+                rounds.cond.notify_all()
+        with self.membership.lock:
+            self.membership.changed.notify_all()
+        self.checkpointer.stop()
+        for thread in self._closers:
+            thread.join(timeout=5)
+        self._closers = []
+
+    def _make_rounds(self, layout: FragmentLayout) -> None:
+        for p in range(layout.num_fragments):
+            if self.owned(p) and p not in self.rounds:
+                rounds = FragmentRounds(p, layout.fragment_specs(p), self.config)
+                rounds.frag = self.state.fragments.get(p)
+                self.rounds[p] = rounds
+        if self._started:
+            self._start_closers()
 
     # ---- refusals -------------------------------------------------------------------------
 
-    def refuse(self, reason: str, message: str, status: str = "INVALID_ARGUMENT") -> Refusal:
+    def refuse(self, reason: Reason, message: str) -> Refusal:
         with self.lock:
-            self.refused[reason] += 1
+            self.refused[reason.value] += 1
         log.warning("refused (%s): %s", reason, message)
-        return Refusal(reason, message, status)
-
-    def refuse_auth(self, message: str) -> Refusal:
-        return self.refuse("unauthenticated", message, "UNAUTHENTICATED")
+        return Refusal(reason, message)
 
     def expected_payload_bytes(self, codec_name: str, fragment: int) -> int:
         """Bytes a payload of ``fragment`` must have in ``codec_name``; refuses unknown ones."""
-        self._slot(fragment)
+        self._rounds(fragment)
         self._check_codec(codec_name)
         numel = self.state.layout.fragment_numel(fragment)
         return get_codec(codec_name, self.config.codec.block_size).encoded_size(numel)
@@ -177,344 +196,319 @@ class Synchronizer:
     # ---- membership -----------------------------------------------------------------------
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> dict:
-        """Register an island; returns the run settings, layout hash and fragment versions."""
+        """Register an island; returns the run settings, layout hash, versions and run step."""
         if island < 0 or world_size < 1:
-            raise self.refuse("bad_island", f"island={island} world_size={world_size}: need island >= 0 and world_size >= 1")
+            raise self.refuse(Reason.BAD_ISLAND, f"island={island} world_size={world_size}: need island >= 0 and world_size >= 1")
+        with self.lock:
+            if self.state is None and 0 < len(specs) < self.config.schedule.num_fragments:
+                self._fit_fragments(len(specs))
         try:
             layout = build_layout(list(specs), self.config.schedule.num_fragments)
         except ValueError as err:
-            raise self.refuse("layout_mismatch", str(err), "FAILED_PRECONDITION") from None
+            raise self.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         with self.lock:
             if self.state is None:
                 self.state = SynchronizerState(self.config, layout, {})
+                self._make_rounds(layout)
                 log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
             elif self.state.layout.hash != layout.hash:
-                raise self.refuse("layout_mismatch", _layout_difference(self.state.layout, layout), "FAILED_PRECONDITION")
-            self.islands[island] = _Island(world_size=world_size, last_seen=self.clock())
+                raise self.refuse(Reason.LAYOUT_MISMATCH, _layout_difference(self.state.layout, layout))
+        now = self.clock()
+        run_step = self.run_step(now)
+        try:
+            session = self.membership.join(island, world_size, now)
+        except OverflowError as err:
+            raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
         return {
             "config": self.config.to_dict(),
             "layout_hash": layout.hash,
             "versions": self.versions(),
-            "owned": sorted(self.slots),
+            "owned": sorted(self.rounds),
+            "run_step": run_step,
+            "session": session,
         }
 
-    def heartbeat(self, island: int, steps: int, step_time: float) -> None:
-        with self.lock:
-            info = self.islands.get(island)
-            if info is None:
-                raise self.refuse("not_joined", f"island {island} sent a heartbeat before joining; call Join first", "FAILED_PRECONDITION")
-            info.last_seen, info.steps = self.clock(), int(steps)
-            if step_time > 0 and step_time == step_time:  # ignore NaN and nonsense
-                info.step_time = float(step_time)
-        for slot in self.slots.values():  # liveness may have changed what a round waits for
-            with slot.cond:
-                slot.cond.notify_all()
+    def _fit_fragments(self, tensors: int) -> None:
+        """The first island's model has fewer tensors than fragments asked for (tensors are never
+        split): the run takes one fragment per tensor, as an embedded synchronizer does."""
+        wanted = self.config.schedule.num_fragments
+        self.config = dataclasses.replace(self.config, schedule=dataclasses.replace(self.config.schedule, num_fragments=tensors))
+        self.offsets = fragment_offsets(tensors, self.config.schedule.sync_every)
+        self.adjustments.append(f"num_fragments lowered from {wanted} to {tensors}: the first island's model has "
+                                f"{tensors} trainable tensors (set --num-fragments to choose)")
+        log.warning("%s", self.adjustments[-1])
+
+    def _check_session(self, island: int, session: str | None, what: str) -> None:
+        try:
+            self.membership.check(island, session)
+        except SessionError:
+            raise self.refuse(Reason.WRONG_SESSION, f"island {island} joined again since this client's session began, so its "
+                              f"{what} is refused; a client rejoins to get the current session") from None
+        except KeyError:
+            raise self.refuse(Reason.NOT_JOINED, f"island {island} sent a {what} before joining; call Join first") from None
+
+    def heartbeat(self, island: int, steps: int, step_time: float, schedule_step: int | None = None,
+                  session: str | None = None) -> int:
+        """Record an island's progress (clamped to plausible values); returns the run step."""
+        now = self.clock()
+        self._check_session(island, session, "heartbeat")
+        self.membership.seen(island, now, steps=steps, schedule_step=schedule_step, step_time=step_time)
+        for rounds in self.rounds.values():  # liveness may have changed what a round waits for
+            with rounds.cond:
+                rounds.cond.notify_all()
+        return self.run_step(now)
 
     def live_islands(self, now: float | None = None) -> set[int]:
-        now = self.clock() if now is None else now
-        with self.lock:
-            return {i for i, info in self.islands.items() if now - info.last_seen <= self.liveness_timeout}
+        return self.membership.live(self.clock() if now is None else now)
 
-    def _step_time(self, live: set[int]) -> float:
-        with self.lock:
-            times = [self.islands[i].step_time for i in live if self.islands[i].step_time > 0]
-        return statistics.median(times) if times else 0.0
+    def run_step(self, now: float | None = None) -> int:
+        """The run's clock: the fastest live island's schedule step, else the step of the latest
+        round any fragment opened (a restarted synchronizer, or islands that all went away)."""
+        now = self.clock() if now is None else now
+        from_rounds = 0
+        state = self.state
+        if state is not None:
+            H = self.config.schedule.sync_every
+            for p, frag in list(state.fragments.items()):
+                if frag.next_round > 0:
+                    from_rounds = max(from_rounds, due_step(frag.next_round - 1, self.offsets[p], H))
+        return max(self.membership.run_step(now), from_rounds)
+
+    def _clock_round(self, fragment: int, now: float) -> int:
+        """The latest round of ``fragment`` due on the live islands' clock (-1: none yet)."""
+        step = self.membership.run_step(now)
+        offset, H = self.offsets[fragment], self.config.schedule.sync_every
+        return (step - offset) // H if step >= offset and step > 0 else -1
 
     def versions(self) -> dict[int, int]:
         """Fragment versions this shard owns; -1 for a fragment not seeded yet."""
         state = self.state
-        return {p: (state.fragments[p].version if state and p in state.fragments else -1) for p in self.slots}
+        owned = [p for p in range(self.config.schedule.num_fragments) if self.owned(p)]
+        return {p: (state.fragments[p].version if state and p in state.fragments else -1) for p in owned}
 
     # ---- seeding and pulling ----------------------------------------------------------------
 
-    def _slot(self, fragment: int) -> _Slot:
-        slot = self.slots.get(fragment)
-        if slot is None:
+    def _rounds(self, fragment: int) -> FragmentRounds:
+        if not self.owned(fragment) or not 0 <= fragment < self.config.schedule.num_fragments:
             owner = fragment % self.num_shards
             raise self.refuse(
-                "unknown_fragment",
+                Reason.UNKNOWN_FRAGMENT,
                 f"fragment {fragment} is not owned by shard {self.shard} of {self.num_shards} "
                 f"(fragments 0..{self.config.schedule.num_fragments - 1}; shard {owner} owns it)",
-                "OUT_OF_RANGE",
             )
-        if self.state is None:
-            raise self.refuse("not_joined", "no island has joined yet; call Join first", "FAILED_PRECONDITION")
-        return slot
+        rounds = self.rounds.get(fragment)
+        if self.state is None or rounds is None:
+            raise self.refuse(Reason.NOT_JOINED, "no island has joined yet; call Join first")
+        return rounds
 
-    def seed(self, island: int, fragment: int, payload: Payload) -> bool:
+    def _seeded(self, rounds: FragmentRounds) -> FragmentState:
+        if rounds.frag is None:
+            raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} has no value yet; seed it first")
+        return rounds.frag
+
+    def seed(self, island: int, fragment: int, payload: Payload, session: str | None = None) -> bool:
         """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored."""
-        slot = self._slot(fragment)
+        rounds = self._rounds(fragment)
+        self._check_session(island, session, "seed")
         numel = self.state.layout.fragment_numel(fragment)
         value = self._decode("fp32", payload, numel)
-        with slot.cond:
+        with rounds.cond:
             seeded = self.state.seed(fragment, value)
-            slot.cond.notify_all()
+            rounds.frag = self.state.fragments[fragment]
+            rounds.cond.notify_all()
         if seeded:
             log.info("fragment %d seeded by island %d", fragment, island)
+            with self.membership.lock:
+                self.membership.changed.notify_all()
         return seeded
 
-    def pull(self, fragment: int, newer_than: int = -1, timeout: float = 0.0) -> tuple[int, torch.Tensor]:
-        """(version, fp32 copy) of a fragment, waiting up to ``timeout`` s for one newer than given."""
-        slot = self._slot(fragment)
+    def pull(self, fragment: int, newer_than: int = -1, timeout: float = 0.0,
+             active: Callable[[], bool] = lambda: True) -> tuple[int, torch.Tensor]:
+        """(version, fp32 copy) of a fragment, waiting up to ``timeout`` s for one newer than given
+        (and no longer than ``active()`` holds: a caller that hung up stops the wait)."""
+        rounds = self._rounds(fragment)
         deadline = self.clock() + timeout
-        with slot.cond:
+        with rounds.cond:
             while True:
-                frag = self.state.fragments.get(fragment)
+                frag = rounds.frag
                 if frag is not None and frag.version > newer_than:
                     return frag.version, frag.value.clone()
                 left = deadline - self.clock()
-                if left <= 0 or self.closing.is_set():
-                    if frag is None:
-                        raise self.refuse("not_seeded", f"fragment {fragment} has no value yet; seed it first", "FAILED_PRECONDITION")
-                    return frag.version, frag.value.clone()
-                slot.cond.wait(min(left, 0.25))
+                if left <= 0 or self.closing.is_set() or not active():
+                    return self._seeded(rounds).version, frag.value.clone()
+                rounds.cond.wait(min(left, CLOSER_TICK))
 
     # ---- contributions ---------------------------------------------------------------------
 
     def _check_codec(self, codec_name: str) -> None:
         if codec_name not in CODECS:
-            raise self.refuse("unknown_codec", f"codec {codec_name!r} is not one of {', '.join(CODECS)}")
+            raise self.refuse(Reason.UNKNOWN_CODEC, f"codec {codec_name[:40]!r} is not one of {', '.join(CODECS)}")
 
     def _decode(self, codec_name: str, payload: Payload, numel: int) -> torch.Tensor:
         self._check_codec(codec_name)
         try:
             return get_codec(codec_name, self.config.codec.block_size).decode(payload, numel)
         except ValueError as err:
-            reason = "non_finite" if "non-finite" in str(err) else "bad_payload"
-            raise self.refuse(reason, str(err)) from None
+            raise self.refuse(Reason.NON_FINITE if isinstance(err, NonFiniteError) else Reason.BAD_PAYLOAD, str(err)) from None
 
-    def _validate(self, c: Contribution) -> tuple[_Slot, torch.Tensor]:
-        slot = self._slot(c.fragment)
-        with self.lock:
-            if c.island not in self.islands:
-                raise self.refuse("not_joined", f"island {c.island} pushed before joining; call Join first", "FAILED_PRECONDITION")
-            self.islands[c.island].last_seen = self.clock()
+    def push(self, c: Contribution) -> Ack:
+        """Put a contribution into its fragment's round; answered at once, merged when it closes.
+
+        A retry with the same sequence number gets the same answer and is never merged twice.
+        """
+        rounds = self._rounds(c.fragment)
+        now = self.clock()
+        self._check_session(c.island, c.session, "push")
+        self.membership.seen(c.island, now)
         if c.layout_hash != self.state.layout.hash:
-            raise self.refuse("layout_mismatch", f"layout hash {c.layout_hash!r} is not the run's {self.state.layout.hash!r}; rejoin with the run's model", "FAILED_PRECONDITION")
+            raise self.refuse(Reason.LAYOUT_MISMATCH, f"layout hash {c.layout_hash[:40]!r} is not the run's {self.state.layout.hash!r}; rejoin with the run's model")
         if not (1 <= c.steps <= MAX_STEPS) or not (0 < c.tokens <= MAX_TOKENS) or c.tokens != c.tokens:
-            raise self.refuse("bad_counters", f"counters tokens={c.tokens} steps={c.steps} are out of range (0 < tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
-        if c.seq < 0:
-            raise self.refuse("bad_sequence", f"sequence number {c.seq} must be >= 0")
+            raise self.refuse(Reason.BAD_COUNTERS, f"counters tokens={c.tokens} steps={c.steps} are out of range (0 < tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
+        if c.seq < 0 or c.round < 0 or c.base_version < 0:
+            raise self.refuse(Reason.BAD_SEQUENCE, f"sequence number {c.seq}, round {c.round} and base version {c.base_version} must be >= 0")
+        digest = _digest(c.payload)  # before decoding, which may reuse the received buffer
         delta = self._decode(c.codec, c.payload, self.state.layout.fragment_numel(c.fragment))
         with self.lock:
             self.bytes_in += _payload_size(c.payload)
-        return slot, delta
+        with rounds.cond:
+            self._seeded(rounds)
+            outer_gradient = FragmentState.outer_gradient(delta)
+            norm = float(torch.linalg.vector_norm(outer_gradient, dtype=torch.float64))
+            entry = Entry(c.island, c.seq, c.round, c.base_version, outer_gradient, c.tokens, c.steps, norm, digest)
+            try:
+                ack = rounds.add(entry, now, self._clock_round(c.fragment, now))
+            except SequenceError as err:
+                raise self.refuse(Reason.SEQUENCE_REUSED if err.reused else Reason.OLD_SEQUENCE, str(err)) from None
+        H = self.config.schedule.sync_every
+        self.membership.seen(c.island, now, schedule_step=due_step(c.round, self.offsets[c.fragment], H))
+        with self.lock:
+            self.accepted["duplicate" if ack.duplicate else "late" if ack.late else "on_time"] += 1
+        if ack.opened:  # the round is due: everyone else sends this fragment now, not at its own pace
+            others = self.membership.live(now) - {c.island}
+            request = RoundRequest(c.fragment, ack.round, due_step(ack.round, self.offsets[c.fragment], H))
+            self.membership.ask(request, others)
+        return ack
 
-    def push(self, c: Contribution, timeout: float = 60.0) -> Reply:
-        """Add a contribution to its fragment's open round and return the merged result.
+    # ---- closing rounds ---------------------------------------------------------------------
 
-        Blocks until the round closes or ``timeout`` s pass (``TimeoutError``; the contribution
-        stays in the round, and a retry with the same sequence number waits for the same result).
-        A retry of an already merged contribution gets the same reply again, never a second merge.
-        """
-        slot, delta = self._validate(c)
-        start = self.clock()
-        with slot.cond:
-            frag = self.state.fragments.get(c.fragment)
-            if frag is None:
-                raise self.refuse("not_seeded", f"fragment {c.fragment} has no value yet; seed it first", "FAILED_PRECONDITION")
-            done = slot.done.get(c.island)
-            if done is not None and c.seq < done.seq:
-                raise self.refuse("old_sequence", f"sequence {c.seq} of island {c.island} is older than its last merged one ({done.seq})", "FAILED_PRECONDITION")
-            if done is not None and c.seq == done.seq:
-                with self.lock:
-                    self.accepted["duplicate"] += 1
-            else:
-                pending = slot.pending.get(c.island)
-                if pending is None or pending.seq != c.seq:
-                    self._add(slot, frag, c, delta)
-                self._wait_for_merge(c, slot, start, timeout)
-            reply = self._reply(slot, c.fragment, c.island)
-        self._maybe_checkpoint()
-        return reply
+    def _close_loop(self, fragment: int) -> None:
+        single_threaded_torch()  # embedded in a training process: no OpenMP team of its own
+        rounds = self.rounds[fragment]
+        while not self.closing.is_set():
+            with rounds.cond:
+                wait = self._poll_fragment(rounds, self.clock())
+                if wait > 0 and not self.closing.is_set():
+                    rounds.cond.wait(min(wait, CLOSER_TICK))
+            if wait == 0:
+                self.checkpointer.due.set()  # written on its own thread: rounds never wait for the disk
 
-    def _wait_for_merge(self, c: Contribution, slot: _Slot, start: float, timeout: float) -> None:
-        while (done := slot.done.get(c.island)) is None or done.seq != c.seq:
-            if self.closing.is_set():  # the contribution stays in the round for the checkpoint-free restart
-                raise TimeoutError(f"round of fragment {c.fragment} still open: the synchronizer is shutting down")
-            now = self.clock()
-            decision = self._decision(slot, now)
-            if decision.close:
-                self._close(c.fragment, slot, decision.reason, now)
-                continue
-            left = start + timeout - now
-            if left <= 0:
-                raise TimeoutError(f"round of fragment {c.fragment} still open after {timeout:.1f}s: {decision.reason}")
-            wait = left if decision.deadline is None else max(0.0, min(left, decision.deadline - now))
-            slot.cond.wait(min(wait, 0.25))  # wake up now and then: islands may have died
+    def poll(self, now: float | None = None) -> list[ClosedRound]:
+        """Close every round that is due to close at ``now``: what the closers do, for tests."""
+        now = self.clock() if now is None else now
+        closed = []
+        for rounds in self.rounds.values():
+            with rounds.cond:
+                before = rounds.last
+                self._poll_fragment(rounds, now)
+                if rounds.last is not before:
+                    closed.append(rounds.last)
+        if closed:  # outside the fragments' locks: a checkpoint takes each of them in turn
+            self.checkpointer.write_if_due()
+        return closed
 
-    def _add(self, slot: _Slot, frag, c: Contribution, delta: torch.Tensor) -> None:
-        base = frag.base(c.base_version)
-        if base is None:
-            raise self.refuse(
-                "stale",
-                f"base version {c.base_version} of fragment {c.fragment} is not among the kept versions "
-                f"{sorted(frag.history)}; pull the fragment and contribute against a newer base",
-                "FAILED_PRECONDITION",
-            )
-        outer_gradient = frag.outer_gradient(c.base_version, delta)
-        norm = float(torch.linalg.vector_norm(outer_gradient))
-        if slot.guard is not None and (why := slot.guard.check(norm)):
-            raise self.refuse("outlier", why)
-        age = frag.version - c.base_version
-        weight = contribution_weight(c.tokens, c.steps, age=age, staleness_discount=self.config.merge.staleness_discount)
-        slot.pending[c.island] = _Pending(c.seq, c.base_version, base, outer_gradient, weight, norm)
-        now = self.clock()
-        if slot.opened_at is None:
-            slot.opened_at = now
-        if slot.quorum_at is None and len(slot.pending) >= self.config.merge.min_quorum:
-            slot.quorum_at = now
-        slot.cond.notify_all()
+    def _poll_fragment(self, rounds: FragmentRounds, now: float) -> float:
+        """Close the fragment's round if it is time; returns seconds until the decision may change
+        (0 when it just closed one). Called with the fragment's lock held."""
+        live = self.membership.live(now)
+        decision = rounds.decide(now, live, self.membership.step_time(live), self.sync_time)
+        if decision.close:
+            self._close(rounds, decision.reason, now, live)
+            return 0.0
+        return CLOSER_TICK if decision.deadline is None else max(0.0, decision.deadline - now)
 
-    def _decision(self, slot: _Slot, now: float):
-        live = self.live_islands(now)
-        view = RoundView(contributors=frozenset(slot.pending), live=frozenset(live), opened_at=slot.opened_at or now, quorum_at=slot.quorum_at)
-        return decide(
-            view,
-            now,
-            min_quorum=self.config.merge.min_quorum,
-            gamma=self.config.merge.grace_gamma,
-            overlap_steps=self.config.schedule.overlap_steps,
-            step_time=self._step_time(live),
-            sync_time=self.sync_time,
-        )
-
-    def _close(self, fragment: int, slot: _Slot, reason: str, now: float) -> None:
-        """Merge the open round into one outer step. Called with ``slot.cond`` held."""
+    def _close(self, rounds: FragmentRounds, reason: str, now: float, live: set[int]) -> None:
         started = time.perf_counter()
-        islands = sorted(slot.pending)
-        pendings = [slot.pending[i] for i in islands]
-        specs = self.state.layout.fragment_specs(fragment)
-        merged = torch.empty(self.state.layout.fragment_numel(fragment))
-        merge_outer_gradients(
-            [split_fragment(p.outer_gradient, specs) for p in pendings],
-            [p.weight for p in pendings],
-            [s.role for s in specs],
-            self.config.merge.method,
-            out=split_fragment(merged, specs),
-        )
-        version = self.state.apply(fragment, merged)
-        for island, p in zip(islands, pendings):
-            slot.done[island] = _Done(p.seq, version, p.base_version, p.base)
-            if slot.guard is not None:
-                slot.guard.record(p.norm)
-        slot.last_round = {
-            "version": version,
-            "contributors": len(islands),
-            "grace_wait_s": max(0.0, now - slot.quorum_at) if slot.quorum_at is not None else 0.0,
-            "reason": reason,
-        }
-        slot.pending.clear()
-        slot.replies.clear()
-        slot.opened_at = slot.quorum_at = None
-        elapsed = time.perf_counter() - started
+        closed = rounds.close(now, reason, keep_versions=len(self.membership.members) + 1)
+        if closed.dropped:
+            log.warning("fragment %d round %d: %d contribution(s) left out, the step with them was not finite",
+                        closed.fragment, closed.round, closed.dropped)
         with self.lock:
-            self.accepted["merged"] += len(islands)
-            for island in islands:
-                if island in self.islands:
-                    self.islands[island].accepted += 1
+            self.state.outer_steps += bool(closed.islands)
+            self.accepted["merged"] += len(closed.islands)
+            if closed.dropped:
+                self.refused[Reason.NON_FINITE_STEP.value] += closed.dropped
+            elapsed = time.perf_counter() - started
             self.sync_time = elapsed if not self.sync_time else 0.8 * self.sync_time + 0.2 * elapsed
-        log.debug("fragment %d -> version %d from islands %s (%s)", fragment, version, islands, reason)
-        slot.cond.notify_all()
+        self.membership.credit(closed.islands)
+        self.membership.withdraw(closed.fragment, closed.round)  # also wakes the subscriptions
+        log.debug("fragment %d round %d -> version %d from islands %s (%s)", closed.fragment, closed.round,
+                  closed.version, closed.islands, reason)
 
-    def _reply(self, slot: _Slot, fragment: int, island: int) -> Reply:
-        done = slot.done[island]
-        frag = self.state.fragments[fragment]
-        new = frag.base(done.version)
-        base = done.base if done.base is not None else frag.base(done.base_version)
-        if new is None or base is None:
-            raise self.refuse(
-                "result_expired",
-                f"contribution {done.seq} of island {island} was merged into version {done.version}, "
-                "which is no longer kept; pull the fragment instead",
-                "FAILED_PRECONDITION",
-            )
-        done.base = None  # delivered: a replay can rebuild it from history while it lasts
-        codec = get_codec(self.config.codec.downlink, self.config.codec.block_size)
-        key = (done.version, done.base_version)
-        payload = slot.replies.get(key)
-        if payload is None:
-            payload = slot.replies[key] = codec.encode(new - base)
-        with self.lock:
-            self.bytes_out += payload.numel()
-        return Reply(
-            fragment=fragment,
-            version=done.version,
-            base_version=done.base_version,
-            codec=codec.name,
-            payload=payload,
-            contributors=slot.last_round.get("contributors", 0),
-            reason=slot.last_round.get("reason", ""),
-        )
+    # ---- subscriptions ---------------------------------------------------------------------
+
+    def subscribe(self, island: int, versions: dict[int, int], active: Callable[[], bool] = lambda: True,
+                  tick: float = 0.5, session: str | None = None) -> Iterator[RoundRequest | VersionUpdate]:
+        """Requests and new versions for one island, until ``active()`` turns False, the island
+        subscribes again or rejoins (one subscription per island), or shutdown.
+
+        ``versions``: the version of each fragment the island holds; updates are deltas against
+        it (a full value for a version this synchronizer no longer keeps, or newer than its own).
+        Refuses at once, before the first event, an island that has not joined.
+        """
+        self._check_session(island, session, "subscription")
+        delivered = {p: int(versions.get(p, -1)) for p in self.rounds}
+        return self._events(island, self.membership.subscribed(island), delivered, active, tick)
+
+    def _events(self, island: int, subscription: int, delivered: dict[int, int], active,
+                tick: float) -> Iterator[RoundRequest | VersionUpdate]:
+        changed = self.membership.changed
+        while not self.closing.is_set() and active():
+            with changed:
+                if not self.membership.is_current(island, subscription):
+                    return
+                requests = self.membership.take_requests(island)
+                behind = [p for p, r in self.rounds.items() if r.frag is not None and r.frag.version != delivered[p]]
+                if not requests and not behind:
+                    changed.wait(tick)
+                    continue
+            yield from requests
+            for p in behind:
+                rounds = self.rounds[p]
+                with rounds.cond:
+                    update = rounds.publish(island, delivered[p], self.config.codec)
+                with self.lock:
+                    self.bytes_out += update.payload.numel()
+                delivered[p] = update.version
+                yield update
 
     # ---- durability and status ----------------------------------------------------------------
 
-    def _maybe_checkpoint(self) -> None:
-        if self.checkpoint_dir is None or self.checkpoint_every <= 0 or self.state is None:
-            return
-        if self.state.outer_steps - self.last_checkpoint_steps >= self.checkpoint_every:
-            self.checkpoint()
-
     def checkpoint(self) -> Path | None:
-        """Write an atomic checkpoint now (no-op without a directory or a state)."""
-        if self.checkpoint_dir is None or self.state is None:
-            return None
-        with self.checkpoint_lock:
-            snapshot = self.snapshot()
-            path = snapshot.save(self.checkpoint_dir)
-            self.last_checkpoint_steps = snapshot.outer_steps
-        log.debug("checkpoint at %d outer steps: %s", snapshot.outer_steps, path)
-        return path
-
-    def shutdown(self) -> None:
-        """Release every call waiting on a round or a pull (a stopping server must not wait)."""
-        self.closing.set()
-        for slot in self.slots.values():
-            with slot.cond:
-                slot.cond.notify_all()
+        """Write a checkpoint now (no-op without a directory or a state)."""
+        return self.checkpointer.write()
 
     def snapshot(self) -> SynchronizerState:
-        """A consistent copy of the state, fragment by fragment.
-
-        Each fragment is copied under its own lock: fragments are independent, so taking a
-        snapshot never stalls every round at once.
-        """
-        assert self.state is not None, "no island has joined: nothing to snapshot"
-        snapshot = SynchronizerState(self.config, self.state.layout, {})
-        for p, slot in self.slots.items():
-            with slot.cond:
-                frag = self.state.fragments.get(p)
-                if frag is not None:
-                    snapshot.seed(p, frag.value)
-                    snapshot.fragments[p].load_state_dict(frag.state_dict())
-        snapshot.outer_steps = sum(f.version for f in snapshot.fragments.values())
-        return snapshot
+        """A consistent copy of the state (each fragment copied under its own lock)."""
+        return self.checkpointer.snapshot()
 
     def status(self) -> dict:
         now = self.clock()
         live = self.live_islands(now)
+        islands = self.membership.status(now)
         with self.lock:
-            islands = {
-                i: {
-                    "live": i in live,
-                    "world_size": info.world_size,
-                    "steps": info.steps,
-                    "step_time_s": info.step_time,
-                    "accepted": info.accepted,
-                    "seen_s_ago": now - info.last_seen,
-                }
-                for i, info in sorted(self.islands.items())
-            }
             counters = {
                 "accepted": dict(self.accepted),
                 "refused": dict(self.refused),
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
+                "checkpoint_failures": self.checkpointer.failures,
+                "last_checkpoint_error": self.checkpointer.last_error,
+                "last_checkpoint_outer_steps": self.checkpointer.last_steps,
             }
         rounds = {}
-        for p, slot in self.slots.items():
-            with slot.cond:
-                rounds[p] = {"open_contributors": len(slot.pending), **slot.last_round}
+        for p, r in self.rounds.items():
+            with r.cond:
+                rounds[p] = r.status()
         return {
             "shard": self.shard,
             "num_shards": self.num_shards,
@@ -522,7 +516,11 @@ class Synchronizer:
             "layout_hash": self.state.layout.hash if self.state else "",
             "outer_steps": self.state.outer_steps if self.state else 0,
             "versions": self.versions(),
+            "run_step": self.run_step(now),
+            "sync_every": self.config.schedule.sync_every,
+            "num_fragments": self.config.schedule.num_fragments,
             "min_quorum": self.config.merge.min_quorum,
+            "adjustments": list(self.adjustments),
             "live_islands": sorted(live),
             "islands": islands,
             "rounds": rounds,
@@ -530,12 +528,9 @@ class Synchronizer:
         }
 
 
-@dataclass
-class _Done:
-    seq: int
-    version: int
-    base_version: int
-    base: torch.Tensor | None  # held until the reply is delivered, even if history moves on
+def _digest(payload: Payload) -> bytes:
+    data = payload.numpy().tobytes() if isinstance(payload, torch.Tensor) else payload
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _payload_size(payload: Payload) -> int:
@@ -543,6 +538,9 @@ def _payload_size(payload: Payload) -> int:
 
 
 def _layout_difference(run: FragmentLayout, other: FragmentLayout) -> str:
+    if run.specs == other.specs:
+        return (f"same model, but the run packs it into num_fragments={run.num_fragments} and this island into "
+                f"{other.num_fragments}; use the run's num_fragments")
     for mine, theirs in zip(run.specs, other.specs):
         if mine != theirs:
             return f"model layout differs from the run's at tensor {mine.name!r}: run has {mine}, island has {theirs}; every island must train the same model"

@@ -26,18 +26,16 @@ def assemble(first_data: bytes, rest: Iterable[Any], expected: int, what: str) -
     """Join a header chunk's data and the following chunks into exactly ``expected`` bytes.
 
     Raises ValueError when the stream carries more or fewer bytes than its header declared, so an
-    oversized stream is cut off as soon as it overflows instead of being buffered whole.
+    oversized stream is cut off as soon as it overflows instead of being buffered whole. The
+    buffer grows with the bytes that arrive: a header alone costs nothing, whatever it declares.
     """
-    buffer = bytearray(expected)
-    filled = 0
+    buffer = bytearray()
     for data in _datas(first_data, rest):
-        end = filled + len(data)
-        if end > expected:
+        if len(buffer) + len(data) > expected:
             raise ValueError(f"{what} carries more than the {expected} bytes its header declared")
-        buffer[filled:end] = data
-        filled = end
-    if filled != expected:
-        raise ValueError(f"{what} ended after {filled} of the {expected} bytes its header declared")
+        buffer += data
+    if len(buffer) != expected:
+        raise ValueError(f"{what} ended after {len(buffer)} of the {expected} bytes its header declared")
     return buffer
 
 

@@ -3,6 +3,9 @@
 A synchronizer that is briefly away (restarting, unreachable) is retried with exponential
 backoff and jitter; after a restart the client joins again by itself. A refusal is not retried:
 it surfaces as :class:`SynchronizerError` carrying the synchronizer's reason.
+
+New global versions and the synchronizer's requests arrive through a :class:`Subscription`: one
+long-lived stream per shard, read on its own thread, reopened whenever it breaks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.reasons import REJOIN, Reason
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
@@ -31,12 +36,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+RESUBSCRIBE_BACKOFF = 1.0  # seconds, the longest wait before a broken subscription is reopened
 
 
 class SynchronizerError(RuntimeError):
     """The synchronizer refused a request (``reason``), or could not be reached in time."""
 
-    def __init__(self, code: grpc.StatusCode | None, reason: str, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode | None, reason: Reason, message: str) -> None:
         super().__init__(message)
         self.code, self.reason = code, reason
 
@@ -46,17 +52,39 @@ class JoinInfo:
     config: RunConfig
     layout_hash: str
     versions: dict[int, int]
+    run_step: int = 0
+    """The run's clock: the schedule step a joining island starts at."""
 
 
 @dataclass(frozen=True)
-class PushReply:
+class PushAck:
+    fragment: int
+    round: int
+    """The round the contribution will be merged in."""
+    late: bool
+    """It was sent for a round that had closed: it is merged into the next one."""
+    duplicate: bool
+    version: int
+
+
+@dataclass(frozen=True)
+class Beat:
+    versions: dict[int, int]
+    run_step: int
+
+
+@dataclass(frozen=True)
+class VersionEvent:
+    """A new global version of a fragment: ``payload`` is a delta against ``base_version`` in
+    ``codec``, or the full fp32 value when ``base_version`` is -1."""
+
     fragment: int
     version: int
     base_version: int
+    round: int
     codec: str
     payload: bytearray
-    contributors: int
-    reason: str
+    included: bool
 
 
 def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
@@ -64,6 +92,10 @@ def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
     out = [a.strip() for a in items if a.strip()]
     if not out:
         raise ValueError("no synchronizer address given; pass host:port (comma-separated for shards)")
+    for address in out:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"synchronizer address {address!r} needs a port: host:port, e.g. {address.rstrip(':')}:7470")
     return out
 
 
@@ -103,6 +135,9 @@ class SynchronizerClient:
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
         self._join_request: pb.JoinRequest | None = None
+        self.sessions = [""] * len(self.stubs)  # per shard, from the last join
+        self.incarnations = [""] * len(self.stubs)  # per shard: which synchronizer process that was
+        self._subscriptions: list[Subscription] = []
 
     @property
     def num_shards(self) -> int:
@@ -137,9 +172,10 @@ class SynchronizerClient:
                 return call()
             except grpc.RpcError as err:
                 code, details = err.code(), err.details() or ""
-                reason = details.split(":", 1)[0] if ":" in details else code.name.lower()
-                if code == grpc.StatusCode.FAILED_PRECONDITION and reason == "not_joined" and self._join_request:
-                    log.info("%s: the synchronizer forgot this island (restarted?); joining again", what)
+                reason = Reason.parse(details)
+                if reason in REJOIN and self._join_request:
+                    log.info("%s: %s (the synchronizer restarted, or this island joined again elsewhere); joining again",
+                             what, reason)
                     self._join_all(self._join_request)
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise TimeoutError(f"{what}: {details or 'deadline exceeded'}") from None
@@ -148,7 +184,7 @@ class SynchronizerClient:
                 if attempt >= self.max_retries:
                     left = keep_trying_until - time.monotonic()
                     if left <= 0:
-                        raise SynchronizerError(code, "unreachable", f"{what}: gave up after {attempt + 1} attempts: {details}") from None
+                        raise SynchronizerError(code, Reason.UNREACHABLE, f"{what}: gave up after {attempt + 1} attempts: {details}") from None
                     if attempt == self.max_retries:  # say once why the caller is waiting
                         log.warning("%s: no synchronizer reachable at %s yet; trying for %.0f s more", what, ",".join(self.addresses), left)
                 delay = min(self.max_backoff, self.backoff * 2 ** min(attempt, 30)) * (0.5 + self.rng.random() / 2)
@@ -187,23 +223,26 @@ class SynchronizerClient:
 
     def _join_all(self, request: pb.JoinRequest) -> JoinInfo:
         replies = []
-        for stub in self.stubs:
+        for shard, stub in enumerate(self.stubs):
             reply = stub.Join(request, timeout=self.timeout, metadata=self.metadata)
             self._count(request.ByteSize(), reply.ByteSize())
             replies.append(reply)
+            self.sessions[shard], self.incarnations[shard] = reply.session, reply.incarnation
         configs = {r.config_json for r in replies}
         if len(configs) != 1 or {r.num_shards for r in replies} != {self.num_shards}:
-            raise SynchronizerError(None, "shard_mismatch", f"the {self.num_shards} addresses are not the shards of one run")
+            raise SynchronizerError(None, Reason.SHARD_MISMATCH, f"the {self.num_shards} addresses are not the shards of one run")
         versions: dict[int, int] = {}
         for r in replies:
             versions.update(r.versions)
-        return JoinInfo(RunConfig.from_dict(json.loads(replies[0].config_json)), replies[0].layout_hash, versions)
+        return JoinInfo(RunConfig.from_dict(json.loads(replies[0].config_json)), replies[0].layout_hash, versions,
+                        max(r.run_step for r in replies))
 
     def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
         payload = get_codec("fp32").encode(value)
-        header = pb.FragmentHeader(fragment=fragment, island=island, codec="fp32", payload_bytes=payload.numel())
 
         def call():
+            header = pb.FragmentHeader(fragment=fragment, island=island, codec="fp32", payload_bytes=payload.numel(),
+                                       session=self.sessions[self.shard_of(fragment)])
             reply = self._stub(fragment).Seed(self._counted(iter_chunks(header, payload, pb.FragmentChunk)), timeout=self.timeout, metadata=self.metadata)
             return reply.seeded, reply.version
 
@@ -214,6 +253,7 @@ class SynchronizerClient:
         *,
         island: int,
         fragment: int,
+        round: int,
         base_version: int,
         tokens: float,
         steps: int,
@@ -221,23 +261,22 @@ class SynchronizerClient:
         seq: int,
         payload: torch.Tensor,
         layout_hash: str,
-        wait: float = 60.0,
-    ) -> PushReply:
-        """Send one contribution and wait up to ``wait`` s for its round to close.
+    ) -> PushAck:
+        """Send one contribution, sent for ``round``; answered once it is in a round.
 
         Safe to call again with the same ``seq``: the synchronizer never merges it twice.
         """
-        header = pb.PushHeader(
-            island=island, fragment=fragment, base_version=base_version, tokens=tokens, steps=steps,
-            codec=codec, seq=seq, layout_hash=layout_hash, payload_bytes=payload.numel(),
-        )
-
         def call():
-            replies = self._stub(fragment).Push(
-                self._counted(iter_chunks(header, payload, pb.PushChunk)), timeout=self.timeout + wait, metadata=self.metadata
+            header = pb.PushHeader(
+                island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens, steps=steps,
+                codec=codec, seq=seq, layout_hash=layout_hash, payload_bytes=payload.numel(),
+                session=self.sessions[self.shard_of(fragment)],
             )
-            h, data = self._receive(replies, f"reply to push of fragment {fragment}")
-            return PushReply(fragment, h.version, h.base_version, h.codec, data, h.contributors, h.reason)
+            ack = self._stub(fragment).Push(
+                self._counted(iter_chunks(header, payload, pb.PushChunk)), timeout=self.timeout, metadata=self.metadata
+            )
+            self._count(received=ack.ByteSize())
+            return PushAck(ack.fragment, ack.round, ack.late, ack.duplicate, ack.version)
 
         return self._call(f"push of fragment {fragment}", call, self.shard_of(fragment))
 
@@ -252,20 +291,46 @@ class SynchronizerClient:
 
         return self._call(f"pull of fragment {fragment}", call, self.shard_of(fragment))
 
-    def heartbeat(self, island: int, steps: int, step_time: float) -> dict[int, int]:
-        request = pb.HeartbeatRequest(island=island, steps=steps, step_time=step_time)
+    def heartbeat(self, island: int, steps: int, step_time: float, schedule_step: int = 0) -> Beat:
         versions: dict[int, int] = {}
+        run_step = 0
         for shard, stub in enumerate(self.stubs):
-            reply = self._call(f"heartbeat to shard {shard}", lambda: stub.Heartbeat(request, timeout=self.timeout, metadata=self.metadata), shard)
-            self._count(request.ByteSize(), reply.ByteSize())
+            def call(shard=shard, stub=stub):
+                request = pb.HeartbeatRequest(island=island, steps=steps, step_time=step_time, schedule_step=schedule_step,
+                                              session=self.sessions[shard])
+                self._count(sent=request.ByteSize())
+                return stub.Heartbeat(request, timeout=self.timeout, metadata=self.metadata)
+
+            reply = self._call(f"heartbeat to shard {shard}", call, shard)
+            self._count(received=reply.ByteSize())
             versions.update(reply.versions)
-        return versions
+            run_step = max(run_step, reply.run_step)
+        return Beat(versions, run_step)
+
+    def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
+                  on_request: Callable[[int, int, int], None], on_version: Callable[[VersionEvent], None],
+                  on_reconnect: Callable[[], None] = lambda: None) -> Subscription:
+        """Start reading this island's events from every shard (one thread each).
+
+        ``versions()`` tells, at each (re)connect, which version of each fragment the island holds;
+        ``on_request(fragment, round, due_step)`` and ``on_version(event)`` run on the reader
+        threads; ``on_reconnect()`` when a stream that had worked is open again (contributions
+        waiting in rounds may have been lost with a restarted synchronizer).
+        """
+        subscription = Subscription(self, island, versions, on_request, on_version, on_reconnect)
+        with self._lock:
+            self._subscriptions.append(subscription)
+        return subscription.start()
 
     def status(self, shard: int = 0) -> dict:
         reply = self._call("status", lambda: self.stubs[shard].Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
         return json.loads(reply.json)
 
     def close(self) -> None:
+        with self._lock:
+            subscriptions, self._subscriptions = self._subscriptions, []
+        for subscription in subscriptions:
+            subscription.close()
         for channel in self.channels:
             channel.close()
 
@@ -293,3 +358,104 @@ class SynchronizerClient:
         for message in messages:
             self._count(received=message.ByteSize())
             yield message
+
+
+class Subscription:
+    """One island's event streams, one reader thread per shard; reopened whenever they break."""
+
+    def __init__(self, client: SynchronizerClient, island: int, versions: Callable[[], dict[int, int]],
+                 on_request: Callable[[int, int, int], None], on_version: Callable[[VersionEvent], None],
+                 on_reconnect: Callable[[], None]) -> None:
+        self.client, self.island, self.versions = client, island, versions
+        self.on_request, self.on_version, self.on_reconnect = on_request, on_version, on_reconnect
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._calls: dict[int, grpc.Future] = {}
+        self._threads = [
+            threading.Thread(target=self._read, args=(shard,), name=f"diloco-subscription-{island}-{shard}", daemon=True)
+            for shard in range(client.num_shards)
+        ]
+
+    def start(self) -> Subscription:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            calls = list(self._calls.values())
+        for call in calls:
+            call.cancel()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
+
+    def _read(self, shard: int) -> None:
+        single_threaded_torch()  # it decodes fragments beside the training loop
+        client, attempt, opened_before = self.client, 0, False
+        incarnation = client.incarnations[shard]
+        while not self._stop.is_set():
+            try:
+                held = {p: v for p, v in self.versions().items() if client.shard_of(p) == shard}
+                if client.incarnations[shard] != incarnation:
+                    # a restarted synchronizer reissues the version numbers past its last checkpoint
+                    # with other contents: what this island holds is no base for its deltas
+                    held, incarnation = {}, client.incarnations[shard]
+                request = pb.SubscribeRequest(island=self.island, versions=held, session=client.sessions[shard])
+                call = client.stubs[shard].Subscribe(request, metadata=client.metadata)
+                with self._lock:
+                    if self._stop.is_set():
+                        call.cancel()
+                        return
+                    self._calls[shard] = call
+                if opened_before:
+                    self.on_reconnect()
+                opened_before = True
+                if self._consume(call):
+                    attempt = 0  # it worked for a while: back off from the start again
+            except grpc.RpcError as err:
+                if self._stop.is_set():
+                    return
+                code, details = err.code(), err.details() or ""
+                if Reason.parse(details) in REJOIN and client._join_request:
+                    try:
+                        client._join_all(client._join_request)
+                        continue
+                    except grpc.RpcError:
+                        pass
+                elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+                    log.warning("island %d: subscription to shard %d refused (%s): %s", self.island, shard, code.name, details)
+            except Exception:  # a callback failed: report it and keep the stream alive
+                log.exception("island %d: subscription to shard %d failed", self.island, shard)
+            # at most a second between tries: an island whose stream is down gets no new versions,
+            # so its contributions age while the synchronizer is back (a restart is seconds long)
+            delay = min(RESUBSCRIBE_BACKOFF, client.backoff * 2 ** min(attempt, 30)) * (0.5 + client.rng.random() / 2)
+            attempt += 1
+            self._stop.wait(delay)
+
+    def _consume(self, call) -> bool:
+        """Hand the stream's events to the callbacks until it ends; True if any arrived."""
+        header, buffer, filled, any_event = None, None, 0, False
+        for event in call:
+            any_event = True
+            self.client._count(received=event.ByteSize())
+            if event.HasField("request"):
+                r = event.request
+                self.on_request(r.fragment, r.round, r.due_step)
+                continue
+            chunk = event.chunk
+            if chunk.HasField("header"):
+                header, buffer, filled = chunk.header, bytearray(chunk.header.payload_bytes), 0
+            if header is None:
+                raise ValueError("a version chunk arrived without its header")
+            end = filled + len(chunk.data)
+            if end > len(buffer):
+                raise ValueError(f"version {header.version} of fragment {header.fragment} carries more bytes than declared")
+            buffer[filled:end] = chunk.data
+            filled = end
+            if filled == len(buffer):
+                self.on_version(VersionEvent(header.fragment, header.version, header.base_version, header.round,
+                                             header.codec, buffer, header.included))
+                header, buffer = None, None
+        return any_event

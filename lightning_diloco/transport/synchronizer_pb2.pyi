@@ -29,7 +29,7 @@ class JoinRequest(_message.Message):
     def __init__(self, island: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("config_json", "layout_hash", "versions", "shard", "num_shards")
+    __slots__ = ("config_json", "layout_hash", "versions", "shard", "num_shards", "run_step", "session", "incarnation")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,15 +42,21 @@ class JoinReply(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     config_json: str
     layout_hash: str
     versions: _containers.ScalarMap[int, int]
     shard: int
     num_shards: int
-    def __init__(self, config_json: _Optional[str] = ..., layout_hash: _Optional[str] = ..., versions: _Optional[_Mapping[int, int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    run_step: int
+    session: str
+    incarnation: str
+    def __init__(self, config_json: _Optional[str] = ..., layout_hash: _Optional[str] = ..., versions: _Optional[_Mapping[int, int]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., run_step: _Optional[int] = ..., session: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("island", "fragment", "base_version", "tokens", "steps", "codec", "seq", "layout_hash", "payload_bytes")
+    __slots__ = ("island", "fragment", "base_version", "tokens", "steps", "codec", "seq", "layout_hash", "payload_bytes", "round", "session")
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +66,8 @@ class PushHeader(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     island: int
     fragment: int
     base_version: int
@@ -69,7 +77,9 @@ class PushHeader(_message.Message):
     seq: int
     layout_hash: str
     payload_bytes: int
-    def __init__(self, island: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[float] = ..., steps: _Optional[int] = ..., codec: _Optional[str] = ..., seq: _Optional[int] = ..., layout_hash: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    round: int
+    session: str
+    def __init__(self, island: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[float] = ..., steps: _Optional[int] = ..., codec: _Optional[str] = ..., seq: _Optional[int] = ..., layout_hash: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., round: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -80,7 +90,7 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class FragmentHeader(_message.Message):
-    __slots__ = ("fragment", "version", "base_version", "codec", "payload_bytes", "contributors", "reason", "island")
+    __slots__ = ("fragment", "version", "base_version", "codec", "payload_bytes", "contributors", "reason", "island", "round", "included", "session")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +99,9 @@ class FragmentHeader(_message.Message):
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     base_version: int
@@ -97,7 +110,24 @@ class FragmentHeader(_message.Message):
     contributors: int
     reason: str
     island: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[int] = ..., reason: _Optional[str] = ..., island: _Optional[int] = ...) -> None: ...
+    round: int
+    included: bool
+    session: str
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[int] = ..., reason: _Optional[str] = ..., island: _Optional[int] = ..., round: _Optional[int] = ..., included: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
+
+class PushAck(_message.Message):
+    __slots__ = ("fragment", "round", "late", "duplicate", "version")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    round: int
+    late: bool
+    duplicate: bool
+    version: int
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., late: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -126,17 +156,21 @@ class PullRequest(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., newer_than: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("island", "steps", "step_time")
+    __slots__ = ("island", "steps", "step_time", "schedule_step", "session")
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_STEP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     island: int
     steps: int
     step_time: float
-    def __init__(self, island: _Optional[int] = ..., steps: _Optional[int] = ..., step_time: _Optional[float] = ...) -> None: ...
+    schedule_step: int
+    session: str
+    def __init__(self, island: _Optional[int] = ..., steps: _Optional[int] = ..., step_time: _Optional[float] = ..., schedule_step: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("versions",)
+    __slots__ = ("versions", "run_step")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,8 +179,45 @@ class HeartbeatReply(_message.Message):
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.ScalarMap[int, int]
-    def __init__(self, versions: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    run_step: int
+    def __init__(self, versions: _Optional[_Mapping[int, int]] = ..., run_step: _Optional[int] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("island", "versions", "session")
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    island: int
+    versions: _containers.ScalarMap[int, int]
+    session: str
+    def __init__(self, island: _Optional[int] = ..., versions: _Optional[_Mapping[int, int]] = ..., session: _Optional[str] = ...) -> None: ...
+
+class RoundRequest(_message.Message):
+    __slots__ = ("fragment", "round", "due_step")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DUE_STEP_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    round: int
+    due_step: int
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., due_step: _Optional[int] = ...) -> None: ...
+
+class SyncEvent(_message.Message):
+    __slots__ = ("request", "chunk")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    request: RoundRequest
+    chunk: FragmentChunk
+    def __init__(self, request: _Optional[_Union[RoundRequest, _Mapping]] = ..., chunk: _Optional[_Union[FragmentChunk, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -44,10 +44,15 @@ class SynchronizerStub:
                 request_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.FragmentChunk.SerializeToString,
                 response_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.SeedReply.FromString,
                 _registered_method=True)
-        self.Push = channel.stream_stream(
+        self.Push = channel.stream_unary(
                 '/lightning_diloco.v1.Synchronizer/Push',
                 request_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.PushChunk.SerializeToString,
-                response_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.FragmentChunk.FromString,
+                response_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.PushAck.FromString,
+                _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/lightning_diloco.v1.Synchronizer/Subscribe',
+                request_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.SyncEvent.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/lightning_diloco.v1.Synchronizer/Pull',
@@ -84,8 +89,16 @@ class SynchronizerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """One contribution, streamed in chunks; the reply streams the new global fragment as a delta
-        against the contribution's base once its round closes.
+        """One contribution, streamed in chunks; answered at once with the round it went into. The
+        merged result reaches every island through its subscription.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Subscribe(self, request, context):
+        """One island's events: "round r of fragment p is open, send now", and every new global version
+        of every fragment (a delta against the version the island last received), until it hangs up.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -123,10 +136,15 @@ def add_SynchronizerServicer_to_server(servicer, server):
                     request_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.FragmentChunk.FromString,
                     response_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.SeedReply.SerializeToString,
             ),
-            'Push': grpc.stream_stream_rpc_method_handler(
+            'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
                     request_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.PushChunk.FromString,
-                    response_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.FragmentChunk.SerializeToString,
+                    response_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.PushAck.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.SubscribeRequest.FromString,
+                    response_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.SyncEvent.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
@@ -219,12 +237,39 @@ class Synchronizer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
+        return grpc.experimental.stream_unary(
             request_iterator,
             target,
             '/lightning_diloco.v1.Synchronizer/Push',
             lightning__diloco_dot_transport_dot_synchronizer__pb2.PushChunk.SerializeToString,
-            lightning__diloco_dot_transport_dot_synchronizer__pb2.FragmentChunk.FromString,
+            lightning__diloco_dot_transport_dot_synchronizer__pb2.PushAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lightning_diloco.v1.Synchronizer/Subscribe',
+            lightning__diloco_dot_transport_dot_synchronizer__pb2.SubscribeRequest.SerializeToString,
+            lightning__diloco_dot_transport_dot_synchronizer__pb2.SyncEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,10 +21,10 @@ from lightning_diloco.transport.client import SynchronizerClient, SynchronizerEr
 from tests.helpers import SPECS, initial_fragments, layout, run_config
 
 
-def _push(client, config, island, fragment, delta, *, base_version=0, seq=0, codec="fp32", tokens=100.0, steps=4, wait=10.0):
+def _push(client, config, island, fragment, delta, *, round=0, base_version=0, seq=0, codec="fp32", tokens=100.0, steps=4):
     return client.push(
-        island=island, fragment=fragment, base_version=base_version, tokens=tokens, steps=steps, codec=codec,
-        seq=seq, payload=get_codec(codec).encode(delta), layout_hash=layout(config).hash, wait=wait,
+        island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens, steps=steps, codec=codec,
+        seq=seq, payload=get_codec(codec).encode(delta), layout_hash=layout(config).hash,
     )
 
 
@@ -33,6 +33,45 @@ def _seeded(client, config, island=0):
     for p, value in initial_fragments(config).items():
         client.seed(island, p, value)
     return info
+
+
+class Events:
+    """Collects one island's subscription events; tests wait on them."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.requests: list[tuple[int, int, int]] = []
+        self.versions: list = []
+        self.held: dict[int, int] = {}
+        self.reconnects = 0
+
+    def on_request(self, fragment, round_index, due):
+        with self.cond:
+            self.requests.append((fragment, round_index, due))
+            self.cond.notify_all()
+
+    def on_version(self, event):
+        with self.cond:
+            self.versions.append(event)
+            self.held[event.fragment] = event.version
+            self.cond.notify_all()
+
+    def on_reconnect(self):
+        with self.cond:
+            self.reconnects += 1
+
+    def subscribe(self, client, island, held):
+        self.held = dict(held)
+        return client.subscribe(island, lambda: dict(self.held), on_request=self.on_request, on_version=self.on_version,
+                                on_reconnect=self.on_reconnect)
+
+    def version(self, fragment, version, timeout=10.0):
+        def find():
+            return next((e for e in self.versions if e.fragment == fragment and e.version >= version), None)
+
+        with self.cond:
+            assert self.cond.wait_for(find, timeout), f"no version {version} of fragment {fragment}: {self.versions}"
+            return find()
 
 
 @pytest.fixture
@@ -53,35 +92,41 @@ def started():
         s.stop(grace=0)
 
 
-def test_join_seed_push_pull_round_trip(started):
+def test_join_seed_push_and_every_version_reaches_the_subscription(started):
     config = run_config(uplink="int8", downlink="bf16")
     server, client = started(config)
     info = _seeded(client, config)
-    assert info.config == config and info.layout_hash == layout(config).hash
+    assert info.config == config and info.layout_hash == layout(config).hash and info.run_step == 0
     version, value = client.pull(1)
     assert version == 0 and torch.equal(value, initial_fragments(config)[1])
-    delta = torch.full_like(value, 0.01)
-    reply = _push(client, config, 0, 1, delta, codec="int8")
-    assert reply.version == 1 and reply.codec == "bf16" and reply.base_version == 0
-    update = get_codec("bf16").decode(reply.payload, value.numel())
+    events = Events()
+    events.subscribe(client, 0, {0: 0, 1: 0})
+    ack = _push(client, config, 0, 1, torch.full_like(value, 0.01), codec="int8")
+    assert (ack.fragment, ack.round, ack.late, ack.duplicate, ack.version) == (1, 0, False, False, 0)
+    event = events.version(1, 1)
+    assert (event.base_version, event.codec, event.round, event.included) == (0, "bf16", 0, True)
+    update = get_codec("bf16").decode(event.payload, value.numel())
     _, global_value = client.pull(1)
     assert torch.allclose(value + update, global_value, atol=1e-3)
     assert client.bytes_sent > get_codec("int8").encoded_size(value.numel()) and client.bytes_received > 0
 
 
 def test_a_large_fragment_is_streamed_in_chunks(started):
-    """A fragment far above gRPC's 4 MB message limit goes through in 1 MB chunks."""
+    """A fragment far above gRPC's 4 MB message limit goes through in 1 MB chunks, both ways."""
     from lightning_diloco.core.fragments import TensorSpec
 
     specs = [TensorSpec(name="big", shape=(1_500_000 * 2,), dtype="float32", role="dense")]
-    config = run_config(num_fragments=1)
+    config = run_config(num_fragments=1, downlink="fp32")
     server, client = started(config)
     client.join(0, 1, specs)
     value = torch.randn(3_000_000)
     client.seed(0, 0, value)  # 12 MB
-    reply = client.push(island=0, fragment=0, base_version=0, tokens=1.0, steps=1, codec="fp32", seq=0,
-                        payload=get_codec("fp32").encode(torch.zeros(3_000_000)), layout_hash=server.service.state.layout.hash)
-    assert reply.version == 1 and len(reply.payload) == 12_000_000
+    events = Events()
+    events.subscribe(client, 0, {0: -1})  # holds nothing: gets the full value
+    assert torch.equal(get_codec("fp32").decode(events.version(0, 0).payload, 3_000_000), value)
+    client.push(island=0, fragment=0, round=0, base_version=0, tokens=1.0, steps=1, codec="fp32", seq=0,
+                payload=get_codec("fp32").encode(torch.zeros(3_000_000)), layout_hash=server.service.state.layout.hash)
+    assert len(events.version(0, 1).payload) == 12_000_000
     assert torch.equal(client.pull(0)[1], value)  # zero delta, zero momentum: unchanged
 
 
@@ -91,12 +136,13 @@ def test_refusals_carry_their_reason_over_grpc_and_change_nothing(started):
     _seeded(client, config)
     numel = layout(config).fragment_numel(0)
     with pytest.raises(SynchronizerError) as err:
-        _push(client, config, 0, 0, torch.zeros(numel), base_version=5)
-    assert err.value.reason == "stale" and err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        _push(client, config, 0, 0, torch.zeros(numel), tokens=-1.0)
+    assert err.value.reason == "bad_counters" and err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "out of range" in str(err.value)  # says what was wrong
     with pytest.raises(SynchronizerError) as err:
         _push(client, config, 0, 9, torch.zeros(numel))
     assert err.value.reason == "unknown_fragment" and err.value.code == grpc.StatusCode.OUT_OF_RANGE
-    assert server.service.status()["refused"] == {"stale": 1, "unknown_fragment": 1}
+    assert server.service.status()["refused"] == {"bad_counters": 1, "unknown_fragment": 1}
     assert server.service.versions() == {0: 0, 1: 0}
 
 
@@ -110,12 +156,12 @@ def test_oversized_or_short_payload_is_refused_before_it_is_merged(started):
                            layout_hash=layout(config).hash, payload_bytes=numel * 4)
     too_much = [pb.PushChunk(header=header, data=b"\0" * (numel * 4)), pb.PushChunk(data=b"\0" * 1000)]
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Push(iter(too_much), timeout=5))
+        stub.Push(iter(too_much), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("bad_payload")
     lying = pb.PushHeader(island=0, fragment=0, base_version=0, tokens=1, steps=1, codec="fp32", seq=0,
                           layout_hash=layout(config).hash, payload_bytes=10**12)
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Push(iter([pb.PushChunk(header=lying)]), timeout=5))
+        stub.Push(iter([pb.PushChunk(header=lying)]), timeout=5)
     assert err.value.details().startswith("bad_payload")
     assert server.service.versions() == {0: 0, 1: 0}
 
@@ -166,7 +212,8 @@ def test_tls_connection_works(tmp_path):
     try:
         with SynchronizerClient(server.address, tls_root_cert=cert) as client:
             _seeded(client, config)
-            assert _push(client, config, 0, 0, torch.zeros(layout(config).fragment_numel(0))).version == 1
+            assert _push(client, config, 0, 0, torch.zeros(layout(config).fragment_numel(0))).round == 0
+            assert client.pull(0, newer_than=0, wait=10)[0] == 1
         with SynchronizerClient(server.address, max_retries=0) as plaintext:
             with pytest.raises(SynchronizerError):
                 plaintext.join(0, 1, SPECS)
@@ -183,9 +230,10 @@ def test_shards_own_their_fragments_and_the_client_routes_by_fragment():
             assert info.versions == {0: -1, 1: -1}
             numel = layout(config).fragment_numel(1)
             _push(client, config, 0, 1, torch.zeros(numel))
+            assert client.pull(1, newer_than=0, wait=10)[0] == 1
             assert servers[0].service.versions() == {0: 0}
             assert servers[1].service.versions() == {1: 1}
-            assert client.heartbeat(0, 1, 0.1) == {0: 0, 1: 1}
+            assert client.heartbeat(0, 1, 0.1).versions == {0: 0, 1: 1}
     finally:
         for s in servers:
             s.stop(grace=0)
@@ -197,14 +245,17 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
     server = SynchronizerServer(service).start()
     port = server.port
     client = SynchronizerClient(server.address, max_retries=20, backoff=0.05, max_backoff=0.2)
+    events = Events()
+    restarted = {}
     try:
         _seeded(client, config)
+        events.subscribe(client, 0, {0: 0, 1: 0})
         numel = layout(config).fragment_numel(0)
         for v in range(2):
-            _push(client, config, 0, 0, torch.full((numel,), 0.01), base_version=v, seq=v)
+            _push(client, config, 0, 0, torch.full((numel,), 0.01), round=v, base_version=v, seq=v)
+            events.version(0, v + 1)
         before = client.pull(0)
         server.stop(grace=0)  # checkpoints on the way down
-        restarted = {}
 
         def restart_soon():
             import time
@@ -215,9 +266,14 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
         thread = threading.Thread(target=restart_soon, name="diloco-test-restart")
         thread.start()
         # this push fails while the synchronizer is down, then rejoins and lands
-        reply = _push(client, config, 0, 0, torch.full((numel,), 0.01), base_version=2, seq=2)
+        ack = _push(client, config, 0, 0, torch.full((numel,), 0.01), round=2, base_version=2, seq=2)
         thread.join()
-        assert reply.version == 3
+        assert (ack.round, ack.late) == (2, False)
+        assert events.version(0, 3).round == 2  # the subscription reopened on the new process
+        assert events.reconnects >= 1
+        # on a new incarnation the island's versions are no base (numbers past the checkpoint get
+        # reissued): it was sent full values first
+        assert [e.base_version for e in events.versions if e.fragment == 1][-1] == -1
         after_restart = restarted["server"].service
         assert after_restart.state.fragments[0].version == 3
         assert torch.equal(before[1], after_restart.state.fragments[0].history[2])
@@ -284,8 +340,11 @@ def test_sixteen_concurrent_learners_merge_exactly_like_the_reference(started):
             try:
                 for r in range(rounds):
                     for p in range(2):
-                        reply = _push(clients[i], config, i, p, delta_of(i, p, r), base_version=r, seq=r, tokens=50.0 * (i + 1), steps=4)
-                        assert reply.version == r + 1 and reply.contributors == islands
+                        ack = _push(clients[i], config, i, p, delta_of(i, p, r), round=r, base_version=r, seq=r,
+                                    tokens=50.0 * (i + 1), steps=4)
+                        assert ack.round == r and not ack.late
+                    for p in range(2):  # every round waits for all 16: the next base is version r + 1
+                        assert clients[i].pull(p, newer_than=r, wait=30)[0] == r + 1
             except Exception as err:  # reported below
                 errors.append(err)
 

@@ -61,8 +61,9 @@ def test_synchronizer_command_serves_status_metrics_and_checkpoints_on_sigterm(s
         for p, value in initial_fragments(config).items():
             client.seed(0, p, value)
         numel = layout(config).fragment_numel(0)
-        client.push(island=0, fragment=0, base_version=0, tokens=10.0, steps=2, codec="fp32", seq=0,
+        client.push(island=0, fragment=0, round=0, base_version=0, tokens=10.0, steps=2, codec="fp32", seq=0,
                     payload=get_codec("fp32").encode(torch.zeros(numel)), layout_hash=info.layout_hash)
+        assert client.pull(0, newer_than=0, wait=30)[0] == 1  # its closer merged the round
 
     table = subprocess.run([*CLI, "status", address], capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr
@@ -73,7 +74,7 @@ def test_synchronizer_command_serves_status_metrics_and_checkpoints_on_sigterm(s
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
-    assert (tmp_path / "ckpt" / "synchronizer.pt").exists() and (tmp_path / "ckpt" / "synchronizer.json").exists()
+    assert (tmp_path / "ckpt" / "synchronizer-000000000001.pt").exists() and (tmp_path / "ckpt" / "synchronizer.json").exists()
 
     # a new process resumes where the old one stopped
     proc2, address2 = synchronizer_process("--num-fragments", "2", "--sync-every", "4", "--overlap-steps", "1")
@@ -86,3 +87,21 @@ def test_synchronizer_command_serves_status_metrics_and_checkpoints_on_sigterm(s
 def test_bad_settings_exit_with_a_clear_message():
     result = subprocess.run([*CLI, "synchronizer", "--port", "0", "--min-quorum", "0"], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "min_quorum=0 must be >= 1" in result.stderr
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_at_start(tmp_path):
+    (tmp_path / "ckpt").write_text("a file where the folder should be")
+    result = subprocess.run([*CLI, "synchronizer", "--port", "0", "--checkpoint-dir", str(tmp_path / "ckpt")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "is not writable" in result.stderr and "--checkpoint-dir" in result.stderr
+
+
+def test_status_without_the_token_says_so_without_a_traceback(synchronizer_process, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    proc, address = synchronizer_process("--token-file", str(token_file))
+    assert "s3cret" not in " ".join(proc.args)  # the token is not on the command line
+    table = subprocess.run([*CLI, "status", address], capture_output=True, text=True, timeout=60)
+    assert table.returncode == 2 and "Traceback" not in table.stderr and "--token-file" in table.stderr
+    ok = subprocess.run([*CLI, "status", address, "--token-file", str(token_file)], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr

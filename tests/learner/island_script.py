@@ -48,10 +48,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-seconds", type=float, default=0.02)
+    parser.add_argument("--no-wait", action="store_true", help="start training at once, whoever else has joined")
     args = parser.parse_args()
     strategy = DecoupledDiLoCoStrategy(sync_every=4, num_fragments=2, overlap_steps=1, uplink_codec="fp32", downlink_codec="fp32")
     model = TinyRegressor(seed=args.seed + strategy.island)  # islands start apart; joining aligns them
-    callbacks = [WaitForAllIslands(strategy.num_islands, args.step_seconds)]
+    callbacks = [WaitForAllIslands(0 if args.no_wait else strategy.num_islands, args.step_seconds)]
     trainer(strategy, devices=args.devices, max_epochs=args.epochs, callbacks=callbacks).fit(model, loader(regression_data(n=512)))
     rank = int(os.environ.get("LOCAL_RANK", 0))
     Path(args.out).mkdir(parents=True, exist_ok=True)

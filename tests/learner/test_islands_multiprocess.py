@@ -66,6 +66,41 @@ def test_two_islands_contribute_and_end_on_the_same_global_model(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_islands_started_out_of_phase_share_one_round_per_due_step(tmp_path):
+    """Quorum 1, the second island started seconds after the first: rounds follow the run's clock,
+    so the late island joins in phase and the fragments see one outer step per due step, not one
+    per island (what the old round structure did)."""
+    import time
+
+    config = RunConfig(
+        schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1),
+        merge=MergeConfig(min_quorum=1, grace_gamma=0.5),
+        codec=CodecConfig(uplink="fp32", downlink="fp32"),
+    )
+    server = SynchronizerServer(Synchronizer(config)).start()
+    try:
+        procs = []
+        for i in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, str(SCRIPT), str(tmp_path / f"island{i}"), "--no-wait", "--epochs", "8", "--step-seconds", "0.05"],
+                env=_env(DILOCO_SYNCHRONIZER=server.address, DILOCO_ISLAND=str(i), DILOCO_NUM_ISLANDS="2"),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            ))
+            time.sleep(3.0)
+        _run(procs)
+        status = server.service.status()
+    finally:
+        server.stop(grace=0)
+    results = [torch.load(tmp_path / f"island{i}" / "rank0.pt", weights_only=False) for i in range(2)]
+    schedule = max(r["metrics"]["diloco/schedule_step"] for r in results)
+    for p, rounds in status["rounds"].items():
+        assert rounds["closed"] <= schedule / 4 + 1, (p, rounds, schedule)  # at most one step per round
+    merged = sum(r["merged_entries"] for r in status["rounds"].values())
+    assert merged / sum(r["closed"] for r in status["rounds"].values()) > 1.3  # most rounds hold both islands
+    assert results[1]["metrics"]["diloco/schedule_step"] > results[1]["steps"]  # the late one started at the run's step
+    assert all(isl["accepted"] >= 8 for isl in status["islands"].values()), status["islands"]
+
+
 def test_an_island_of_two_ddp_processes_stays_consistent(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(tmp_path), "--devices", "2"],

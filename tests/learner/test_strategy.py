@@ -133,3 +133,22 @@ def test_overlapped_fragments_apply_tau_steps_later_and_never_twice_in_flight():
     assert m["diloco/syncs_sent"] + m["diloco/syncs_skipped"] == 16
     assert m["diloco/syncs_sent"] - m["diloco/syncs_applied"] <= 4  # at most P still in flight at the end
     assert m["diloco/syncs_failed"] == 0
+
+
+def test_the_best_checkpoint_holds_the_weights_that_earned_its_score(tmp_path):
+    """DiLoCoMonitor(evaluate_global=True) scores the global model: the checkpoint ModelCheckpoint
+    keeps for that score must hold the global weights, not the local ones."""
+    from lightning_diloco import DiLoCoMonitor
+
+    data = regression_data()
+    model = TinyRegressor()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1, mode="min")
+    strategy = DecoupledDiLoCoStrategy(sync_every=8, num_fragments=2, overlap_steps=2, **FP32)
+    trainer(strategy, max_epochs=3, enable_checkpointing=True, callbacks=[DiLoCoMonitor(evaluate_global=True), ckpt],
+            check_val_every_n_epoch=1).fit(model, loader(data), loader(data))
+    best = TinyRegressor()
+    best.load_state_dict(torch.load(ckpt.best_model_path, weights_only=True)["state_dict"])
+    x, y = data.tensors
+    with torch.no_grad():
+        loss = torch.nn.functional.mse_loss(best.net(x), y)
+    assert float(loss) == pytest.approx(float(ckpt.best_model_score), rel=1e-5)

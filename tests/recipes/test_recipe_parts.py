@@ -27,6 +27,49 @@ def test_shakespeare_corpus_has_only_modern_editions_split_by_work():
     assert sum(map(len, val)) > 200_000 and sum(map(len, train)) > 5 * sum(map(len, val))
 
 
+def test_islands_fetching_the_corpus_at_once_fetch_it_once_and_all_get_it(tmp_path, monkeypatch):
+    """Four islands starting together on a fresh machine: once three of them crashed here."""
+    import threading
+    import time
+
+    monkeypatch.setenv("DILOCO_DATA_DIR", str(tmp_path))
+    fetched = []
+
+    def fake_fetch(folder):
+        fetched.append(folder)
+        staging = tmp_path / f"staging-{len(fetched)}"
+        staging.mkdir()
+        (staging / "metadata.txt").write_text("[hamlet_gut]\ntitle = Hamlet\n")
+        (staging / "hamlet_gut.txt").write_text("To be, or not to be")
+        time.sleep(0.3)
+        data.install(staging, folder)
+
+    monkeypatch.setattr(data, "_fetch_shakespeare", fake_fetch)
+    results, errors = [], []
+
+    def island():
+        try:
+            results.append(data.shakespeare_works())
+        except Exception as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=island) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and len(fetched) == 1 and all(r == {"Hamlet": "To be, or not to be"} for r in results)
+
+
+def test_a_second_install_keeps_the_winners_copy(tmp_path):
+    folder, ours = tmp_path / "cache", tmp_path / "ours"
+    for d in (folder, ours):
+        d.mkdir()
+        (d / "metadata.txt").write_text(d.name)
+    data.install(ours, folder)
+    assert (folder / "metadata.txt").read_text() == "cache" and not ours.exists()
+
+
 def test_byte_tokenizer_round_trips_and_blocks_have_the_sequence_length():
     assert data.ByteTokenizer().encode("Ay, ’tis") == list("Ay, ’tis".encode())
     train, val, vocab = data.text_blocks(None, "byte", 32)
@@ -57,11 +100,11 @@ def _args(recipe, *argv):
     return resolve(recipe, build_parser(recipe, None).parse_args(list(argv)))
 
 
-def test_presets_fill_what_the_user_left_out_and_quorum_follows_the_island_count():
+def test_presets_fill_what_the_user_left_out():
     a = _args(TEXT, "--islands", "4")
     assert (a.steps, a.batch, a.hidden, a.arch) == (800, 16, 64, "llama")
-    assert diloco_settings(a)["min_quorum"] == 3
-    assert diloco_settings(_args(TEXT, "--islands", "2"))["min_quorum"] == 1
+    assert diloco_settings(a) == {"num_fragments": 8, "apply": "mix"}  # the library's quorum 1
+    assert diloco_settings(_args(TEXT, "--islands", "2", "--min-quorum", "2"))["min_quorum"] == 2
     a = _args(TEXT, "--preset", "cpu-tiny-moe", "--steps", "5", "--outer-lr", "1.0")
     assert (a.steps, a.arch, a.experts, a.outer_lr) == (5, "mixtral", 4, 1.0)
     assert _args(VISION, "--preset", "cpu-tiny-cnn").arch == "cnn"
@@ -75,7 +118,8 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
 
 def test_sweep_flags_spell_out_every_setting():
     flags = compare.flags({**compare.PAPER, "lr": "x2"}, base_lr=3e-3, islands=4)
-    assert "--min-quorum=3" in flags and "--lr=0.006" in flags and "--outer-momentum=0.9" in flags
+    assert "--min-quorum=1" in flags and "--lr=0.006" in flags and "--outer-momentum=0.9" in flags
+    assert "--min-quorum=4" in compare.flags(compare.SWEEP["quorum M (synchronous)"], base_lr=3e-3, islands=4)
 
 
 def test_compare_table_reports_the_gap_against_ddp():

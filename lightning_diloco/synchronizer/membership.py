@@ -1,0 +1,188 @@
+"""Who is in the run: joined islands, their liveness, step times and place on the run's clock.
+
+The run's clock is the furthest schedule step a live island has reported (with every
+contribution and every heartbeat). It is not extrapolated between reports: an island that was
+just killed or paused still looks live for a while, and extrapolating it would put the clock, and
+every island that joins, ahead of the run. An island joining or rejoining starts at that step, so
+it sends each fragment in the same round as everyone else; an island that falls behind is asked
+for each round as it opens (its requests wait here until its subscription picks them up).
+
+All methods take ``now`` (monotonic seconds) from the caller.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from lightning_diloco.synchronizer.rounds import RoundRequest
+
+MAX_ISLANDS = 10_000
+MAX_STEP_TIME = 3600.0  # seconds: a reported step time beyond this is not a step time
+MAX_STEPS_PER_SECOND = 1000  # how fast an island's reported place on the clock may advance
+FORGET_AFTER = 600.0  # seconds of silence after which an island leaves Status (it may rejoin)
+
+
+class SessionError(LookupError):
+    """A call from a client whose session is not (or no longer) the island's current one."""
+
+
+@dataclass
+class Member:
+    world_size: int
+    last_seen: float
+    session: str = ""
+    """Issued at join; every later call must carry it. A rejoin issues a new one."""
+    subscription: int = 0
+    """Which subscription is current: a newer one ends the older."""
+    steps: int = 0
+    """Inner steps the island reported."""
+    schedule_step: int = 0
+    """The furthest place on the run's clock it reported."""
+    step_time: float = 0.0
+    accepted: int = 0
+    """Contributions merged in this synchronizer's lifetime."""
+    requests: dict[int, RoundRequest] = field(default_factory=dict)
+    """Rounds the island is asked to send for, by fragment (only the newest per fragment)."""
+
+
+class Membership:
+    def __init__(self, liveness_timeout: float, lead_steps: int = 0) -> None:
+        """``lead_steps``: how far ahead of the run's clock an island's report may be (a few H)."""
+        self.liveness_timeout, self.lead_steps = liveness_timeout, lead_steps
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # a request or a new version for subscribers
+        self.members: dict[int, Member] = {}
+
+    def join(self, island: int, world_size: int, now: float) -> str:
+        """Register (or re-register) an island; returns its new session. The old one ends."""
+        with self.lock:
+            self._forget_silent(now)
+            old = self.members.get(island)
+            if old is None and len(self.members) >= MAX_ISLANDS:
+                raise OverflowError(f"the run already has {MAX_ISLANDS} islands; island ids must be reused, not invented")
+            session = uuid.uuid4().hex
+            self.members[island] = Member(world_size=world_size, last_seen=now, session=session,
+                                          accepted=old.accepted if old else 0,
+                                          subscription=old.subscription + 1 if old else 0)
+            self.changed.notify_all()  # ends the old session's subscription
+            return session
+
+    def _forget_silent(self, now: float) -> None:
+        forget = max(FORGET_AFTER, 10 * self.liveness_timeout)
+        for i in [i for i, m in self.members.items() if now - m.last_seen > forget]:
+            del self.members[i]
+
+    def joined(self, island: int) -> bool:
+        with self.lock:
+            return island in self.members
+
+    def check(self, island: int, session: str | None) -> None:
+        """Raise KeyError for an island that never joined, SessionError for a stale session.
+        ``session`` None: an in-process caller, trusted."""
+        with self.lock:
+            m = self.members.get(island)
+            if m is None:
+                raise KeyError(island)
+            if session is not None and session != m.session:
+                raise SessionError(island)
+
+    def seen(self, island: int, now: float, *, steps: int | None = None, schedule_step: int | None = None,
+             step_time: float | None = None) -> bool:
+        """Record a sign of life, values clamped to what a real island can report; False when the
+        island never joined."""
+        with self.lock:
+            m = self.members.get(island)
+            if m is None:
+                return False
+            if steps is not None:
+                m.steps = max(0, min(int(steps), 10**12))
+            if schedule_step is not None:  # a retried old push must not move an island back
+                clock = max((o.schedule_step for o in self.members.values() if now - o.last_seen <= self.liveness_timeout),
+                            default=0)
+                lead = max(clock, m.schedule_step) + self.lead_steps + int(max(0.0, now - m.last_seen) * MAX_STEPS_PER_SECOND)
+                m.schedule_step = max(m.schedule_step, min(int(schedule_step), lead))
+            if step_time is not None and math.isfinite(step_time) and step_time > 0:
+                m.step_time = min(float(step_time), MAX_STEP_TIME)
+            m.last_seen = now
+            return True
+
+    def live(self, now: float) -> set[int]:
+        with self.lock:
+            return {i for i, m in self.members.items() if now - m.last_seen <= self.liveness_timeout}
+
+    def step_time(self, live: set[int]) -> float:
+        """The median inner-step time of the live islands (0 when none reported one)."""
+        with self.lock:
+            times = [self.members[i].step_time for i in live if i in self.members and self.members[i].step_time > 0]
+        return statistics.median(times) if times else 0.0
+
+    def run_step(self, now: float) -> int:
+        """The run's clock: the furthest schedule step a live island reported (0: none)."""
+        live = self.live(now)
+        with self.lock:
+            return max((self.members[i].schedule_step for i in live), default=0)
+
+    def ask(self, request: RoundRequest, islands: set[int]) -> None:
+        """Ask ``islands`` to send ``request.fragment`` now; wakes their subscriptions."""
+        with self.lock:
+            for i in islands:
+                if i in self.members:
+                    self.members[i].requests[request.fragment] = request
+            self.changed.notify_all()
+
+    def withdraw(self, fragment: int, round_index: int) -> None:
+        """A round closed: requests for it (or earlier) are moot. Wakes subscriptions."""
+        with self.lock:
+            for m in self.members.values():
+                r = m.requests.get(fragment)
+                if r is not None and r.round <= round_index:
+                    del m.requests[fragment]
+            self.changed.notify_all()
+
+    def subscribed(self, island: int) -> int:
+        """Make a new subscription of ``island`` the current one; returns its number."""
+        with self.lock:
+            m = self.members[island]
+            m.subscription += 1
+            self.changed.notify_all()
+            return m.subscription
+
+    def is_current(self, island: int, subscription: int) -> bool:
+        """(With ``lock`` held.)"""
+        m = self.members.get(island)
+        return m is not None and m.subscription == subscription
+
+    def take_requests(self, island: int) -> list[RoundRequest]:
+        """Pending requests of one island, removed. Call with ``lock`` held."""
+        m = self.members.get(island)
+        if m is None or not m.requests:
+            return []
+        out = list(m.requests.values())
+        m.requests.clear()
+        return out
+
+    def credit(self, islands: tuple[int, ...]) -> None:
+        with self.lock:
+            for i in islands:
+                if i in self.members:
+                    self.members[i].accepted += 1
+
+    def status(self, now: float) -> dict[int, dict]:
+        live = self.live(now)
+        with self.lock:
+            return {
+                i: {
+                    "live": i in live,
+                    "world_size": m.world_size,
+                    "steps": m.steps,
+                    "schedule_step": m.schedule_step,
+                    "step_time_s": m.step_time,
+                    "accepted": m.accepted,
+                    "seen_s_ago": now - m.last_seen,
+                }
+                for i, m in sorted(self.members.items())
+            }

@@ -1,0 +1,338 @@
+"""One fragment's rounds: collect contributions, decide, close into one outer step, publish.
+
+Round r of fragment p collects the contributions sent for it (*on time*) and those sent for an
+earlier round that arrived after it closed (*late*: they go into the next round, never into an
+extra one). A round opens (is due) when its first on-time contribution arrives, closes once
+(quorum, then the grace window; see core/quorum.py) and produces at most one outer step, at any
+quorum. Rounds nobody sent for are skipped: they produce no step.
+
+Every contribution is measured against its own base (core/state.py says why) and a late one is
+discounted by its age, so it adds its island's progress and never undoes other islands' work. The
+merge never needs the base's value, only its age, so no base is refused for being old: an island
+that was away contributes what it did, weighed down by how far behind it was.
+An island has at most one on-time contribution per round (a newer one supersedes it) and may
+have late ones beside it: each is merged as its own entry, exactly as if it came from another
+island.
+
+All methods take ``now`` (monotonic seconds) from the caller; the object holds no clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence, Set
+from dataclasses import dataclass
+
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.fragments import TensorSpec, split_fragment
+from lightning_diloco.core.guard import InfluenceGuard
+from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
+from lightning_diloco.core.quorum import Decision, RoundView, decide
+from lightning_diloco.core.state import FragmentState
+
+
+class SequenceError(ValueError):
+    """A contribution older than one this island already had merged or waiting (``reused``: its
+    sequence number came before with another payload)."""
+
+    def __init__(self, message: str, reused: bool = False) -> None:
+        super().__init__(message)
+        self.reused = reused
+
+
+@dataclass(frozen=True)
+class Ack:
+    """What a push learns at once: where its contribution went."""
+
+    fragment: int
+    round: int
+    """The round it will be merged in."""
+    late: bool
+    """Sent for a round that had already closed: merged into the next one."""
+    duplicate: bool
+    """A retry of a contribution already accepted: nothing was added."""
+    version: int
+    """The fragment's version when it was accepted."""
+    opened: bool = False
+    """This contribution made its round due (the synchronizer asks the other islands to send)."""
+
+
+@dataclass
+class Entry:
+    """One contribution waiting in a round."""
+
+    island: int
+    seq: int
+    sent_for: int
+    base_version: int
+    outer_gradient: torch.Tensor
+    tokens: float
+    steps: int
+    norm: float
+    digest: bytes = b""
+    """Of the payload: a retry must carry the very same bytes."""
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    fragment: int
+    round: int
+    version: int
+    islands: tuple[int, ...]
+    late: int
+    """Entries merged that were sent for an earlier round."""
+    clipped: int
+    """Entries whose outer gradient was scaled down to the norm bound (core/guard.py)."""
+    dropped: int
+    """Entries left out because the step with them was not finite."""
+    grace_wait_s: float
+    """Seconds from quorum to close."""
+    reason: str
+    closed_at: float
+
+    def to_dict(self) -> dict:
+        return {"last_round": self.round, "version": self.version, "contributors": len(self.islands), "late": self.late,
+                "clipped": self.clipped, "dropped": self.dropped, "grace_wait_s": self.grace_wait_s, "reason": self.reason}
+
+
+@dataclass
+class _Settled:
+    seq: int
+    round: int
+    version: int
+    digest: bytes
+
+
+@dataclass
+class RoundTotals:
+    closed: int = 0
+    entries: int = 0
+    late: int = 0
+    superseded: int = 0
+    clipped: int = 0
+    dropped: int = 0
+    grace_wait_s: float = 0.0
+    grace_wait_max_s: float = 0.0
+
+
+class FragmentRounds:
+    """The rounds of one fragment. Every method must be called with ``cond`` held."""
+
+    def __init__(self, fragment: int, specs: Sequence[TensorSpec], config: RunConfig) -> None:
+        self.fragment, self.specs, self.config = fragment, list(specs), config
+        self.cond = threading.Condition()
+        self.frag: FragmentState | None = None  # set once the fragment is seeded
+        self.opened_at: float | None = None
+        self.quorum_at: float | None = None
+        self.entries: dict[tuple[int, int], Entry] = {}  # (island, seq) -> entry
+        self.settled: dict[int, _Settled] = {}  # island -> its last merged contribution
+        self.merged_in: dict[int, int] = {}  # island -> last version that merged a contribution of it
+        self.rounds_of: dict[int, int] = {}  # version -> the round that produced it
+        self.last: ClosedRound | None = None
+        self.totals = RoundTotals()
+        merge = config.merge
+        self.guard = InfluenceGuard(merge.outlier_z, merge.outlier_window, config.schedule.sync_every)
+        # Every island whose last version was the same gets the same downlink payload: encoded
+        # once per (version, base version), dropped when the next round closes.
+        self.downlink_cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    # ---- the round now collecting ------------------------------------------------------------
+
+    @property
+    def index(self) -> int:
+        """The round collecting contributions now (-1 before the first send)."""
+        return self.frag.next_round if self.frag is not None else -1
+
+    def islands(self) -> set[int]:
+        return {e.island for e in self.entries.values()}
+
+    def add(self, entry: Entry, now: float, clock_round: int = -1) -> Ack:
+        """Put a validated contribution into the round it belongs to.
+
+        ``clock_round``: the round of this fragment that is due on the run's clock. A contribution
+        sent for an earlier one is late even if no round closed since (e.g. retried across a
+        synchronizer restart): only a send for a current round opens one.
+        """
+        assert self.frag is not None, "a fragment takes contributions only once seeded"
+        frag, island = self.frag, entry.island
+        settled = self.settled.get(island)
+        if settled is not None and entry.seq <= settled.seq:
+            if entry.seq == settled.seq:
+                self._same_payload(entry, settled.digest)
+                return Ack(self.fragment, settled.round, False, True, frag.version)
+            raise SequenceError(f"sequence {entry.seq} of island {island} is older than its last merged one ({settled.seq})")
+        for key, other in self.entries.items():
+            if other.island != island:
+                continue
+            if other.seq == entry.seq:
+                self._same_payload(entry, other.digest)
+                return Ack(self.fragment, self.index, other.sent_for < self.index, True, frag.version)
+            if other.seq > entry.seq:
+                raise SequenceError(f"sequence {entry.seq} of island {island} is older than one already waiting ({other.seq})")
+        if frag.next_round < 0:
+            frag.next_round = entry.sent_for  # a fresh run: the first send names the round
+        on_time = entry.sent_for >= max(frag.next_round, clock_round)
+        opened = False
+        if on_time:
+            if self.opened_at is None:
+                if entry.sent_for > frag.next_round:
+                    frag.next_round = entry.sent_for  # nobody sent for the rounds in between
+                self.opened_at, opened = now, True
+            # one on-time entry per island and round: a newer send (e.g. after a restart) supersedes
+            for key in [k for k, e in self.entries.items() if e.island == island and e.sent_for >= frag.next_round]:
+                del self.entries[key]
+                self.totals.superseded += 1
+        self.entries[(island, entry.seq)] = entry
+        if self.opened_at is not None and self.quorum_at is None and len(self.islands()) >= self.config.merge.min_quorum:
+            self.quorum_at = now
+        self.cond.notify_all()
+        return Ack(self.fragment, frag.next_round, not on_time, False, frag.version, opened)
+
+    @staticmethod
+    def _same_payload(entry: Entry, digest: bytes) -> None:
+        if entry.digest != digest:
+            raise SequenceError(f"sequence {entry.seq} of island {entry.island} came before with another payload; "
+                                "a retry must resend the same bytes, new work needs a new sequence number", reused=True)
+
+    def decide(self, now: float, live: Set[int], step_time: float, sync_time: float) -> Decision:
+        if self.frag is None or self.opened_at is None:
+            return Decision(False, f"round {self.index} not due yet")
+        merge = self.config.merge
+        view = RoundView(contributors=frozenset(self.islands()), live=frozenset(live), opened_at=self.opened_at,
+                         quorum_at=self.quorum_at)
+        return decide(view, now, min_quorum=merge.min_quorum, gamma=merge.grace_gamma,
+                      overlap_steps=self.config.schedule.overlap_steps, step_time=step_time, sync_time=sync_time)
+
+    def close(self, now: float, reason: str, keep_versions: int = 0) -> ClosedRound:
+        """Merge every entry into one outer step and publish the new version.
+
+        Each entry is first bounded (core/guard.py). Should the step still not be finite, the
+        entry with the longest outer gradient is left out and the rest merged again; a round
+        whose entries are all left out closes without a step.
+        """
+        assert self.frag is not None and self.entries, "only an open round with entries can close"
+        frag, index = self.frag, self.frag.next_round
+        entries = sorted(self.entries.values(), key=lambda e: (e.island, e.seq))
+        weights, clipped = self._bounded(entries)
+        version = None
+        kept = list(range(len(entries)))
+        while kept and version is None:
+            merged = torch.empty(frag.value.numel())
+            merge_outer_gradients([split_fragment(entries[i].outer_gradient, self.specs) for i in kept],
+                                  [weights[i] for i in kept], [s.role for s in self.specs], self.config.merge.method,
+                                  out=split_fragment(merged, self.specs))
+            version = frag.apply(merged, keep_versions)
+            if version is None:
+                kept.remove(max(kept, key=lambda i: entries[i].norm))
+        dropped = len(entries) - len(kept)
+        for e in entries:  # left out or not, each is settled: a retry gets the same answer
+            if e.island not in self.settled or self.settled[e.island].seq < e.seq:
+                self.settled[e.island] = _Settled(e.seq, index, frag.version, e.digest)
+        for i in kept:
+            e = entries[i]
+            self.merged_in[e.island] = frag.version
+            self.guard.record(e.island, e.norm, e.tokens, e.steps)
+        islands = tuple(sorted({entries[i].island for i in kept}))
+        late = sum(entries[i].sent_for < index for i in kept)
+        grace = max(0.0, now - self.quorum_at) if self.quorum_at is not None else 0.0
+        self.last = ClosedRound(self.fragment, index, frag.version, islands, late, clipped, dropped, grace, reason, now)
+        if version is not None:
+            self.rounds_of[version] = index
+        for old in [v for v in self.rounds_of if v not in frag.history]:
+            del self.rounds_of[old]
+        t = self.totals
+        t.closed, t.entries, t.late = t.closed + 1, t.entries + len(kept), t.late + late
+        t.clipped, t.dropped = t.clipped + clipped, t.dropped + dropped
+        t.grace_wait_s += grace
+        t.grace_wait_max_s = max(t.grace_wait_max_s, grace)
+        frag.next_round = index + 1
+        self.entries.clear()
+        self.downlink_cache.clear()
+        self.opened_at = self.quorum_at = None
+        self.cond.notify_all()
+        return self.last
+
+    def _bounded(self, entries: list[Entry]) -> tuple[list[float], int]:
+        """Each entry's merge weight, its outer gradient scaled down to the norm bound in place;
+        and how many were scaled."""
+        frag = self.frag
+        fragment_norm = float(torch.linalg.vector_norm(frag.value, dtype=torch.float64))
+        discount = self.config.merge.staleness_discount
+        weights, clipped = [], 0
+        for e in entries:
+            others = [(o.norm, o.tokens / o.steps) for o in entries if o.island != e.island]
+            b = self.guard.bound(norm=e.norm, tokens=e.tokens, steps=e.steps, others=others,
+                                 fragment_norm=fragment_norm, numel=frag.value.numel())
+            if b.clipped:
+                e.outer_gradient.mul_(b.scale)
+                clipped += 1
+            # a base newer than the current version (kept by an island across a synchronizer
+            # restart that lost the last versions) is as fresh as it gets: age 0
+            age = max(0, frag.version - e.base_version)
+            weights.append(contribution_weight(b.tokens, b.steps, age=age, staleness_discount=discount))
+        return weights, clipped
+
+    def publish(self, island: int, have: int, codec_config) -> VersionUpdate:
+        """The current version for an island that holds version ``have``: a delta against it in
+        the downlink codec (encoded once per (version, base) pair), or the full value in fp32 when
+        this fragment no longer keeps (or never issued) that version."""
+        frag = self.frag
+        base = frag.base(have) if 0 <= have < frag.version else None
+        if base is None:
+            codec, base_version = get_codec("fp32"), -1
+            payload = codec.encode(frag.value.clone())
+        else:
+            codec, base_version = get_codec(codec_config.downlink, codec_config.block_size), have
+            key = (frag.version, have)
+            payload = self.downlink_cache.get(key)
+            if payload is None:
+                payload = self.downlink_cache[key] = codec.encode(frag.value - base)
+        produced_by = self.rounds_of.get(frag.version, max(-1, self.index - 1))
+        return VersionUpdate(self.fragment, frag.version, base_version, produced_by, codec.name, payload,
+                             self.merged_in.get(island, -1) > have)
+
+    def status(self) -> dict:
+        t = self.totals
+        return {
+            "round": self.index,
+            "open": self.opened_at is not None,
+            "open_contributors": len(self.islands()),
+            "waiting_late": sum(e.sent_for < self.index for e in self.entries.values()),
+            "closed": t.closed,
+            "merged_entries": t.entries,
+            "merged_late": t.late,
+            "superseded": t.superseded,
+            "clipped": t.clipped,
+            "dropped": t.dropped,
+            "grace_wait_total_s": t.grace_wait_s,
+            "grace_wait_max_s": t.grace_wait_max_s,
+            **(self.last.to_dict() if self.last else {}),
+        }
+
+
+@dataclass
+class RoundRequest:
+    """The synchronizer asks an island to send ``fragment`` now, for ``round``."""
+
+    fragment: int
+    round: int
+    due_step: int
+
+
+@dataclass
+class VersionUpdate:
+    """A new global version of a fragment for one island: a delta against the version it last got
+    (``base_version``), or the full fp32 value when ``base_version`` is -1."""
+
+    fragment: int
+    version: int
+    base_version: int
+    round: int
+    codec: str
+    payload: torch.Tensor
+    included: bool
+    """Whether a contribution of this island was merged since its ``base_version``."""
+

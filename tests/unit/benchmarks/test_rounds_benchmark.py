@@ -1,0 +1,18 @@
+import pytest
+
+from benchmarks import rounds
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(400)
+def test_rounds_benchmark_reports_quality_against_ddp_and_the_rounds_health(tmp_path, capsys):
+    summary = rounds.main(["--seeds", "0", "--steps", "12", "--islands", "2", "--only", "k1", "--out", str(tmp_path),
+                           "--timeout", "300", "--recipe-arg=--eval-every=6", "--recipe-arg=--eval-batches=1",
+                           "--recipe-arg=--final-eval-batches=2", "--recipe-arg=--batch=4"])
+    assert set(summary) == {"ddp", "k1"} and summary["ddp"]["vs_ddp"] == 0.0
+    k1 = summary["k1"]
+    assert 0 < k1["eval_loss_mean"] < 10 and k1["outer_steps_per_fragment_per_h"] > 0
+    assert 0 <= k1["skipped_share"] <= 1 and k1["longest_stall_s"] >= 0
+    out = capsys.readouterr().out
+    assert "vs DDP" in out and "outer/P/H" in out

@@ -1,0 +1,55 @@
+"""Bounds on one contribution's pull on a round: they hold from the first round and cannot be ratcheted."""
+
+import math
+
+import pytest
+
+from lightning_diloco.core.guard import InfluenceGuard, lower_median
+
+
+def _guard():
+    return InfluenceGuard(z=10.0, window=8, sync_every=24)
+
+
+def test_lower_median_ignores_non_finite_values_and_takes_the_lower_middle():
+    assert lower_median([3.0, 1.0, float("nan"), 2.0, 10.0]) == 2.0
+    assert lower_median([5.0, 1.0]) == 1.0 and lower_median([]) is None
+
+
+def test_the_first_round_is_bounded_by_the_fragments_own_size():
+    b = _guard().bound(norm=1e20, tokens=100.0, steps=4, others=[], fragment_norm=3.0, numel=4)
+    assert b.clipped and 1e20 * b.scale == pytest.approx(10.0 * 3.0)
+
+
+def test_an_honest_contribution_is_left_alone():
+    guard = _guard()
+    for r in range(5):
+        guard.record(0, 1.0 + 0.1 * r, 100.0, 4)
+    b = guard.bound(norm=1.3, tokens=100.0, steps=4, others=[(1.1, 25.0)], fragment_norm=50.0, numel=100)
+    assert b.scale == 1.0 and (b.tokens, b.steps) == (100.0, 4)
+
+
+def test_a_patient_island_cannot_ratchet_the_bound_up():
+    guard = _guard()
+    honest = 1.0
+    norm = honest
+    for _ in range(200):  # the attacker pushes the most it may, round after round
+        guard.record(0, honest, 100.0, 4)
+        b = guard.bound(norm=1e12, tokens=100.0, steps=4, others=[(honest, 25.0)], fragment_norm=50.0, numel=100)
+        norm = 1e12 * b.scale
+        guard.record(1, 1e12, 100.0, 4)  # its raw values become its vote
+    assert norm == pytest.approx(10.0 * honest)
+
+
+def test_absurd_counters_count_as_a_sane_multiple_of_the_runs():
+    guard = _guard()
+    guard.record(0, 1.0, 24 * 1024.0, 24)
+    b = guard.bound(norm=1.0, tokens=1e15, steps=10**9, others=[(1.0, 1024.0)], fragment_norm=50.0, numel=100)
+    assert b.steps == 4 * 24 and b.tokens == pytest.approx(4 * 24 * 4 * 1024.0)
+    assert math.isfinite(b.tokens)
+
+
+def test_a_reference_pushed_to_zero_stays_above_a_floor_of_the_fragments_norm():
+    guard = _guard()
+    b = guard.bound(norm=1.0, tokens=100.0, steps=4, others=[(0.0, 25.0)], fragment_norm=50.0, numel=100)
+    assert b.scale * 1.0 == pytest.approx(10.0 * 1e-3 * 50.0)

@@ -1,0 +1,53 @@
+"""The launcher's island environments and start-up schedule (no processes started)."""
+
+import argparse
+import os
+
+from lightning_diloco.launch.run import Run, add_run_arguments
+
+
+def _run(tmp_path, *argv):
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    return Run(parser.parse_args(["--workdir", str(tmp_path), *argv]), ["true"])
+
+
+def test_islands_share_the_hosts_cores_when_the_user_set_no_thread_count(tmp_path, monkeypatch):
+    """Left to Lightning, each one-process island would take every core: M x too many threads."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    run = _run(tmp_path, "--islands", "4", "--synchronizer", "127.0.0.1:1")
+    assert run._island_env(0)["OMP_NUM_THREADS"] == "2"
+    assert _run(tmp_path, "--islands", "16", "--synchronizer", "127.0.0.1:1")._island_env(3)["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_thread_count_the_user_set_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _run(tmp_path, "--islands", "4", "--synchronizer", "127.0.0.1:1")._island_env(1)["OMP_NUM_THREADS"] == "3"
+
+
+def test_staggered_islands_wait_their_turn(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr("lightning_diloco.launch.supervisor.Supervised.start", lambda self: started.append(self.name))
+    monkeypatch.setattr("lightning_diloco.transport.client.SynchronizerClient.__init__", lambda self, *a, **k: None)
+    run = _run(tmp_path, "--islands", "3", "--stagger", "3", "--synchronizer", "127.0.0.1:1")
+    run.start()
+    assert started == ["island 0"]
+    assert [u.restart_at - run.t0 for u in run.islands[1:]] == [3.0, 6.0]
+    run._handle_exits(run.t0 + 3.5)
+    assert started == ["island 0", "island 1"] and run.islands[1].restarts == 0  # a first start, not a restart
+
+
+def test_an_island_the_synchronizer_refused_is_not_restarted_and_the_run_says_why(tmp_path, capsys):
+    import sys
+
+    from lightning_diloco.launch.run import run_command
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    refuse = "print('island 0: the synchronizer at x refused it (layout_mismatch): another model'); raise SystemExit(78)"
+    args = parser.parse_args(["--workdir", str(tmp_path), "--islands", "2", "--synchronizer", "127.0.0.1:1", "--max-restarts", "5"])
+    assert run_command(args, [sys.executable, "-c", refuse]) == 1
+    out = capsys.readouterr().out
+    assert "restarted" not in out
+    assert out.strip().splitlines()[-1].startswith("run failed: island") and "layout_mismatch" in out.strip().splitlines()[-1]

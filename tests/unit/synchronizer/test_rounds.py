@@ -1,0 +1,233 @@
+"""Rounds on the synchronizer's clock (DESIGN.md s2), driven by a fake clock: no sleeps, no threads."""
+
+import pytest
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.fragments import split_fragment
+from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
+from lightning_diloco.core.outer import OuterOptimizer
+from lightning_diloco.synchronizer.rounds import RoundRequest, VersionUpdate
+from lightning_diloco.synchronizer.service import Synchronizer
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
+
+
+def _started(config, islands, clock=None, **kwargs):
+    clock = clock or FakeClock()
+    sync = Synchronizer(config, clock=clock, **kwargs)
+    for i in range(islands):
+        sync.join(i, 1, SPECS)
+    for p, value in initial_fragments(config).items():
+        sync.seed(0, p, get_codec("fp32").encode(value))
+    return sync, clock
+
+
+def _available(sync, island, versions):
+    """The events a subscription has for ``island`` right now."""
+    calls = iter([True, True])
+    return list(sync.subscribe(island, versions, active=lambda: next(calls, False), tick=0.0))
+
+
+def _numel(config, p=0):
+    return layout(config).fragment_numel(p)
+
+
+def test_a_round_closes_once_and_a_contribution_after_it_goes_into_the_next_round():
+    config = run_config(min_quorum=1, gamma=0.0)
+    sync, clock = _started(config, 2)
+    first = sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=5, seq=1))
+    assert (first.round, first.late, first.opened) == (5, False, True)
+    [closed] = sync.poll()
+    assert (closed.round, closed.version, closed.islands) == (5, 1, (0,))
+    clock.advance(0.5)
+    late = sync.push(contribution(config, 1, 0, torch.full((_numel(config),), 0.02), round=5, seq=1))
+    assert (late.round, late.late) == (6, True)
+    assert sync.poll() == [] and sync.versions()[0] == 1  # a late contribution never opens an extra round
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=6, base_version=1, seq=2))
+    [closed] = sync.poll()
+    assert (closed.round, closed.version, closed.islands, closed.late) == (6, 2, (0, 1), 1)
+    assert sync.status()["outer_steps"] == 2  # two rounds, two outer steps, with two islands and K = 1
+
+
+def test_one_outer_step_per_round_whatever_the_quorum_and_arrival_order():
+    for quorum in (1, 2, 3):
+        config = run_config(min_quorum=quorum, gamma=0.0)
+        sync, clock = _started(config, 3)
+        for r in range(4):
+            for i in range(3):  # islands out of phase: each sends a little after the other
+                sync.push(contribution(config, i, 1, torch.full((_numel(config, 1),), 0.01 * (i + 1)), round=r,
+                                       base_version=sync.versions()[1], seq=r))
+                clock.advance(0.1)
+                sync.poll()
+        rounds = sync.status()["rounds"][1]
+        assert rounds["closed"] <= 4 + 1 and sync.versions()[1] == rounds["closed"], (quorum, rounds)
+        assert rounds["merged_entries"] + rounds["open_contributors"] == 12, (quorum, rounds)
+
+
+def test_the_grace_window_admits_an_island_inside_it():
+    config = run_config(min_quorum=1, gamma=0.5, overlap=2)
+    sync, clock = _started(config, 2)
+    for i in (0, 1):
+        sync.heartbeat(i, 10, 1.0)  # grace = 0.5 * (2 * 1.0 - 0 - sync) ~ 1 s
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=3))
+    assert sync.poll() == []
+    clock.advance(0.6)
+    assert sync.poll() == []  # still inside the window
+    sync.push(contribution(config, 1, 0, torch.full((_numel(config),), 0.02), round=3))
+    [closed] = sync.poll()
+    assert closed.islands == (0, 1) and "every live island" in closed.reason
+    assert closed.grace_wait_s == pytest.approx(0.6)
+
+
+def test_the_grace_window_closes_the_round_without_a_slow_island():
+    config = run_config(min_quorum=1, gamma=0.5, overlap=2)
+    sync, clock = _started(config, 2)
+    for i in (0, 1):
+        sync.heartbeat(i, 10, 1.0)
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=3))
+    clock.advance(1.5)
+    [closed] = sync.poll()
+    assert closed.islands == (0,) and "grace window elapsed" in closed.reason
+
+
+def test_no_merge_below_quorum_and_status_says_so():
+    config = run_config(min_quorum=2)
+    sync, clock = _started(config, 2)
+    sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=0))
+    clock.advance(100)
+    sync.heartbeat(0, 1, 0.1)
+    assert sync.poll() == [] and sync.versions()[0] == 0
+    assert sync.status()["rounds"][0]["open_contributors"] == 1
+
+
+def test_an_island_whose_heartbeats_stopped_is_not_waited_for():
+    config = run_config(min_quorum=1, gamma=0.9, overlap=3)
+    sync, clock = _started(config, 2, liveness_timeout=5.0)
+    sync.heartbeat(0, 10, 5.0)  # long steps: a grace window of up to 13.5 s if island 1 counted
+    clock.advance(6.0)
+    sync.heartbeat(0, 11, 5.0)  # island 0 stays alive, island 1 went silent
+    sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=0))
+    [closed] = sync.poll()
+    assert "every live island" in closed.reason and sync.status()["live_islands"] == [0]
+
+
+def test_a_late_contribution_is_measured_against_its_own_base_and_discounted_by_age():
+    config = run_config(min_quorum=1, gamma=0.0, num_fragments=1, staleness_discount=1.0)
+    sync, clock = _started(config, 2)
+    numel = _numel(config)
+    g = torch.Generator().manual_seed(7)
+    d0, d1, d_late = (torch.randn(numel, generator=g) * 0.01 for _ in range(3))
+    sync.push(contribution(config, 0, 0, d0, round=0, seq=0, tokens=100.0, steps=4))
+    sync.poll()  # version 1
+    late = sync.push(contribution(config, 1, 0, d_late, round=0, base_version=0, seq=0, tokens=100.0, steps=4))
+    assert late.late
+    sync.push(contribution(config, 0, 0, d1, round=1, base_version=1, seq=1, tokens=100.0, steps=4))
+    sync.poll()  # version 2: island 0 on time, island 1's late contribution (base 0, age 1)
+
+    specs = layout(config).fragment_specs(0)
+    roles = [s.role for s in specs]
+    reference = initial_fragments(config)[0].clone()
+    outer = OuterOptimizer(reference, config.outer)
+    outer.step(torch.cat([m.reshape(-1) for m in merge_outer_gradients([split_fragment(-d0, specs)], [1.0], roles)]))
+    weights = [contribution_weight(100.0, 4), contribution_weight(100.0, 4, age=1, staleness_discount=1.0)]
+    merged = merge_outer_gradients([split_fragment(-d1, specs), split_fragment(-d_late, specs)], weights, roles)
+    outer.step(torch.cat([m.reshape(-1) for m in merged]))
+    assert torch.allclose(sync.pull(0)[1], reference, atol=1e-6)
+
+
+def test_rounds_nobody_sent_for_are_skipped_not_stepped():
+    config = run_config(min_quorum=1, gamma=0.0)
+    sync, _ = _started(config, 1)
+    sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=2, seq=0))
+    sync.poll()
+    ack = sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=9, base_version=1, seq=1))
+    assert (ack.round, ack.late) == (9, False)
+    [closed] = sync.poll()
+    assert (closed.round, closed.version) == (9, 2)
+
+
+def test_a_newer_send_for_the_same_round_supersedes_the_older_one():
+    config = run_config(min_quorum=2, gamma=0.0)
+    sync, _ = _started(config, 2)
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=0, seq=1))
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.02), round=0, seq=2))  # a restarted island
+    sync.push(contribution(config, 1, 0, torch.full((_numel(config),), 0.02), round=0, seq=1))
+    [closed] = sync.poll()
+    assert closed.islands == (0, 1) and sync.status()["rounds"][0]["superseded"] == 1
+    assert sync.status()["rounds"][0]["merged_entries"] == 2
+
+
+def test_a_non_contributor_receives_every_new_version_as_a_delta_against_what_it_holds():
+    config = run_config(min_quorum=1, gamma=0.0, downlink="fp32")
+    sync, _ = _started(config, 2)
+    assert _available(sync, 1, {0: 0, 1: 0}) == []  # nothing new yet
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=0))
+    sync.poll()
+    [update] = _available(sync, 1, {0: 0, 1: 0})
+    assert isinstance(update, VersionUpdate) and (update.fragment, update.version, update.base_version) == (0, 1, 0)
+    assert update.round == 0 and not update.included
+    rebuilt = initial_fragments(config)[0] + get_codec("fp32").decode(update.payload, _numel(config))
+    assert torch.allclose(rebuilt, sync.pull(0)[1], atol=1e-7)
+    [mine] = _available(sync, 0, {0: 0, 1: 0})
+    assert mine.included  # the contributor learns its work is in
+    [full] = _available(sync, 1, {0: 7, 1: 0})  # a version the synchronizer never issued: the full value
+    assert full.base_version == -1 and torch.equal(get_codec("fp32").decode(full.payload, _numel(config)), sync.pull(0)[1])
+
+
+def test_a_round_opening_asks_every_other_live_island_to_send_now():
+    config = run_config(min_quorum=1, gamma=0.5, overlap=2)  # H = 4; fragment 1 is due at offset 0
+    sync, _ = _started(config, 3)
+    sync.push(contribution(config, 2, 1, torch.zeros(_numel(config, 1)), round=6))
+    assert _available(sync, 0, {0: 0, 1: 0}) == [RoundRequest(fragment=1, round=6, due_step=24)]
+    assert _available(sync, 2, {0: 0, 1: 0}) == []  # the island that opened it sent already
+    sync.push(contribution(config, 0, 1, torch.zeros(_numel(config, 1)), round=6))
+    sync.poll()  # closes without island 1: no step times reported, so no grace slack
+    assert [type(e) for e in _available(sync, 1, {0: 0, 1: 0})] == [VersionUpdate]  # its request was withdrawn
+
+
+def test_a_late_joiner_starts_at_the_runs_step_never_ahead_of_it():
+    config = run_config()
+    sync, clock = _started(config, 2, liveness_timeout=5.0)
+    sync.heartbeat(0, 500, 0.1, schedule_step=1200)
+    sync.heartbeat(1, 700, 0.1, schedule_step=1190)
+    clock.advance(3.0)  # island 1 was killed: still live, but it must not drag the clock ahead
+    sync.heartbeat(0, 530, 0.1, schedule_step=1230)
+    assert sync.join(2, 1, SPECS)["run_step"] == 1230
+    sync.heartbeat(0, 531, 0.1, schedule_step=1000)  # a report older than one already made
+    assert sync.run_step() == 1230
+
+
+def test_a_send_for_a_round_the_run_has_passed_is_late_even_after_a_restart():
+    config = run_config(min_quorum=1, gamma=0.0)  # H = 4, fragment 0 due at offset 2
+    sync, clock = _started(config, 2)
+    clock.advance(10.0)
+    sync.heartbeat(0, 100, 0.1, schedule_step=4 * 40 + 2)  # the run is at round 40 of fragment 0
+    retried = sync.push(contribution(config, 1, 0, torch.zeros(_numel(config)), round=31))  # sent before a restart
+    assert retried.late and not retried.opened and sync.poll() == []
+    sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=40))
+    [closed] = sync.poll()
+    assert (closed.round, closed.islands, closed.late) == (40, (0, 1), 1)
+
+
+def test_a_restarted_synchronizer_knows_the_runs_step_from_its_rounds(tmp_path):
+    config = run_config(min_quorum=1, gamma=0.0)  # H = 4, P = 2: fragment 0 due at offset 2
+    sync, _ = _started(config, 1, checkpoint_dir=tmp_path, checkpoint_every=1)
+    sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=30))
+    sync.poll()
+    restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
+    assert restarted.run_step() == 30 * 4 + 2
+    assert restarted.status()["rounds"][0]["round"] == 31
+
+
+def test_an_old_or_unknown_base_is_merged_with_its_age_never_refused():
+    """The merge needs a base's age, not its value: an island that was away (or that kept a
+    version a restarted synchronizer lost) still adds what it did, discounted by how far behind."""
+    config = run_config(min_quorum=1, gamma=0.0, history=2)
+    sync, _ = _started(config, 1)
+    for r in range(5):
+        sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=r, base_version=r, seq=r))
+        sync.poll()
+    old = sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=5, base_version=0, seq=5))
+    future = sync.push(contribution(config, 0, 1, torch.full((_numel(config, 1),), 0.01), round=5, base_version=40, seq=6))
+    assert not old.late and not future.late
+    assert [c.version for c in sync.poll()] == [6, 1]
