@@ -7,6 +7,7 @@ is registered the moment ``lightning.pytorch`` finishes loading (or at once if i
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
@@ -22,9 +23,12 @@ def register_when_lightning_loads() -> None:
 
 
 def _register() -> None:
-    from lightning_diloco.learner.strategy import register
-
-    register()
+    # The strategy module registers itself when it finishes loading. If it is in sys.modules it
+    # has done so, or it is the very import that loaded Lightning (``from lightning_diloco import
+    # DecoupledDiLoCoStrategy`` first) and will do so on its last line: importing it from here
+    # would only meet a half-initialised module.
+    if "lightning_diloco.learner.strategy" not in sys.modules:
+        importlib.import_module("lightning_diloco.learner.strategy")
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -321,3 +321,6 @@ def _unwrap(optimizer):
 def register() -> None:
     """Make ``Trainer(strategy="decoupled_diloco")`` work; safe to call more than once."""
     DecoupledDiLoCoStrategy.register_strategies(StrategyRegistry)
+
+
+register()  # importing the strategy is enough for Trainer(strategy="decoupled_diloco")

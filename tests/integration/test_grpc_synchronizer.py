@@ -66,11 +66,16 @@ class Events:
                                 on_reconnect=self.on_reconnect)
 
     def version(self, fragment, version, timeout=10.0):
+        return self.first(lambda e: e.fragment == fragment and e.version >= version, f"version {version} of fragment {fragment}", timeout)
+
+    def first(self, matches, what, timeout=10.0, after=0):
+        """The first version event from index ``after`` on that matches, waiting for it: events of
+        different fragments arrive in any order."""
         def find():
-            return next((e for e in self.versions if e.fragment == fragment and e.version >= version), None)
+            return next((e for e in self.versions[after:] if matches(e)), None)
 
         with self.cond:
-            assert self.cond.wait_for(find, timeout), f"no version {version} of fragment {fragment}: {self.versions}"
+            assert self.cond.wait_for(find, timeout), f"no {what}: {self.versions}"
             return find()
 
 
@@ -255,6 +260,7 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
             _push(client, config, 0, 0, torch.full((numel,), 0.01), round=v, base_version=v, seq=v)
             events.version(0, v + 1)
         before = client.pull(0)
+        events_before_restart = len(events.versions)
         server.stop(grace=0)  # checkpoints on the way down
 
         def restart_soon():
@@ -273,7 +279,8 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
         assert events.reconnects >= 1
         # on a new incarnation the island's versions are no base (numbers past the checkpoint get
         # reissued): it was sent full values first
-        assert [e.base_version for e in events.versions if e.fragment == 1][-1] == -1
+        events.first(lambda e: e.fragment == 1 and e.base_version == -1, "full values of fragment 1 after the restart",
+                     after=events_before_restart)
         after_restart = restarted["server"].service
         assert after_restart.state.fragments[0].version == 3
         assert torch.equal(before[1], after_restart.state.fragments[0].history[2])

@@ -18,11 +18,17 @@ def test_the_synchronizer_and_the_core_import_neither_lightning_nor_transformers
     assert out == "[]"
 
 
-@pytest.mark.parametrize("order", ["lightning_diloco first", "lightning first"])
-def test_importing_the_package_registers_the_strategy_in_either_order(order):
-    imports = ["import lightning_diloco", "import lightning.pytorch as pl"]
-    if order == "lightning first":
-        imports.reverse()
+ORDERS = {
+    "lightning_diloco first": ["import lightning_diloco", "import lightning.pytorch as pl"],
+    "lightning first": ["import lightning.pytorch as pl", "import lightning_diloco"],
+    # the strategy class's own import is what loads Lightning: the registration hook fires inside it
+    "the strategy class first": ["from lightning_diloco import DecoupledDiLoCoStrategy", "import lightning.pytorch as pl"],
+}
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_importing_the_package_registers_the_strategy_in_any_order(order):
+    imports = ORDERS[order]
     out = _python("; ".join(imports) + "; from lightning.pytorch.strategies import StrategyRegistry; "
                   "print('decoupled_diloco' in StrategyRegistry, 'decoupled_diloco_spawn' in StrategyRegistry)")
     assert out == "True True"
