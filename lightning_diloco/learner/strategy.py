@@ -1,7 +1,8 @@
 """``Trainer(strategy="decoupled_diloco")``: a trainer group becomes one learner island.
 
-Built on Lightning's DDPStrategy: inside the island everything is ordinary DDP (one process per
-device; one process is the single-device case). Around it the strategy counts tokens, and after
+Built on Lightning's DDPStrategy: inside a multi-process island everything is ordinary DDP (one
+process per device). A one-process island takes Lightning's single-device path instead: no
+process group and no DDP wrapper, which in one process would only copy gradients every step. Around it the strategy counts tokens, and after
 every inner optimizer step hands control to :class:`IslandLearner`, which streams fragments to
 the synchronizer in the background. Hooks only; Lightning's loops are never copied.
 """
@@ -15,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -162,10 +164,37 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         island_world = self.num_nodes * self.num_processes
         return {"num_replicas": self.num_islands * island_world, "rank": self.island * island_world + self.global_rank}
 
+    # ---- a one-process island: Lightning's single-device path ----------------------------------
+
+    @property
+    def one_process(self) -> bool:
+        return self.num_nodes * self.num_processes == 1
+
+    def _configure_launcher(self) -> None:
+        if not self.one_process:
+            return super()._configure_launcher()
+        # no launcher, as on the single-device path: DDP's would also reset torch's thread count to
+        # cores / processes, overriding the script's own torch.set_num_threads
+        self._launcher = None
+
+    def setup_distributed(self) -> None:
+        if not self.one_process:
+            return super().setup_distributed()
+        reset_seed()  # as DDPStrategy does, so a seeded run draws the same numbers either way
+        self.set_world_ranks()
+
+    def _setup_model(self, model):
+        return model if self.one_process else super()._setup_model(model)
+
     # ---- joining ------------------------------------------------------------------------------
 
     def setup(self, trainer) -> None:
-        super().setup(trainer)
+        if self.one_process:
+            # DDPStrategy.setup wraps the model in DDP, or (when not fitting) broadcasts its states
+            # over the process group; the base strategy's setup is the single-device sequence
+            Strategy.setup(self, trainer)
+        else:
+            super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
         module = self.lightning_module

@@ -32,6 +32,29 @@ def test_strategy_name_trains_a_tiny_model_and_syncs():
     assert metrics["diloco/bytes_up"] > 0 and metrics["diloco/min_version"] == 2
 
 
+def test_a_one_process_island_runs_without_a_process_group_or_ddp_wrapper():
+    """One process: nothing to all-reduce, so no gloo group, no DDP reducer copying gradients, and
+    none of Lightning's distributed-only warnings; still island 0 of M's shard of the data."""
+    seen = {}
+
+    class Probe(TinyRegressor):
+        def training_step(self, batch, batch_idx):
+            seen["process group"] = torch.distributed.is_initialized()
+            seen["model"] = type(self.trainer.strategy.model).__name__
+            seen["sampler"] = self.trainer.train_dataloader.sampler
+            return super().training_step(batch, batch_idx)
+
+    model = Probe()
+    t = trainer(DecoupledDiLoCoStrategy(num_islands=2, sync_every=8), max_epochs=1)
+    t.fit(model, loader(regression_data()))
+    assert seen["process group"] is False and seen["model"] == "Probe"
+    assert t.strategy.launcher is None  # DDP's would reset the script's torch thread count
+    assert (seen["sampler"].num_replicas, seen["sampler"].rank) == (2, 0)
+    assert len(model.losses) == 8  # half of 256 samples in batches of 16
+    # validating after fit takes the same path (DDPStrategy.setup would broadcast over a group)
+    assert t.validate(model, loader(regression_data(seed=1)), verbose=False)[0]["val_loss"] > 0
+
+
 def test_zero_argument_constructor_and_double_registration_work():
     lightning_diloco.register()
     lightning_diloco.register()
