@@ -103,18 +103,50 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         join_wait: float = 300.0,
         **ddp_kwargs: Any,
     ) -> None:
-        """Arguments left as None come from the environment (``DILOCO_SYNCHRONIZER``,
-        ``DILOCO_ISLAND``, ``DILOCO_NUM_ISLANDS``, ``DILOCO_TOKEN``) or from the run defaults
-        of :class:`~lightning_diloco.core.config.RunConfig`.
+        """A Lightning trainer group as one learner island of a Decoupled DiLoCo run.
 
-        ``synchronizer``: comma-separated shard addresses; none starts an embedded synchronizer
-        on loopback (one island). A remote synchronizer's run settings are authoritative.
-        ``tokens_per_batch``: counts a batch's tokens (default: attention-mask ones, else
-        input_ids elements, else samples). ``end_with_global_model``: load the global model into
-        the module when training ends. ``push_wait``: seconds a fragment may wait for its round.
-        ``join_wait``: seconds an island waits at start for a synchronizer it cannot reach yet
-        (one started after the islands, or restarting) before failing.
-        Other keyword arguments go to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        Arguments left as None come from the environment (``DILOCO_*``) or from the run defaults
+        of :class:`~lightning_diloco.core.config.RunConfig`. A remote synchronizer's run settings
+        are authoritative: the run settings below then only warn where they differ.
+
+        Args:
+            synchronizer: The synchronizer's address, ``host:port``, comma-separated for shards
+                (``DILOCO_SYNCHRONIZER``). None starts an embedded synchronizer on loopback for
+                a one-island run.
+            island: This island's index i in [0, num_islands) (``DILOCO_ISLAND``, default 0); it
+                trains on shard i of the data.
+            num_islands: M, the islands in the run (``DILOCO_NUM_ISLANDS``, default 1).
+            token: The run's shared secret if the synchronizer requires one (``DILOCO_TOKEN``).
+            sync_every: H, inner steps between two sends of one fragment (run setting, default
+                24). Given alone, num_fragments becomes min(24, H).
+            num_fragments: P, fragments the parameters are packed into, at most H (run setting,
+                default 24; lowered to the model's tensor count on an embedded synchronizer).
+            overlap_steps: tau, steps after a send at which its round's global fragment is
+                applied; 0 waits for it (synchronous DiLoCo) (run setting, default 2).
+            outer_lr: The outer Nesterov step's learning rate (run setting, default 0.7).
+            outer_momentum: The outer Nesterov momentum (run setting, default 0.9).
+            min_quorum: K, islands that must contribute before a round may close (run
+                setting, default 1).
+            grace_gamma: gamma in [0, 1): after its quorum a round waits for more islands at
+                most gamma x what is left of tau step times; 0 closes at quorum (run setting,
+                default 0.5).
+            merge: ``rda`` (radial-directional averaging) or ``mean`` (run setting).
+            apply: How an island takes a global fragment: ``overwrite``, ``mix`` or ``rebase``
+                (run setting, default overwrite).
+            mix_alpha: For ``apply="mix"``: the weight the local fragment keeps, in [0, 1).
+            uplink_codec: Codec of outer gradients sent: ``fp32``, ``bf16``, ``int8``, ``int4``
+                (run setting, default int4).
+            downlink_codec: Codec of global fragments received (run setting, default bf16).
+            tokens_per_batch: Counts a batch's tokens for the merge weights (default:
+                attention-mask ones, else ``input_ids`` elements, else samples).
+            end_with_global_model: Load the global model when training ends, if it holds some
+                of this island's work (otherwise the local weights stay, with a warning).
+            push_wait: Seconds a sent fragment may wait for its round before the send counts
+                as failed.
+            join_wait: Seconds an island waits at start for a synchronizer it cannot reach yet
+                (started later, or restarting) before failing.
+            **ddp_kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g.
+                ``find_unused_parameters=True``).
         """
         super().__init__(**ddp_kwargs)
         self.address = synchronizer if synchronizer is not None else (os.environ.get("DILOCO_SYNCHRONIZER") or None)

@@ -55,6 +55,23 @@ def test_a_one_process_island_runs_without_a_process_group_or_ddp_wrapper():
     assert t.validate(model, loader(regression_data(seed=1)), verbose=False)[0]["val_loss"] > 0
 
 
+def test_lightning_cli_describes_every_strategy_argument():
+    """LightningCLI builds its parser with jsonargparse, which reads the Args section."""
+    import inspect
+
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(DecoupledDiLoCoStrategy, "strategy")
+    helps = {action.dest: action.help or "" for action in parser._actions}
+    ours = [name for name, p in inspect.signature(DecoupledDiLoCoStrategy.__init__).parameters.items()
+            if name != "self" and p.kind is not p.VAR_KEYWORD]
+    assert len(ours) == 20
+    undocumented = [name for name in ours if len(helps.get(f"strategy.{name}", "")) < 20]
+    assert undocumented == []
+    assert "comma-separated for shards" in helps["strategy.synchronizer"]
+
+
 def test_zero_argument_constructor_and_double_registration_work():
     lightning_diloco.register()
     lightning_diloco.register()
