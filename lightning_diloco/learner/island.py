@@ -68,6 +68,10 @@ class _Flight:
     def failed(self) -> bool:
         return self.future is not None and self.future.done() and self.future.exception() is not None
 
+    def late(self) -> bool:
+        """Acked as late: it waits in the fragment's next round, which opens on the next send."""
+        return self.merged_in() is not None and self.future.result().late
+
 
 @dataclass(frozen=True)
 class _Apply:
@@ -389,8 +393,16 @@ class IslandLearner:
         return True
 
     def _final_plan(self, timeout: float) -> dict | None:
-        self.inbox.wait(lambda: all(self._settled(p) for p in self.in_flight), timeout)
-        for p in self.in_flight:
+        # A late contribution waits for a round that opens only when some island sends for it; at
+        # the end of a run nobody may, so waiting would only cost the timeout. It stays queued and
+        # is merged if the run goes on.
+        late = sorted(p for p, f in self.in_flight.items() if f.late())
+        if late:
+            log.info("island %d: late contribution(s) to fragment(s) %s wait for their next round; not awaited at the end",
+                     self.island, late)
+        awaited = [p for p in self.in_flight if p not in late]
+        self.inbox.wait(lambda: all(self._settled(p) for p in awaited), timeout)
+        for p in awaited:
             if not self._settled(p):
                 log.warning("island %d: the round of fragment %d (round %d) did not close within %.0f s of the end",
                             self.island, p, self.in_flight[p].round, timeout)

@@ -95,6 +95,8 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="PEM private key file for --tls-cert")
     parser.add_argument("--max-workers", type=int, default=256, help="concurrent calls; a waiting push holds one")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus text metrics over HTTP on this port")
+    parser.add_argument("--status-port", type=int,
+                        help="serve a live HTML status page (and /status.json) on this port, on 127.0.0.1")
     add_run_config_arguments(parser)
 
 
@@ -139,6 +141,15 @@ def run_synchronizer(args: argparse.Namespace) -> int:
         from lightning_diloco.synchronizer.metrics import serve_metrics
 
         serve_metrics(service, args.metrics_port)
+    if args.status_port is not None:
+        from lightning_diloco.synchronizer.status_page import serve_status_page
+
+        try:
+            page = serve_status_page(service.status, args.status_port)
+        except OSError as err:
+            server.stop(grace=0)
+            raise SystemExit(f"--status-port {args.status_port}: {err.strerror or err}; choose a free port") from None
+        log.info("status page at http://127.0.0.1:%d/", page.server_address[1])
     print(f"synchronizer listening on {server.address}", flush=True)  # launchers parse this line
 
     stop = threading.Event()

@@ -45,6 +45,8 @@ class Member:
     step_time: float = 0.0
     accepted: int = 0
     """Contributions merged in this synchronizer's lifetime."""
+    merged_at: float | None = None
+    """When its last contribution was merged (None: never, in this synchronizer's lifetime)."""
     requests: dict[int, RoundRequest] = field(default_factory=dict)
     """Rounds the island is asked to send for, by fragment (only the newest per fragment)."""
 
@@ -165,11 +167,12 @@ class Membership:
         m.requests.clear()
         return out
 
-    def credit(self, islands: tuple[int, ...]) -> None:
+    def credit(self, islands: tuple[int, ...], now: float) -> None:
         with self.lock:
             for i in islands:
                 if i in self.members:
                     self.members[i].accepted += 1
+                    self.members[i].merged_at = now
 
     def status(self, now: float) -> dict[int, dict]:
         live = self.live(now)
@@ -183,6 +186,7 @@ class Membership:
                     "step_time_s": m.step_time,
                     "accepted": m.accepted,
                     "seen_s_ago": now - m.last_seen,
+                    "merged_s_ago": None if m.merged_at is None else now - m.merged_at,
                 }
                 for i, m in sorted(self.members.items())
             }

@@ -439,7 +439,7 @@ class Synchronizer:
                 self.refused[Reason.NON_FINITE_STEP.value] += closed.dropped
             elapsed = time.perf_counter() - started
             self.sync_time = elapsed if not self.sync_time else 0.8 * self.sync_time + 0.2 * elapsed
-        self.membership.credit(closed.islands)
+        self.membership.credit(closed.islands, now)
         self.membership.withdraw(closed.fragment, closed.round)  # also wakes the subscriptions
         log.debug("fragment %d round %d -> version %d from islands %s (%s)", closed.fragment, closed.round,
                   closed.version, closed.islands, reason)

@@ -221,6 +221,30 @@ def test_finish_loads_the_global_model_once_its_work_is_in(islands):
     assert torch.equal(flatten_fragment(params), service.pull(0)[1])
 
 
+def test_finish_does_not_wait_for_a_late_contribution_whose_round_may_never_open(islands):
+    """At the end of a run nobody may send for the next round: waiting would only cost the timeout."""
+    config = _config(P=1, H=2, tau=1)
+    first, _, params0, service = islands(config)
+    second, _, params1, _ = islands(config, island=1, service=service, seed=1)
+    for _ in range(3):
+        _step(first, params0)  # island 0 sends for round 0 at its step 2; K = 1 closes it
+    _settle(first)
+    for _ in range(2):
+        _step(second, params1)  # island 1's send for round 0 comes after it closed
+    assert second.in_flight[0].future.result(timeout=10).late
+    waits = []
+    wait = second.inbox.wait
+
+    def recorded(predicate, timeout):
+        waits.append(predicate())  # what finish() waits for is settled already
+        return wait(predicate, 0)
+
+    second.inbox.wait = recorded
+    second.merged_any = True  # its work counts as merged: the global model is pulled
+    assert second.finish(timeout=30) is True
+    assert waits == [True]
+
+
 def test_state_dict_round_trips_and_refuses_another_model(islands):
     config = _config()
     learner, _, params, _ = islands(config)
