@@ -2,9 +2,10 @@
 
 Built on Lightning's DDPStrategy: inside a multi-process island everything is ordinary DDP (one
 process per device). A one-process island takes Lightning's single-device path instead: no
-process group and no DDP wrapper, which in one process would only copy gradients every step. Around it the strategy counts tokens, and after
-every inner optimizer step hands control to :class:`IslandLearner`, which streams fragments to
-the synchronizer in the background. Hooks only; Lightning's loops are never copied.
+process group and no DDP wrapper, which in one process would only copy gradients every step.
+Around it the strategy counts tokens, and after every inner optimizer step hands control to
+:class:`IslandLearner`, which streams fragments to the synchronizer in the background. Hooks
+only; Lightning's loops are never copied.
 """
 
 from __future__ import annotations
