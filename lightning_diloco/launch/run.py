@@ -236,6 +236,9 @@ class Run:
                 self.echo(f"[launcher] restarted {island.name} (restart {island.restarts})\n")
                 if not self.ddp:  # a recovery counts from the moment the island went down
                     self.recovery.island_restarted(index, island.lifetimes[-2][1] or now)
+                    note = without_checkpoint(island.name, self.workdir / f"checkpoints-{index}")
+                    if note:
+                        self.echo(note)
             if island.paused_until is not None and now >= island.paused_until:
                 island.paused_until = None
                 island.signal(signal.SIGCONT)
@@ -288,6 +291,15 @@ class Run:
         rep.recoveries_s = self.recovery.recoveries
         rep.accepted = dict(self.recovery.accepted)
         return rep
+
+
+def without_checkpoint(name: str, folder: Path) -> str | None:
+    """What to tell the user when a restarted island finds no checkpoint of its own to resume from."""
+    if folder.is_dir() and any(folder.iterdir()):
+        return None
+    return (f"[launcher] {name} left no checkpoint in $DILOCO_CHECKPOINT_DIR ({folder}): it rejoins from the global "
+            "model but trains its whole step count again; save Lightning checkpoints there to resume "
+            "(examples/train_lm.py shows how)\n")
 
 
 def _children(pid: int) -> list[int]:

@@ -51,3 +51,15 @@ def test_an_island_the_synchronizer_refused_is_not_restarted_and_the_run_says_wh
     out = capsys.readouterr().out
     assert "restarted" not in out
     assert out.strip().splitlines()[-1].startswith("run failed: island") and "layout_mismatch" in out.strip().splitlines()[-1]
+
+
+def test_a_restarted_island_without_a_checkpoint_is_told_it_trains_its_steps_again(tmp_path):
+    from lightning_diloco.launch.run import without_checkpoint
+
+    folder = tmp_path / "checkpoints-1"
+    note = without_checkpoint("island 1", folder)
+    assert note and "no checkpoint" in note and str(folder) in note and "examples/train_lm.py" in note
+    folder.mkdir()
+    assert without_checkpoint("island 1", folder) is not None  # an empty folder resumes nothing either
+    (folder / "last.ckpt").write_bytes(b"x")
+    assert without_checkpoint("island 1", folder) is None
