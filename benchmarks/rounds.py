@@ -35,20 +35,38 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_OF_PHASE = ["--stagger=3", "--slow-island=1", "--slowdown=1.5"]
-DEFAULTS = ["--min-quorum=1", "--apply=overwrite"]  # the library's defaults, not the preset's
+
+
+def every_island(m: int) -> int:
+    """Quorum M: synchronous DiLoCo, every round waits for every island."""
+    return m
+
+
+def any_island(m: int) -> int:
+    """Quorum 1: the paper's and the library's default."""
+    return 1
+
+
+# arm -> (quorum rule, or None for DDP; the recipe flags besides). Overwrite is the library's
+# default apply mode (the preset's is mix), so the arms name it.
 ARMS = {
-    "ddp": ["--strategy=ddp"],
-    "sync": ["--min-quorum=M", "--apply=overwrite", *OUT_OF_PHASE],
-    "k1": [*DEFAULTS, *OUT_OF_PHASE],
-    "k1-mix": ["--min-quorum=1", "--apply=mix", *OUT_OF_PHASE],
-    "k1-kill": [*DEFAULTS, *OUT_OF_PHASE, "--chaos=kill 2 at step 300 for 20s; kill 3 at step 300 for 20s"],
+    "ddp": (None, ["--strategy=ddp"]),
+    "sync": (every_island, ["--apply=overwrite", *OUT_OF_PHASE]),
+    "k1": (any_island, ["--apply=overwrite", *OUT_OF_PHASE]),
+    "k1-mix": (any_island, ["--apply=mix", *OUT_OF_PHASE]),
+    "k1-kill": (any_island, ["--apply=overwrite", *OUT_OF_PHASE, "--chaos={kill}"]),
 }
 
 
+def arm_flags(arm: str, islands: int, steps: int) -> list[str]:
+    quorum, flags = ARMS[arm]
+    kill_at = steps * 3 // 8  # two islands die three eighths into the run, for 20 s
+    kill = f"kill 2 at step {kill_at} for 20s; kill 3 at step {kill_at} for 20s"
+    return ([f"--min-quorum={quorum(islands)}"] if quorum else []) + [f.format(kill=kill) for f in flags]
+
+
 def run(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
-    flags = [f.replace("=M", f"={args.islands}") for f in ARMS[arm]]
-    if args.steps != 800:  # the kill arm's faults scale with the run
-        flags = [f.replace("step 300", f"step {args.steps * 3 // 8}") for f in flags]
+    flags = arm_flags(arm, args.islands, args.steps)
     cmd = [sys.executable, "-m", "recipes.text_lm", "--preset=cpu-tiny", f"--islands={args.islands}", f"--seed={seed}",
            f"--steps={args.steps}", f"--out={out}", *flags, *args.recipe_arg]
     started = time.monotonic()

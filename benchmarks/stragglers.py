@@ -24,7 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lightning_diloco.launch.run import Run, add_run_arguments
+from lightning_diloco.core.settings import config_with
+from lightning_diloco.launch.run import Run, RunOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM = 10  # steps before a unit's speed counts (imports, first syncs)
@@ -40,19 +41,16 @@ def unit_rate(samples, unit: int, steps: int, warm: int = WARM) -> float:
 
 
 def run_arm(args: argparse.Namespace, arm: str, workdir: Path) -> float:
-    parser = argparse.ArgumentParser()
-    add_run_arguments(parser)
-    launcher = ["--islands", str(args.islands), "--workdir", str(workdir / arm), "--max-restarts", "0",
-                f"--sync=--num-fragments={args.num_fragments}", f"--sync=--sync-every={args.sync_every}",
-                "--sync=--overlap-steps=1"]
-    if arm == "ddp":
-        launcher += ["--baseline", "ddp"]
+    options = RunOptions(
+        islands=args.islands, workdir=str(workdir / arm), max_restarts=0, baseline="ddp" if arm == "ddp" else None,
+        run_config=config_with({"num_fragments": args.num_fragments, "sync_every": args.sync_every, "overlap_steps": 1}),
+    )
     command = [sys.executable, str(ROOT / "examples" / "train_lm.py"), "--steps", str(args.steps),
                "--step-seconds", str(args.step_seconds), "--slow-unit", "1", "--slowdown", str(args.slowdown),
                "--hidden", "32", "--layers", "1", "--checkpoint-every", "100000"]
     if arm == "ideal":
         command.append("--independent")
-    run = Run(parser.parse_args(launcher), command)
+    run = Run(options, command)
     run.echo = lambda line: None  # the islands' chatter is not the result
     try:
         run.start()

@@ -15,9 +15,9 @@ def _synchronizer(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from lightning_diloco.launch.run import run_command
+    from lightning_diloco.launch.run import RunOptions, run
 
-    return run_command(args, args.command_line)
+    return run(RunOptions.from_args(args), args.command_line)
 
 
 def _status(args: argparse.Namespace) -> int:

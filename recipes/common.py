@@ -20,12 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-# Settings of the outer loop a recipe passes both to the synchronizer (authoritative) and to each
-# island's strategy; the names are DecoupledDiLoCoStrategy's arguments.
-DILOCO_SETTINGS = {
-    "sync_every": int, "num_fragments": int, "overlap_steps": int, "outer_lr": float, "outer_momentum": float,
-    "min_quorum": int, "merge": str, "apply": str, "mix_alpha": float, "uplink_codec": str, "downlink_codec": str,
-}
+from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings
 
 
 @dataclass
@@ -76,9 +71,8 @@ def build_parser(recipe: Recipe, description: str | None) -> argparse.ArgumentPa
     p.add_argument("--stagger", type=float, default=0.0, help="start island i i x this many seconds after island 0")
     p.add_argument("--slow-island", type=int, default=-1, help="island (DDP: rank) whose steps take --slowdown x as long")
     p.add_argument("--slowdown", type=float, default=1.0, help="step-time factor of --slow-island (default %(default)s)")
-    g = p.add_argument_group("Decoupled DiLoCo (default: the preset's, else the library's)")
-    for name, kind in DILOCO_SETTINGS.items():
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    g = p.add_argument_group("Decoupled DiLoCo run settings (default: the preset's, else the library's)")
+    add_setting_arguments(g, show_defaults=False)
     p.add_argument("--run-t0", type=float, help=argparse.SUPPRESS)  # set by the launcher for its processes
     recipe.add_arguments(p)
     return p
@@ -110,8 +104,8 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
 
 
 def diloco_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The outer settings both the synchronizer and the islands' strategy take."""
-    return {name: getattr(args, name) for name in DILOCO_SETTINGS if getattr(args, name) is not None}
+    """The run settings given (or preset): the synchronizer's config and the strategy's arguments."""
+    return given_settings(args)
 
 
 def main(recipe: Recipe, argv: list[str] | None, description: str | None) -> int:
@@ -126,7 +120,7 @@ def main(recipe: Recipe, argv: list[str] | None, description: str | None) -> int
 
 
 def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
-    from lightning_diloco.launch.run import add_run_arguments, run_command
+    from lightning_diloco.launch.run import RunOptions, run
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,20 +129,13 @@ def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
     t0 = time.time()
     command = [sys.executable, "-m", recipe.module, *argv, "--out", str(out), "--run-t0", repr(t0)]
     ddp = args.strategy == "ddp"
-    launcher = [f"--islands={args.islands}", f"--devices-per-island={args.devices}", f"--workdir={out / 'run'}",
-                f"--report={out / 'run-report.json'}", "--restart-backoff=0.5"]
-    if ddp:
-        launcher.append("--baseline=ddp")
-    else:
-        launcher += [f"--sync=--{k.replace('_', '-')}={v}" for k, v in diloco_settings(args).items()]
-    if args.chaos:
-        launcher.append(f"--chaos={args.chaos}")
-    if args.stagger:
-        launcher.append(f"--stagger={args.stagger}")
-    parser = argparse.ArgumentParser()
-    add_run_arguments(parser)
+    options = RunOptions(
+        islands=args.islands, devices_per_island=args.devices, workdir=str(out / "run"), report=str(out / "run-report.json"),
+        restart_backoff=0.5, baseline="ddp" if ddp else None, chaos=args.chaos, stagger=args.stagger,
+        run_config=None if ddp else config_with(diloco_settings(args)),  # the islands' strategy gets the same settings
+    )
     observer = SynchronizerObserver(args, out) if not ddp else None
-    code = run_command(parser.parse_args(launcher), command, observers=[observer] if observer else [])
+    code = run(options, command, observers=[observer] if observer else [])
     wall = time.time() - t0
     if observer:
         observer.close()

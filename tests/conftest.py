@@ -1,8 +1,11 @@
-"""Police fixtures: a test that leaks threads or child processes fails."""
+"""Police fixtures: a test that leaks a thread, a child process, a listening port or a
+temporary file fails."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,24 +33,78 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-def _ours(thread: threading.Thread) -> bool:
-    return thread.name.startswith("diloco")
+def _listening_ports() -> set[int]:
+    """TCP ports this process listens on: its socket inodes matched against /proc/net/tcp*."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+# process-wide caches made once, by whichever test first needs them, not leaks of that test:
+# pytest's tmp_path root and torch's compile cache (created on torch._dynamo's first import)
+_SESSION_CACHES = ("pytest-of-", "torchinductor_")
+# and threads libraries start once per process and keep: tqdm's progress-bar monitor
+_SESSION_THREADS = ("tqdm_monitor",)
+
+
+def _temporary_files() -> set[str]:
+    """Entries in the session's private temporary directory, other than the session caches."""
+    return {p.name for p in Path(tempfile.gettempdir()).iterdir() if not p.name.startswith(_SESSION_CACHES)}
+
+
+def pytest_configure(config):
+    """Every temporary file of the session (ours, Lightning's, subprocesses') goes to one private
+    directory, so a test that leaves one behind is seen, and nothing outlives the session."""
+    private = tempfile.mkdtemp(prefix="diloco-tests-")
+    config.stash[_PRIVATE_TMP] = private
+    os.environ["TMPDIR"] = private
+    tempfile.tempdir = private
+
+
+def pytest_unconfigure(config):
+    private = config.stash.get(_PRIVATE_TMP, None)
+    if private:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+_PRIVATE_TMP = pytest.StashKey[str]()
 
 
 @pytest.fixture(autouse=True)
 def no_leaks():
     threads_before = {t.ident for t in threading.enumerate()}
-    children_before = _children()
+    children_before, ports_before, files_before = _children(), _listening_ports(), _temporary_files()
     yield
     deadline = time.monotonic() + 5.0
     while True:
-        leaked_threads = [t.name for t in threading.enumerate() if t.ident not in threads_before and _ours(t) and t.is_alive()]
-        leaked_children = _children() - children_before
-        if not (leaked_threads or leaked_children) or time.monotonic() > deadline:
+        leaked = {
+            "threads": sorted(t.name for t in threading.enumerate()
+                              if t.ident not in threads_before and t.is_alive() and t.name not in _SESSION_THREADS),
+            "child processes": sorted(_children() - children_before),
+            "listening ports": sorted(_listening_ports() - ports_before),
+            "temporary files": sorted(_temporary_files() - files_before),
+        }
+        if not any(leaked.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert not leaked_threads, f"test leaked threads: {leaked_threads}"
-    assert not leaked_children, f"test leaked child processes: {sorted(leaked_children)}"
+    leaks = {what: items for what, items in leaked.items() if items}
+    assert not leaks, f"test leaked {leaks}"
 
 
 @pytest.fixture

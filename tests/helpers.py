@@ -11,7 +11,7 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import DENSE, EMBEDDING, TensorSpec, build_layout
-from lightning_diloco.synchronizer.service import Contribution
+from lightning_diloco.synchronizer.requests import Contribution
 
 SPECS = [
     TensorSpec(name="embed.weight", shape=(16, 4), dtype="float32", role=EMBEDDING),
@@ -84,3 +84,16 @@ def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complete
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def sample_setting_value(s):
+    """A valid value other than the default, for every kind of setting."""
+    if s.choices:
+        return next(c for c in s.choices if c != s.default)
+    if s.type is bool:
+        return not s.default
+    if s.name in ("num_fragments", "overlap_steps"):
+        return 1
+    if s.type is int:
+        return s.default + 2
+    return {"grace_gamma": 0.25, "mix_alpha": 0.25, "outer_momentum": 0.5, "outlier_z": 4.0}.get(s.name, s.default * 2)

@@ -9,11 +9,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-CODECS = ("fp32", "bf16", "int8", "int4")
-MERGE_METHODS = ("rda", "mean")
-APPLY_MODES = ("overwrite", "mix", "rebase")
+# Literal types give each choice setting its choices once: validation, flags and help read them.
+Codec = Literal["fp32", "bf16", "int8", "int4"]
+MergeMethod = Literal["rda", "mean"]
+ApplyMode = Literal["overwrite", "mix", "rebase"]
+CODECS: tuple[str, ...] = get_args(Codec)
+MERGE_METHODS: tuple[str, ...] = get_args(MergeMethod)
+APPLY_MODES: tuple[str, ...] = get_args(ApplyMode)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -39,7 +43,7 @@ class ScheduleConfig:
     """tau, in inner steps: the new global fragment is applied tau steps after it was sent (or
     the first later step at which it has arrived). 0 waits for it in the same step: synchronous
     DiLoCo. Larger tau hides more latency but applies an older global fragment."""
-    apply: str = "overwrite"
+    apply: ApplyMode = "overwrite"
     """How a received global fragment meets the local one: ``overwrite`` (paper default),
     ``mix`` (alpha * local + (1 - alpha) * global), or ``rebase`` (global plus the local
     progress made since the snapshot was taken)."""
@@ -67,7 +71,7 @@ class ScheduleConfig:
 class MergeConfig:
     """How the synchronizer closes a round and merges what arrived."""
 
-    method: str = "rda"
+    method: MergeMethod = "rda"
     """``rda``: radial-directional averaging for dense tensors (paper); ``mean``: plain weighted
     mean for every tensor. Embedding tensors always use the weighted mean."""
     min_quorum: int = 1
@@ -126,9 +130,9 @@ class OuterConfig:
 class CodecConfig:
     """Wire encodings, chosen separately for each direction."""
 
-    uplink: str = "int4"
+    uplink: Codec = "int4"
     """Encoding of island -> synchronizer fragment deltas. int4 is near-lossless per the paper."""
-    downlink: str = "bf16"
+    downlink: Codec = "bf16"
     """Encoding of synchronizer -> island updates. A lossy downlink only perturbs that island's
     starting point, never the global state."""
     block_size: int = 64

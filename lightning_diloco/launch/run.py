@@ -10,6 +10,7 @@ as a whole from its last checkpoint whenever any rank dies: the comparison the p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -19,13 +20,14 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from lightning_diloco.core.config import RunConfig
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
-from lightning_diloco.launch.supervisor import read_progress
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
-from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, clean_environment
+from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, clean_environment, read_progress
 from lightning_diloco.synchronizer.main import add_token_arguments, resolve_token
 
 log = logging.getLogger(__name__)
@@ -38,9 +40,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(kw_only=True)
+class RunOptions:
+    """What ``lightning-diloco run`` takes, for callers in Python (recipes, benchmarks): each
+    field is the flag of the same name (``add_run_arguments``), with the same default."""
+
+    islands: int = 2
+    devices_per_island: int = 1
+    synchronizer: str | None = None
+    """Join this synchronizer (host:port[,...]) instead of starting one."""
+    token: str | None = None
+    chaos: str | None = None
+    chaos_horizon: float = 3600.0
+    report: str | None = None
+    max_restarts: int = 5
+    restart_backoff: float = 1.0
+    stagger: float = 0.0
+    liveness_timeout: float = 5.0
+    checkpoint_every: int = 1
+    baseline: str | None = None
+    workdir: str | None = None
+    run_config: RunConfig | None = None
+    """The started synchronizer's run settings (passed as ``--config``); None: the defaults."""
+    synchronizer_args: list[str] = field(default_factory=list)
+    """More arguments for the started synchronizer, e.g. ``["--status-port=8080"]``."""
+
+    def __post_init__(self) -> None:
+        if self.islands < 1 or self.devices_per_island < 1:
+            raise ValueError(f"--islands={self.islands} and --devices-per-island={self.devices_per_island} must be >= 1")
+        if self.baseline not in (None, "ddp"):
+            raise ValueError(f"baseline={self.baseline!r}: the only baseline is 'ddp'")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("token", "run_config")]
+        return cls(**{name: getattr(args, name) for name in names}, token=resolve_token(args))
+
+
 class Run:
-    def __init__(self, args: argparse.Namespace, command: list[str], observers: Sequence[Callable[[dict], None]] = ()) -> None:
-        self.args, self.command = args, command
+    def __init__(self, options: RunOptions, command: list[str], observers: Sequence[Callable[[dict], None]] = ()) -> None:
+        args = self.args = options
+        self.command = command
         self.observers = list(observers)  # called with each synchronizer status the launcher samples
         self.workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +97,7 @@ class Run:
         self._stop = threading.Event()
         self.synchronizer: Supervised | None = None
         self.address = args.synchronizer
-        self.token = resolve_token(args)
+        self.token = args.token
         self.client = None
         self._write = threading.Lock()
         self.failures: list[str] = []  # why units failed, for the run's last line
@@ -74,7 +114,12 @@ class Run:
         self.address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", str(port),
                "--checkpoint-dir", str(self.workdir / "synchronizer"), "--checkpoint-every", str(self.args.checkpoint_every),
-               "--liveness-timeout", str(self.args.liveness_timeout), *self.args.synchronizer_args]
+               "--liveness-timeout", str(self.args.liveness_timeout)]
+        if self.args.run_config is not None:
+            config = self.workdir / "run-config.json"
+            config.write_text(json.dumps(self.args.run_config.to_dict(), indent=2))
+            cmd += ["--config", str(config)]
+        cmd += self.args.synchronizer_args
         # the token goes by environment, never on a command line (the process list shows those)
         env = {"OMP_NUM_THREADS": "1", **({"DILOCO_TOKEN": self.token} if self.token else {})}
         self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment(env), self.echo)
@@ -320,45 +365,48 @@ def _safe_kill(pid: int, sig: int) -> None:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--islands", type=int, default=2, help="M, learner islands (default %(default)s)")
-    parser.add_argument("--devices-per-island", type=int, default=1, help="DDP processes per island (DILOCO_DEVICES)")
+    """The flags of ``lightning-diloco run``; ``RunOptions.from_args`` reads them."""
+    d = RunOptions()
+    parser.add_argument("--islands", type=int, default=d.islands, help="M, learner islands (default %(default)s)")
+    parser.add_argument("--devices-per-island", type=int, default=d.devices_per_island, help="DDP processes per island (DILOCO_DEVICES)")
     parser.add_argument("--synchronizer", help="use this synchronizer (host:port[,...]) instead of starting one")
     add_token_arguments(parser, "run's shared secret")
     parser.add_argument("--chaos", help="fault schedule, e.g. 'kill 1 at 20s; pause 2 at 30s for 5s' or @FILE")
-    parser.add_argument("--chaos-horizon", type=float, default=3600.0, help="seconds over which random faults are drawn")
+    parser.add_argument("--chaos-horizon", type=float, default=d.chaos_horizon, help="seconds over which random faults are drawn")
     parser.add_argument("--report", help="write the run report as JSON here")
-    parser.add_argument("--max-restarts", type=int, default=5, help="restarts per island before the run fails")
-    parser.add_argument("--restart-backoff", type=float, default=1.0, help="first restart delay after a crash, doubling")
-    parser.add_argument("--stagger", type=float, default=0.0,
+    parser.add_argument("--max-restarts", type=int, default=d.max_restarts, help="restarts per island before the run fails")
+    parser.add_argument("--restart-backoff", type=float, default=d.restart_backoff, help="first restart delay after a crash, doubling")
+    parser.add_argument("--stagger", type=float, default=d.stagger,
                         help="start island i i x this many seconds after island 0 (islands out of phase, as on a real cluster)")
-    parser.add_argument("--liveness-timeout", type=float, default=5.0, help="synchronizer: seconds of silence before an island is not waited for")
-    parser.add_argument("--checkpoint-every", type=int, default=1,
+    parser.add_argument("--liveness-timeout", type=float, default=d.liveness_timeout, help="synchronizer: seconds of silence before an island is not waited for")
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                         help="synchronizer: outer steps between checkpoints; a killed synchronizer loses at most this many - 1")
     parser.add_argument("--baseline", choices=["ddp"], help="run COMMAND as one DDP job with checkpoint-restart instead")
     parser.add_argument("--workdir", help="progress files, checkpoints and synchronizer state (default: a temporary folder)")
     parser.add_argument("--sync", dest="synchronizer_args", action="append", default=[], metavar="ARG",
-                        help="pass ARG to the synchronizer, e.g. --sync=--min-quorum=2 (repeatable)")
+                        help="pass ARG to the synchronizer, e.g. --sync=--min-quorum=2 or --sync=--config=run.json (repeatable)")
 
 
-def run_command(args: argparse.Namespace, command: list[str], observers: Sequence[Callable[[dict], None]] = ()) -> int:
+def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[dict], None]] = ()) -> int:
+    """Run ``command`` as the islands of ``options`` until every island is done; print the run
+    report (and write it to ``options.report``). ``observers`` are called with each synchronizer
+    status the launcher samples. Returns the exit code: 0 when every island finished."""
     if not command:
         raise ValueError("give the training command after --, e.g. lightning-diloco run --islands 2 -- python train.py")
-    if args.islands < 1:
-        raise ValueError(f"--islands={args.islands} must be >= 1")
-    run = Run(args, command, observers)
-    previous = {sig: signal.signal(sig, lambda *_: run._stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    launcher = Run(options, command, observers)
+    previous = {sig: signal.signal(sig, lambda *_: launcher._stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 1
     try:
-        run.start()
-        code = run.loop()
+        launcher.start()
+        code = launcher.loop()
     finally:
-        run.shutdown()
+        launcher.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    report = run.report()
+    report = launcher.report()
     print("\n" + report.summary(), flush=True)
-    if run.failures:
-        print("run failed: " + "; ".join(run.failures), flush=True)
-    if args.report:
-        Path(args.report).write_text(json.dumps(report.to_dict(), indent=2, default=sorted))
+    if launcher.failures:
+        print("run failed: " + "; ".join(launcher.failures), flush=True)
+    if options.report:
+        Path(options.report).write_text(json.dumps(report.to_dict(), indent=2, default=sorted))
     return code

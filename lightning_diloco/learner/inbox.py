@@ -56,7 +56,7 @@ class Inbox:
             return {p: v for p, (v, _) in self.received.items()}
 
     def on_version(self, event) -> None:
-        """A :class:`~lightning_diloco.transport.client.VersionEvent` from the subscription."""
+        """A :class:`~lightning_diloco.transport.subscription.VersionEvent` from the subscription."""
         p = event.fragment
         with self.cond:
             have, base = self.received[p]

@@ -20,9 +20,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
@@ -33,52 +32,14 @@ from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment, sp
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.learner.collective import Collective
+from lightning_diloco.learner.flights import Apply, Flight
 from lightning_diloco.learner.inbox import Arrival, Inbox
+from lightning_diloco.learner.link import SynchronizerLink
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 2
 COUNTERS = ("sent", "applied", "received", "skipped", "failed", "late", "requested", "realigned")
-
-
-@dataclass
-class _Flight:
-    fragment: int
-    round: int
-    """The round it was sent for. The synchronizer may merge it into another one (an open round
-    it joins, or the next one when it came late): the ack says which."""
-    apply_at: int
-    snapshot: torch.Tensor | None  # kept for apply='rebase'
-    tokens_at_send: float
-    steps_at_send: int
-    sent_at: float
-    future: Future | None  # leader only: the push's ack
-
-    def merged_in(self) -> int | None:
-        """The round the synchronizer put it in, once the ack is back (None before, or on failure)."""
-        if self.future is None or not self.future.done() or self.future.exception() is not None:
-            return None
-        return self.future.result().round
-
-    def ended_by(self, arrival: Arrival) -> bool:
-        """Whether ``arrival`` is the version of (or after) the round holding this contribution."""
-        merged_in = self.merged_in()
-        return merged_in is not None and arrival.round >= merged_in
-
-    def failed(self) -> bool:
-        return self.future is not None and self.future.done() and self.future.exception() is not None
-
-    def late(self) -> bool:
-        """Acked as late: it waits in the fragment's next round, which opens on the next send."""
-        return self.merged_in() is not None and self.future.result().late
-
-
-@dataclass(frozen=True)
-class _Apply:
-    fragment: int
-    version: int
-    ends_flight: bool
-    included: bool
 
 
 class IslandLearner:
@@ -89,14 +50,14 @@ class IslandLearner:
         config: RunConfig,
         *,
         island: int,
-        link=None,
+        link: SynchronizerLink | None = None,
         collective: Collective | None = None,
         heartbeat_every: float = 1.0,
         push_wait: float = 120.0,
     ) -> None:
-        """``params``: the model's trainable tensors in ``layout.specs`` order. ``link``: a
-        :class:`~lightning_diloco.transport.client.SynchronizerClient` on the leader, None on
-        other ranks. ``push_wait``: seconds a sent fragment may wait for the version of its round
+        """``params``: the model's trainable tensors in ``layout.specs`` order. ``link``: the
+        synchronizer (a :class:`~lightning_diloco.transport.client.SynchronizerClient`) on the
+        leader, None on other ranks. ``push_wait``: seconds a sent fragment may wait for the version of its round
         before the send counts as failed and the fragment may be sent again."""
         assert len(params) == len(layout.specs), f"{len(params)=} != {len(layout.specs)=}"
         self.params, self.layout, self.config = list(params), layout, config
@@ -117,7 +78,7 @@ class IslandLearner:
         self.tokens = [0.0] * P
         self.steps = [0] * P
         self.seq = time.time_ns() // 1000  # increasing across restarts: the synchronizer dedups by it
-        self.in_flight: dict[int, _Flight] = {}
+        self.in_flight: dict[int, Flight] = {}
         self.merged_any = False  # a contribution of this island is in the global model
         self._lock = threading.Lock()  # counters and bytes written from the sync threads
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -267,9 +228,9 @@ class IslandLearner:
         return {"schedule_step": self.schedule_step, "fail": fail, "send": send,
                 "apply": [self._decision(a, ends=a.fragment in self.in_flight and a.fragment not in fail) for a in arrivals]}
 
-    def _decision(self, a: Arrival, ends: bool) -> _Apply:
+    def _decision(self, a: Arrival, ends: bool) -> Apply:
         ends = ends and self.in_flight[a.fragment].ended_by(a)
-        return _Apply(a.fragment, a.version, ends, a.included)
+        return Apply(a.fragment, a.version, ends, a.included)
 
     def _failed_flights(self) -> list[int]:
         """Flights whose push was refused or unreachable (at their apply step), or that waited too long."""
@@ -284,7 +245,7 @@ class IslandLearner:
                 out.append(p)
         return out
 
-    def _await_rounds(self, fragments: list[int]) -> list[_Apply]:
+    def _await_rounds(self, fragments: list[int]) -> list[Apply]:
         """Synchronous DiLoCo (overlap 0): wait for the version of each round just sent for."""
         def arrived() -> bool:
             return all(self._settled(p) for p in fragments)
@@ -309,7 +270,7 @@ class IslandLearner:
                 self._exchange, p, r, snapshot, self.versions[p], self.bases[p], self.tokens[p], self.steps[p], self.seq
             )
             future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
-        self.in_flight[p] = _Flight(p, r, self.step + self.config.schedule.overlap_steps, keep, self.tokens[p],
+        self.in_flight[p] = Flight(p, r, self.step + self.config.schedule.overlap_steps, keep, self.tokens[p],
                                     self.steps[p], time.monotonic(), future)
         self.sent_round[p] = r
         self._count("sent")
@@ -328,7 +289,7 @@ class IslandLearner:
             self._count("late")
         return ack
 
-    def _apply(self, a: _Apply) -> None:
+    def _apply(self, a: Apply) -> None:
         p, sched = a.fragment, self.config.schedule
         value = self.inbox.received[p][1] if self.is_leader else None
         value = self._share_fragment(p, value)

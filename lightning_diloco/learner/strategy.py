@@ -22,8 +22,9 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
+from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import build_layout, tensor_specs
+from lightning_diloco.core.settings import config_with, load_run_config, run_settings, value_of
 from lightning_diloco.learner.collective import Collective, TorchCollective
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.launch.supervisor import EXIT_REFUSED
@@ -32,21 +33,6 @@ from lightning_diloco.learner.tokens import default_tokens_per_batch
 
 log = logging.getLogger(__name__)
 
-# strategy argument -> (RunConfig section, field)
-RUN_SETTINGS = {
-    "sync_every": ("schedule", "sync_every"),
-    "num_fragments": ("schedule", "num_fragments"),
-    "overlap_steps": ("schedule", "overlap_steps"),
-    "apply": ("schedule", "apply"),
-    "mix_alpha": ("schedule", "mix_alpha"),
-    "min_quorum": ("merge", "min_quorum"),
-    "grace_gamma": ("merge", "grace_gamma"),
-    "merge": ("merge", "method"),
-    "outer_lr": ("outer", "lr"),
-    "outer_momentum": ("outer", "momentum"),
-    "uplink_codec": ("codec", "uplink"),
-    "downlink_codec": ("codec", "downlink"),
-}
 CHECKPOINT_KEY = "decoupled_diloco"
 
 
@@ -76,6 +62,14 @@ def _env_int(name: str, value: int | None, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
+def _as_run_config(given: RunConfig | dict | str | os.PathLike | None) -> RunConfig | None:
+    if given is None or isinstance(given, RunConfig):
+        return given
+    if isinstance(given, dict):
+        return RunConfig.from_dict(given)
+    return load_run_config(given)
+
+
 class DecoupledDiLoCoStrategy(DDPStrategy):
     strategy_name = "decoupled_diloco"
 
@@ -98,11 +92,12 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         mix_alpha: float | None = None,
         uplink_codec: str | None = None,
         downlink_codec: str | None = None,
+        run_config: RunConfig | dict | str | os.PathLike | None = None,
         tokens_per_batch: Callable[[Any], float] | None = None,
         end_with_global_model: bool = True,
         push_wait: float = 120.0,
         join_wait: float = 300.0,
-        **ddp_kwargs: Any,
+        **kwargs: Any,
     ) -> None:
         """A Lightning trainer group as one learner island of a Decoupled DiLoCo run.
 
@@ -138,6 +133,9 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             uplink_codec: Codec of outer gradients sent: ``fp32``, ``bf16``, ``int8``, ``int4``
                 (run setting, default int4).
             downlink_codec: Codec of global fragments received (run setting, default bf16).
+            run_config: Every run setting at once: a ``RunConfig``, its ``to_dict()`` form, or
+                the path of such a JSON file (the synchronizer's ``--config``). The run
+                settings above override it.
             tokens_per_batch: Counts a batch's tokens for the merge weights (default:
                 attention-mask ones, else ``input_ids`` elements, else samples).
             end_with_global_model: Load the global model when training ends, if it holds some
@@ -146,10 +144,13 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
                 as failed.
             join_wait: Seconds an island waits at start for a synchronizer it cannot reach yet
                 (started later, or restarting) before failing.
-            **ddp_kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g.
+            **kwargs: Any other run setting by name (``outlier_z=5.0``, ``history=6``; see
+                ``lightning_diloco.core.settings.run_settings()``); everything else goes to
+                :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g.
                 ``find_unused_parameters=True``).
         """
-        super().__init__(**ddp_kwargs)
+        setting_names = {s.name for s in run_settings()}
+        super().__init__(**{k: v for k, v in kwargs.items() if k not in setting_names})
         self.address = synchronizer if synchronizer is not None else (os.environ.get("DILOCO_SYNCHRONIZER") or None)
         self.island = _env_int("DILOCO_ISLAND", island, 0)
         self.num_islands = _env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
@@ -160,9 +161,11 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             sync_every=sync_every, num_fragments=num_fragments, overlap_steps=overlap_steps, outer_lr=outer_lr,
             outer_momentum=outer_momentum, min_quorum=min_quorum, grace_gamma=grace_gamma, merge=merge, apply=apply,
             mix_alpha=mix_alpha, uplink_codec=uplink_codec, downlink_codec=downlink_codec,
+            **{k: v for k, v in kwargs.items() if k in setting_names},
         )
         self.explicit = {k: v for k, v in given.items() if v is not None}
-        self.run_config = self._config_with(self.explicit)  # validates now, not at fit time
+        self.base_config = _as_run_config(run_config)
+        self.run_config = config_with(self.explicit, self.base_config)  # validates now, not at fit time
         self.count_tokens = tokens_per_batch or default_tokens_per_batch
         self.end_with_global_model = end_with_global_model
         self.push_wait = push_wait
@@ -172,23 +175,6 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         self.embedded = None
         self._tokens = 0.0
         self._resume: dict | None = None
-
-    @staticmethod
-    def _config_with(settings: dict[str, Any]) -> RunConfig:
-        sections: dict[str, dict[str, Any]] = {"schedule": {}, "merge": {}, "outer": {}, "codec": {}}
-        for arg, value in settings.items():
-            section, field = RUN_SETTINGS[arg]
-            sections[section][field] = value
-        schedule = sections["schedule"]
-        if "sync_every" in schedule and "num_fragments" not in schedule:
-            # sync_every alone: as many fragments as the default, but never more than fit in H steps
-            schedule["num_fragments"] = min(ScheduleConfig.num_fragments, schedule["sync_every"])
-        return RunConfig(
-            schedule=ScheduleConfig(**sections["schedule"]),
-            merge=MergeConfig(**sections["merge"]),
-            outer=OuterConfig(**sections["outer"]),
-            codec=CodecConfig(**sections["codec"]),
-        )
 
     # ---- data: island i of M trains on shard i of M --------------------------------------------
 
@@ -290,7 +276,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         config = self.run_config
         if config.schedule.num_fragments > len(specs) and "num_fragments" not in self.explicit:
             # the default P = 24 assumes a model of at least 24 tensors; a tiny one gets one each
-            config = self._config_with({**self.explicit, "num_fragments": len(specs)})
+            config = config_with({**self.explicit, "num_fragments": len(specs)}, self.base_config)
             log.info("num_fragments lowered to %d: the model has %d trainable tensors", len(specs), len(specs))
         saved = (self._resume or {}).get("embedded")
         state = SynchronizerState.from_state_dict(saved) if saved else None
@@ -298,12 +284,13 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         return self.embedded.address
 
     def _warn_on_conflicts(self, authoritative: RunConfig) -> None:
+        # what the user asked for: the named settings, and all of a run_config they passed
+        asked = {s.name for s in run_settings()} if self.base_config is not None else set(self.explicit)
         conflicts = []
-        for arg, value in self.explicit.items():
-            section, field = RUN_SETTINGS[arg]
-            actual = getattr(getattr(authoritative, section), field)
+        for name in sorted(asked):
+            value, actual = value_of(self.run_config, name), value_of(authoritative, name)
             if actual != value:
-                conflicts.append(f"{arg}={value!r} (synchronizer: {actual!r})")
+                conflicts.append(f"{name}={value!r} (synchronizer: {actual!r})")
         if conflicts:
             warnings.warn(
                 "the synchronizer's run settings are authoritative; ignoring " + ", ".join(conflicts)

@@ -13,57 +13,23 @@ from pathlib import Path
 
 import torch
 
-from lightning_diloco.core.config import (
-    APPLY_MODES,
-    CODECS,
-    MERGE_METHODS,
-    CodecConfig,
-    MergeConfig,
-    OuterConfig,
-    RunConfig,
-    ScheduleConfig,
-)
+from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings, load_run_config
 
 log = logging.getLogger(__name__)
 
 
 def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every schedule, merge, outer and codec setting, with RunConfig's defaults."""
-    s, m, o, c = ScheduleConfig(), MergeConfig(), OuterConfig(), CodecConfig()
+    """``--config run.json`` and one flag per run setting (core/settings.py)."""
     g = parser.add_argument_group("run settings (authoritative for every island)")
-    g.add_argument("--num-fragments", type=int, default=s.num_fragments, help="P, fragments (default %(default)s)")
-    g.add_argument("--sync-every", type=int, default=s.sync_every, help="H, inner steps between syncs of a fragment (default %(default)s)")
-    g.add_argument("--overlap-steps", type=int, default=s.overlap_steps, help="tau, steps before a reply is applied (default %(default)s)")
-    g.add_argument("--apply", choices=APPLY_MODES, default=s.apply, help="how islands apply a global fragment (default %(default)s)")
-    g.add_argument("--mix-alpha", type=float, default=s.mix_alpha, help="local weight for --apply mix (default %(default)s)")
-    g.add_argument("--merge", choices=MERGE_METHODS, default=m.method, help="merge of dense tensors (default %(default)s)")
-    g.add_argument("--min-quorum", type=int, default=m.min_quorum, help="K, islands needed to close a round (default %(default)s)")
-    g.add_argument("--grace-gamma", type=float, default=m.grace_gamma, help="gamma, fraction of the slack spent waiting after quorum (default %(default)s)")
-    g.add_argument("--history", type=int, default=m.history, help="S, versions kept per fragment (default %(default)s)")
-    g.add_argument("--staleness-discount", type=float, default=m.staleness_discount,
-                   help="lambda: a late contribution based age versions back weighs w / (1 + lambda * age); 0 disables (default %(default)s)")
-    g.add_argument("--outlier-z", type=float, default=m.outlier_z, help="refuse norms above z x running median; 0 disables (default %(default)s)")
-    g.add_argument("--outer-lr", type=float, default=o.lr, help="outer SGD learning rate (default %(default)s)")
-    g.add_argument("--outer-momentum", type=float, default=o.momentum, help="outer Nesterov momentum (default %(default)s)")
-    g.add_argument("--no-nesterov", action="store_true", help="plain momentum instead of Nesterov")
-    g.add_argument("--uplink-codec", choices=CODECS, default=c.uplink, help="island -> synchronizer encoding (default %(default)s)")
-    g.add_argument("--downlink-codec", choices=CODECS, default=c.downlink, help="synchronizer -> island encoding (default %(default)s)")
-    g.add_argument("--block-size", type=int, default=c.block_size, help="values per scale in int8/int4 (default %(default)s)")
+    g.add_argument("--config", metavar="RUN_JSON",
+                   help="run settings as JSON, e.g. {\"merge\": {\"min_quorum\": 2}}; the flags below override it")
+    add_setting_arguments(g)
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
-    return RunConfig(
-        schedule=ScheduleConfig(
-            num_fragments=args.num_fragments, sync_every=args.sync_every, overlap_steps=args.overlap_steps,
-            apply=args.apply, mix_alpha=args.mix_alpha,
-        ),
-        merge=MergeConfig(
-            method=args.merge, min_quorum=args.min_quorum, grace_gamma=args.grace_gamma, history=args.history,
-            staleness_discount=args.staleness_discount, outlier_z=args.outlier_z,
-        ),
-        outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum, nesterov=not args.no_nesterov),
-        codec=CodecConfig(uplink=args.uplink_codec, downlink=args.downlink_codec, block_size=args.block_size),
-    )
+    base = load_run_config(args.config) if args.config else None
+    return config_with(given_settings(args), base)
 
 
 def add_token_arguments(parser: argparse.ArgumentParser, what: str) -> None:

@@ -22,7 +22,8 @@ from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.rounds import RoundRequest
-from lightning_diloco.synchronizer.service import Contribution, Refusal, Synchronizer
+from lightning_diloco.synchronizer.requests import Contribution, Refusal
+from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
@@ -230,11 +231,12 @@ class SynchronizerServer:
         if self.port == 0:
             raise RuntimeError(f"could not bind the synchronizer to {address}; is the port in use?")
         self.address = f"{host}:{self.port}"
-        self._stopped = False
+        self._started = self._stopped = False
 
     def start(self) -> SynchronizerServer:
         self.service.start()
         self.server.start()
+        self._started = True
         log.info("synchronizer shard %d/%d listening on %s", self.service.shard, self.service.num_shards, self.address)
         return self
 
@@ -243,6 +245,8 @@ class SynchronizerServer:
             return
         self._stopped = True
         self.service.shutdown()
+        if not self._started:  # grpc closes a bound port only when a started server stops
+            self.server.start()
         self.server.stop(grace).wait()
         self.executor.shutdown(wait=True)  # grpc leaves its worker threads to us
         self.service.checkpoint()

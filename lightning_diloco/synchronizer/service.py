@@ -5,26 +5,25 @@ Transport-agnostic: the gRPC server and in-process callers drive the same object
 - A push is validated, measured against its base and put into its fragment's round; it is
   answered at once with an :class:`~lightning_diloco.synchronizer.rounds.Ack` (which round, late
   or not). A push that opens a round asks every other live island to send that fragment now.
-- Each fragment has one closer thread (:meth:`start`) that closes its round when the quorum and
-  grace rules say so, whether or not anyone is waiting; tests move a fake clock and call
-  :meth:`poll` instead.
+- Each fragment has one closer thread (:meth:`start`; closers.py) that closes its round when the
+  quorum and grace rules say so, whether or not anyone is waiting; tests move a fake clock and
+  call :meth:`poll` instead.
 - Every new version reaches every subscribed island (:meth:`subscribe`), contributor or not, as a
   delta against the version that island last received.
 
-Every refusal is a :class:`Refusal` with a short reason code that Status counts.
+Every refusal is a :class:`~lightning_diloco.synchronizer.requests.Refusal` with a
+:class:`~lightning_diloco.reasons.Reason` that Status counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,10 +34,18 @@ from lightning_diloco.core.config import CODECS, RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard
-from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer.closers import CLOSER_TICK, Closers
 from lightning_diloco.synchronizer.durability import Checkpointer
 from lightning_diloco.synchronizer.membership import Membership, SessionError
+from lightning_diloco.synchronizer.requests import (
+    Contribution,
+    Refusal,
+    contribution_problem,
+    layout_difference,
+    payload_digest,
+    payload_size,
+)
 from lightning_diloco.synchronizer.rounds import (
     Ack,
     ClosedRound,
@@ -50,39 +57,6 @@ from lightning_diloco.synchronizer.rounds import (
 )
 
 log = logging.getLogger(__name__)
-
-MAX_TOKENS = 1e15
-MAX_STEPS = 10**9
-CLOSER_TICK = 0.25  # seconds between a closer's looks at liveness while a round waits
-
-
-class Refusal(Exception):
-    """A request the synchronizer will not act on. The global state is untouched.
-
-    ``reason`` is counted in Status; the message says what was wrong and how to fix it.
-    """
-
-    def __init__(self, reason: Reason, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass(frozen=True, kw_only=True)
-class Contribution:
-    island: int
-    fragment: int
-    round: int
-    """The round it was sent for: schedule step // H at the send."""
-    base_version: int
-    tokens: float
-    steps: int
-    codec: str
-    seq: int
-    payload: Payload
-    layout_hash: str
-    session: str | None = None
-    """The session its island's join issued; None from an in-process caller (trusted)."""
-
 
 class Synchronizer:
     def __init__(
@@ -115,7 +89,6 @@ class Synchronizer:
         self.accepted: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         self.bytes_in = self.bytes_out = 0
-        self.sync_time = 0.0
         self.state: SynchronizerState | None = state
         self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
         loaded = None
@@ -132,8 +105,8 @@ class Synchronizer:
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
         self._started = False
-        self._closers: list[threading.Thread] = []
         self.checkpointer = Checkpointer(self, self.checkpoint_dir, checkpoint_every)
+        self.closers = Closers(self)
         if self.state is not None:
             self._make_rounds(self.state.layout)
 
@@ -143,18 +116,9 @@ class Synchronizer:
         """Run one closer thread per owned fragment, now or once the first island has joined."""
         with self.lock:
             self._started = True
-            self._start_closers()
+            self.closers.start()
             self.checkpointer.start()
         return self
-
-    def _start_closers(self) -> None:
-        running = {t.name for t in self._closers}
-        for p in self.rounds:
-            name = f"diloco-closer-{p}"
-            if name not in running:
-                thread = threading.Thread(target=self._close_loop, args=(p,), name=name, daemon=True)
-                thread.start()
-                self._closers.append(thread)
 
     def shutdown(self) -> None:
         """Stop the closers and release every call waiting on a round, a pull or a subscription."""
@@ -165,9 +129,7 @@ class Synchronizer:
         with self.membership.lock:
             self.membership.changed.notify_all()
         self.checkpointer.stop()
-        for thread in self._closers:
-            thread.join(timeout=5)
-        self._closers = []
+        self.closers.stop()
 
     def _make_rounds(self, layout: FragmentLayout) -> None:
         for p in range(layout.num_fragments):
@@ -176,7 +138,7 @@ class Synchronizer:
                 rounds.frag = self.state.fragments.get(p)
                 self.rounds[p] = rounds
         if self._started:
-            self._start_closers()
+            self.closers.start()
 
     # ---- refusals -------------------------------------------------------------------------
 
@@ -212,7 +174,7 @@ class Synchronizer:
                 self._make_rounds(layout)
                 log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
             elif self.state.layout.hash != layout.hash:
-                raise self.refuse(Reason.LAYOUT_MISMATCH, _layout_difference(self.state.layout, layout))
+                raise self.refuse(Reason.LAYOUT_MISMATCH, layout_difference(self.state.layout, layout))
         now = self.clock()
         run_step = self.run_step(now)
         try:
@@ -360,16 +322,13 @@ class Synchronizer:
         now = self.clock()
         self._check_session(c.island, c.session, "push")
         self.membership.seen(c.island, now)
-        if c.layout_hash != self.state.layout.hash:
-            raise self.refuse(Reason.LAYOUT_MISMATCH, f"layout hash {c.layout_hash[:40]!r} is not the run's {self.state.layout.hash!r}; rejoin with the run's model")
-        if not (1 <= c.steps <= MAX_STEPS) or not (0 < c.tokens <= MAX_TOKENS) or c.tokens != c.tokens:
-            raise self.refuse(Reason.BAD_COUNTERS, f"counters tokens={c.tokens} steps={c.steps} are out of range (0 < tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
-        if c.seq < 0 or c.round < 0 or c.base_version < 0:
-            raise self.refuse(Reason.BAD_SEQUENCE, f"sequence number {c.seq}, round {c.round} and base version {c.base_version} must be >= 0")
-        digest = _digest(c.payload)  # before decoding, which may reuse the received buffer
+        problem = contribution_problem(c, self.state.layout.hash)
+        if problem:
+            raise self.refuse(*problem)
+        digest = payload_digest(c.payload)  # before decoding, which may reuse the received buffer
         delta = self._decode(c.codec, c.payload, self.state.layout.fragment_numel(c.fragment))
         with self.lock:
-            self.bytes_in += _payload_size(c.payload)
+            self.bytes_in += payload_size(c.payload)
         with rounds.cond:
             self._seeded(rounds)
             outer_gradient = FragmentState.outer_gradient(delta)
@@ -389,60 +348,9 @@ class Synchronizer:
             self.membership.ask(request, others)
         return ack
 
-    # ---- closing rounds ---------------------------------------------------------------------
-
-    def _close_loop(self, fragment: int) -> None:
-        single_threaded_torch()  # embedded in a training process: no OpenMP team of its own
-        rounds = self.rounds[fragment]
-        while not self.closing.is_set():
-            with rounds.cond:
-                wait = self._poll_fragment(rounds, self.clock())
-                if wait > 0 and not self.closing.is_set():
-                    rounds.cond.wait(min(wait, CLOSER_TICK))
-            if wait == 0:
-                self.checkpointer.due.set()  # written on its own thread: rounds never wait for the disk
-
     def poll(self, now: float | None = None) -> list[ClosedRound]:
         """Close every round that is due to close at ``now``: what the closers do, for tests."""
-        now = self.clock() if now is None else now
-        closed = []
-        for rounds in self.rounds.values():
-            with rounds.cond:
-                before = rounds.last
-                self._poll_fragment(rounds, now)
-                if rounds.last is not before:
-                    closed.append(rounds.last)
-        if closed:  # outside the fragments' locks: a checkpoint takes each of them in turn
-            self.checkpointer.write_if_due()
-        return closed
-
-    def _poll_fragment(self, rounds: FragmentRounds, now: float) -> float:
-        """Close the fragment's round if it is time; returns seconds until the decision may change
-        (0 when it just closed one). Called with the fragment's lock held."""
-        live = self.membership.live(now)
-        decision = rounds.decide(now, live, self.membership.step_time(live), self.sync_time)
-        if decision.close:
-            self._close(rounds, decision.reason, now, live)
-            return 0.0
-        return CLOSER_TICK if decision.deadline is None else max(0.0, decision.deadline - now)
-
-    def _close(self, rounds: FragmentRounds, reason: str, now: float, live: set[int]) -> None:
-        started = time.perf_counter()
-        closed = rounds.close(now, reason, keep_versions=len(self.membership.members) + 1)
-        if closed.dropped:
-            log.warning("fragment %d round %d: %d contribution(s) left out, the step with them was not finite",
-                        closed.fragment, closed.round, closed.dropped)
-        with self.lock:
-            self.state.outer_steps += bool(closed.islands)
-            self.accepted["merged"] += len(closed.islands)
-            if closed.dropped:
-                self.refused[Reason.NON_FINITE_STEP.value] += closed.dropped
-            elapsed = time.perf_counter() - started
-            self.sync_time = elapsed if not self.sync_time else 0.8 * self.sync_time + 0.2 * elapsed
-        self.membership.credit(closed.islands, now)
-        self.membership.withdraw(closed.fragment, closed.round)  # also wakes the subscriptions
-        log.debug("fragment %d round %d -> version %d from islands %s (%s)", closed.fragment, closed.round,
-                  closed.version, closed.islands, reason)
+        return self.closers.poll(self.clock() if now is None else now)
 
     # ---- subscriptions ---------------------------------------------------------------------
 
@@ -526,25 +434,3 @@ class Synchronizer:
             "rounds": rounds,
             **counters,
         }
-
-
-def _digest(payload: Payload) -> bytes:
-    data = payload.numpy().tobytes() if isinstance(payload, torch.Tensor) else payload
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
-def _payload_size(payload: Payload) -> int:
-    return payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
-
-
-def _layout_difference(run: FragmentLayout, other: FragmentLayout) -> str:
-    if run.specs == other.specs:
-        return (f"same model, but the run packs it into num_fragments={run.num_fragments} and this island into "
-                f"{other.num_fragments}; use the run's num_fragments")
-    for mine, theirs in zip(run.specs, other.specs):
-        if mine != theirs:
-            return f"model layout differs from the run's at tensor {mine.name!r}: run has {mine}, island has {theirs}; every island must train the same model"
-    return (
-        f"model layout differs from the run's: run has {len(run.specs)} tensors, island has {len(other.specs)}; "
-        "every island must train the same model"
-    )

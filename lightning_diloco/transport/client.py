@@ -4,8 +4,9 @@ A synchronizer that is briefly away (restarting, unreachable) is retried with ex
 backoff and jitter; after a restart the client joins again by itself. A refusal is not retried:
 it surfaces as :class:`SynchronizerError` carrying the synchronizer's reason.
 
-New global versions and the synchronizer's requests arrive through a :class:`Subscription`: one
-long-lived stream per shard, read on its own thread, reopened whenever it breaks.
+New global versions and the synchronizer's requests arrive through a subscription
+(subscription.py): one long-lived stream per shard, read on its own thread, reopened whenever it
+breaks.
 """
 
 from __future__ import annotations
@@ -26,17 +27,16 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec
-from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import REJOIN, Reason
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
+from lightning_diloco.transport.subscription import Subscription, VersionEvent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
-RESUBSCRIBE_BACKOFF = 1.0  # seconds, the longest wait before a broken subscription is reopened
 
 
 class SynchronizerError(RuntimeError):
@@ -71,20 +71,6 @@ class PushAck:
 class Beat:
     versions: dict[int, int]
     run_step: int
-
-
-@dataclass(frozen=True)
-class VersionEvent:
-    """A new global version of a fragment: ``payload`` is a delta against ``base_version`` in
-    ``codec``, or the full fp32 value when ``base_version`` is -1."""
-
-    fragment: int
-    version: int
-    base_version: int
-    round: int
-    codec: str
-    payload: bytearray
-    included: bool
 
 
 def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
@@ -358,104 +344,3 @@ class SynchronizerClient:
         for message in messages:
             self._count(received=message.ByteSize())
             yield message
-
-
-class Subscription:
-    """One island's event streams, one reader thread per shard; reopened whenever they break."""
-
-    def __init__(self, client: SynchronizerClient, island: int, versions: Callable[[], dict[int, int]],
-                 on_request: Callable[[int, int, int], None], on_version: Callable[[VersionEvent], None],
-                 on_reconnect: Callable[[], None]) -> None:
-        self.client, self.island, self.versions = client, island, versions
-        self.on_request, self.on_version, self.on_reconnect = on_request, on_version, on_reconnect
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._calls: dict[int, grpc.Future] = {}
-        self._threads = [
-            threading.Thread(target=self._read, args=(shard,), name=f"diloco-subscription-{island}-{shard}", daemon=True)
-            for shard in range(client.num_shards)
-        ]
-
-    def start(self) -> Subscription:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-        with self._lock:
-            calls = list(self._calls.values())
-        for call in calls:
-            call.cancel()
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=5)
-
-    def _read(self, shard: int) -> None:
-        single_threaded_torch()  # it decodes fragments beside the training loop
-        client, attempt, opened_before = self.client, 0, False
-        incarnation = client.incarnations[shard]
-        while not self._stop.is_set():
-            try:
-                held = {p: v for p, v in self.versions().items() if client.shard_of(p) == shard}
-                if client.incarnations[shard] != incarnation:
-                    # a restarted synchronizer reissues the version numbers past its last checkpoint
-                    # with other contents: what this island holds is no base for its deltas
-                    held, incarnation = {}, client.incarnations[shard]
-                request = pb.SubscribeRequest(island=self.island, versions=held, session=client.sessions[shard])
-                call = client.stubs[shard].Subscribe(request, metadata=client.metadata)
-                with self._lock:
-                    if self._stop.is_set():
-                        call.cancel()
-                        return
-                    self._calls[shard] = call
-                if opened_before:
-                    self.on_reconnect()
-                opened_before = True
-                if self._consume(call):
-                    attempt = 0  # it worked for a while: back off from the start again
-            except grpc.RpcError as err:
-                if self._stop.is_set():
-                    return
-                code, details = err.code(), err.details() or ""
-                if Reason.parse(details) in REJOIN and client._join_request:
-                    try:
-                        client._join_all(client._join_request)
-                        continue
-                    except grpc.RpcError:
-                        pass
-                elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                    log.warning("island %d: subscription to shard %d refused (%s): %s", self.island, shard, code.name, details)
-            except Exception:  # a callback failed: report it and keep the stream alive
-                log.exception("island %d: subscription to shard %d failed", self.island, shard)
-            # at most a second between tries: an island whose stream is down gets no new versions,
-            # so its contributions age while the synchronizer is back (a restart is seconds long)
-            delay = min(RESUBSCRIBE_BACKOFF, client.backoff * 2 ** min(attempt, 30)) * (0.5 + client.rng.random() / 2)
-            attempt += 1
-            self._stop.wait(delay)
-
-    def _consume(self, call) -> bool:
-        """Hand the stream's events to the callbacks until it ends; True if any arrived."""
-        header, buffer, filled, any_event = None, None, 0, False
-        for event in call:
-            any_event = True
-            self.client._count(received=event.ByteSize())
-            if event.HasField("request"):
-                r = event.request
-                self.on_request(r.fragment, r.round, r.due_step)
-                continue
-            chunk = event.chunk
-            if chunk.HasField("header"):
-                header, buffer, filled = chunk.header, bytearray(chunk.header.payload_bytes), 0
-            if header is None:
-                raise ValueError("a version chunk arrived without its header")
-            end = filled + len(chunk.data)
-            if end > len(buffer):
-                raise ValueError(f"version {header.version} of fragment {header.fragment} carries more bytes than declared")
-            buffer[filled:end] = chunk.data
-            filled = end
-            if filled == len(buffer):
-                self.on_version(VersionEvent(header.fragment, header.version, header.base_version, header.round,
-                                             header.codec, buffer, header.included))
-                header, buffer = None, None
-        return any_event

@@ -7,8 +7,10 @@ import threading
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.rounds import RoundRequest
-from lightning_diloco.synchronizer.service import Contribution, Refusal, Synchronizer
-from lightning_diloco.transport.client import Beat, PushAck, SynchronizerError, VersionEvent
+from lightning_diloco.synchronizer.requests import Contribution, Refusal
+from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.transport.client import Beat, PushAck, SynchronizerError
+from lightning_diloco.transport.subscription import VersionEvent
 
 
 class ServiceLink:

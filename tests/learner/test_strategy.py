@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_diloco  # noqa: F401  registers the strategy names
 from lightning_diloco import DecoupledDiLoCoStrategy
+from lightning_diloco.core.settings import load_run_config, run_settings, setting, value_of
+from tests.helpers import sample_setting_value
 from tests.learner.models import TinyRegressor, loader, regression_data, trainer
 
 FP32 = dict(uplink_codec="fp32", downlink_codec="fp32")
@@ -66,7 +70,7 @@ def test_lightning_cli_describes_every_strategy_argument():
     helps = {action.dest: action.help or "" for action in parser._actions}
     ours = [name for name, p in inspect.signature(DecoupledDiLoCoStrategy.__init__).parameters.items()
             if name != "self" and p.kind is not p.VAR_KEYWORD]
-    assert len(ours) == 20
+    assert len(ours) == 21
     undocumented = [name for name in ours if len(helps.get(f"strategy.{name}", "")) < 20]
     assert undocumented == []
     assert "comma-separated for shards" in helps["strategy.synchronizer"]
@@ -86,6 +90,26 @@ def test_bad_arguments_are_refused_at_construction():
         DecoupledDiLoCoStrategy(island=2, num_islands=2)
 
 
+@pytest.mark.parametrize("name", [s.name for s in run_settings()])
+def test_every_run_setting_is_a_strategy_argument(name):
+    """Named in the signature or not, a run setting given by name is a run setting, not a DDP
+    argument; a setting added to core/config.py needs no edit here."""
+    value = sample_setting_value(setting(name))
+    assert value_of(DecoupledDiLoCoStrategy(**{name: value}).run_config, name) == value
+
+
+def test_run_config_takes_every_setting_at_once_and_named_arguments_override_it(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"merge": {"min_quorum": 3, "outlier_z": 5.0}, "schedule": {"apply": "mix"}}))
+    for given in (str(path), json.loads(path.read_text()), load_run_config(path)):
+        config = DecoupledDiLoCoStrategy(run_config=given, min_quorum=2, find_unused_parameters=True).run_config
+        assert (config.merge.min_quorum, config.merge.outlier_z, config.schedule.apply) == (2, 5.0, "mix")
+    strategy = DecoupledDiLoCoStrategy(history=6, find_unused_parameters=True)
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True}  # the rest still reaches DDP
+    with pytest.raises(ValueError, match="unknown merge settings"):
+        DecoupledDiLoCoStrategy(run_config={"merge": {"quorum": 2}})
+
+
 def test_environment_supplies_island_settings(monkeypatch):
     monkeypatch.setenv("DILOCO_ISLAND", "1")
     monkeypatch.setenv("DILOCO_NUM_ISLANDS", "3")
@@ -102,7 +126,11 @@ def test_every_step_sync_with_plain_averaging_equals_plain_lightning_training():
     shuffles training data through its distributed sampler)."""
     data = regression_data()
     plain = TinyRegressor()
-    trainer("ddp", max_epochs=2).fit(plain, loader(data))
+    try:
+        trainer("ddp", max_epochs=2).fit(plain, loader(data))
+    finally:  # Lightning keeps its gloo group (and the store's listening port) after fit
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     diloco = TinyRegressor()
     strategy = DecoupledDiLoCoStrategy(sync_every=1, num_fragments=1, overlap_steps=0, outer_lr=1.0, outer_momentum=0.0, **FP32)
     trainer(strategy, max_epochs=2).fit(diloco, loader(data))

@@ -1,15 +1,46 @@
 """The launcher's island environments and start-up schedule (no processes started)."""
 
 import argparse
+import json
 import os
+from pathlib import Path
 
-from lightning_diloco.launch.run import Run, add_run_arguments
+import pytest
+
+from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.settings import config_with
+from lightning_diloco.launch.run import Run, RunOptions, add_run_arguments
 
 
 def _run(tmp_path, *argv):
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
-    return Run(parser.parse_args(["--workdir", str(tmp_path), *argv]), ["true"])
+    return Run(RunOptions.from_args(parser.parse_args(["--workdir", str(tmp_path), *argv])), ["true"])
+
+
+def test_the_flags_and_the_options_agree():
+    """Every RunOptions field is a flag with the field's default; the token comes from the
+    environment when no flag gives it."""
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    assert RunOptions.from_args(parser.parse_args([])) == RunOptions(token=os.environ.get("DILOCO_TOKEN") or None)
+    options = RunOptions.from_args(parser.parse_args(["--islands=3", "--sync=--min-quorum=2", "--baseline=ddp"]))
+    assert (options.islands, options.synchronizer_args, options.baseline) == (3, ["--min-quorum=2"], "ddp")
+    with pytest.raises(ValueError, match="--islands=0"):
+        RunOptions(islands=0)
+
+
+def test_the_started_synchronizer_gets_the_run_config_as_a_file(tmp_path, monkeypatch):
+    started = {}
+    monkeypatch.setattr("lightning_diloco.launch.supervisor.Supervised.start", lambda self: started.setdefault(self.name, self.command))
+    monkeypatch.setattr("lightning_diloco.transport.client.SynchronizerClient.__init__", lambda self, *a, **k: None)
+    config = config_with({"min_quorum": 2, "apply": "mix"})
+    run = Run(RunOptions(islands=2, workdir=str(tmp_path), run_config=config, synchronizer_args=["--status-port=0"]), ["true"])
+    run.start()
+    cmd = started["synchronizer"]
+    path = cmd[cmd.index("--config") + 1]
+    assert RunConfig.from_dict(json.loads(Path(path).read_text())) == config
+    assert cmd[-1] == "--status-port=0"  # the caller's own arguments come last: they win
 
 
 def test_islands_share_the_hosts_cores_when_the_user_set_no_thread_count(tmp_path, monkeypatch):
@@ -41,13 +72,11 @@ def test_staggered_islands_wait_their_turn(tmp_path, monkeypatch):
 def test_an_island_the_synchronizer_refused_is_not_restarted_and_the_run_says_why(tmp_path, capsys):
     import sys
 
-    from lightning_diloco.launch.run import run_command
+    from lightning_diloco.launch.run import run
 
-    parser = argparse.ArgumentParser()
-    add_run_arguments(parser)
     refuse = "print('island 0: the synchronizer at x refused it (layout_mismatch): another model'); raise SystemExit(78)"
-    args = parser.parse_args(["--workdir", str(tmp_path), "--islands", "2", "--synchronizer", "127.0.0.1:1", "--max-restarts", "5"])
-    assert run_command(args, [sys.executable, "-c", refuse]) == 1
+    options = RunOptions(workdir=str(tmp_path), islands=2, synchronizer="127.0.0.1:1", max_restarts=5)
+    assert run(options, [sys.executable, "-c", refuse]) == 1
     out = capsys.readouterr().out
     assert "restarted" not in out
     assert out.strip().splitlines()[-1].startswith("run failed: island") and "layout_mismatch" in out.strip().splitlines()[-1]

@@ -9,7 +9,8 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
-from lightning_diloco.synchronizer.service import Refusal, Synchronizer
+from lightning_diloco.synchronizer.requests import Refusal
+from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
 
 

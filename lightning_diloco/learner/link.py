@@ -1,0 +1,42 @@
+"""What an island needs from its synchronizer, as a protocol.
+
+:class:`~lightning_diloco.transport.client.SynchronizerClient` implements it over gRPC; tests
+drive islands through an in-process double that implements it too, and one conformance test
+(tests/learner/test_link_conformance.py) runs the same exchange against both, so the double
+cannot drift from the client that users run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # the learner never imports gRPC itself
+    import torch
+
+    from lightning_diloco.transport.client import Beat, PushAck
+    from lightning_diloco.transport.subscription import VersionEvent
+
+
+@runtime_checkable
+class SynchronizerLink(Protocol):
+    def heartbeat(self, island: int, steps: int, step_time: float, schedule_step: int = 0) -> Beat:
+        """Report progress; returns every fragment's version and the run's step."""
+
+    def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
+        """Offer version 0 of a fragment; (whether this offer was the one taken, the version now)."""
+
+    def pull(self, fragment: int, newer_than: int = -1, wait: float = 0.0) -> tuple[int, torch.Tensor]:
+        """(version, fp32 value), waiting up to ``wait`` s for a version newer than ``newer_than``."""
+
+    def push(self, *, island: int, fragment: int, round: int, base_version: int, tokens: float, steps: int,
+             codec: str, seq: int, payload: torch.Tensor, layout_hash: str) -> PushAck:
+        """Put a contribution into its round; refusals raise ``SynchronizerError`` with a Reason."""
+
+    def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
+                  on_request: Callable[[int, int, int], None], on_version: Callable[[VersionEvent], None],
+                  on_reconnect: Callable[[], None] = ...) -> Any:
+        """Start delivering round requests and new versions to the callbacks until :meth:`close`."""
+
+    def close(self) -> None:
+        """End the subscription and release what the link holds."""

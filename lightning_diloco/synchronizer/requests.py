@@ -1,0 +1,80 @@
+"""What a client asks the synchronizer: a contribution's fields, and the refusal that answers a
+bad request. The checks here need no state but the run's layout hash; those that need the round
+(sequence numbers, the base version) are in rounds.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from lightning_diloco.core.codecs import Payload
+from lightning_diloco.core.fragments import FragmentLayout
+from lightning_diloco.reasons import Reason
+
+MAX_TOKENS = 1e15
+MAX_STEPS = 10**9
+
+
+class Refusal(Exception):
+    """A request the synchronizer will not act on. The global state is untouched.
+
+    ``reason`` is counted in Status; the message says what was wrong and how to fix it.
+    """
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class Contribution:
+    island: int
+    fragment: int
+    round: int
+    """The round it was sent for: schedule step // H at the send."""
+    base_version: int
+    tokens: float
+    steps: int
+    codec: str
+    seq: int
+    payload: Payload
+    layout_hash: str
+    session: str | None = None
+    """The session its island's join issued; None from an in-process caller (trusted)."""
+
+
+def contribution_problem(c: Contribution, layout_hash: str) -> tuple[Reason, str] | None:
+    """Why the fields of ``c`` cannot be taken as they are, or None."""
+    if c.layout_hash != layout_hash:
+        return Reason.LAYOUT_MISMATCH, f"layout hash {c.layout_hash[:40]!r} is not the run's {layout_hash!r}; rejoin with the run's model"
+    if not (1 <= c.steps <= MAX_STEPS) or not (0 < c.tokens <= MAX_TOKENS) or c.tokens != c.tokens:
+        return Reason.BAD_COUNTERS, (f"counters tokens={c.tokens} steps={c.steps} are out of range "
+                                     f"(0 < tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
+    if c.seq < 0 or c.round < 0 or c.base_version < 0:
+        return Reason.BAD_SEQUENCE, f"sequence number {c.seq}, round {c.round} and base version {c.base_version} must be >= 0"
+    return None
+
+
+def payload_digest(payload: Payload) -> bytes:
+    data = payload.numpy().tobytes() if isinstance(payload, torch.Tensor) else payload
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def payload_size(payload: Payload) -> int:
+    return payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
+
+
+def layout_difference(run: FragmentLayout, other: FragmentLayout) -> str:
+    if run.specs == other.specs:
+        return (f"same model, but the run packs it into num_fragments={run.num_fragments} and this island into "
+                f"{other.num_fragments}; use the run's num_fragments")
+    for mine, theirs in zip(run.specs, other.specs):
+        if mine != theirs:
+            return f"model layout differs from the run's at tensor {mine.name!r}: run has {mine}, island has {theirs}; every island must train the same model"
+    return (
+        f"model layout differs from the run's: run has {len(run.specs)} tensors, island has {len(other.specs)}; "
+        "every island must train the same model"
+    )
