@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -30,16 +29,16 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment, split_fragment
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
-from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.learner.collective import Collective
 from lightning_diloco.learner.flights import Apply, Flight
 from lightning_diloco.learner.inbox import Arrival, Inbox
+from lightning_diloco.learner.leader import LeaderSync
 from lightning_diloco.learner.link import SynchronizerLink
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 2
-COUNTERS = ("sent", "applied", "received", "skipped", "failed", "late", "requested", "realigned")
+COUNTERS = ("sent", "applied", "received", "skipped", "failed", "requested", "realigned")
 
 
 class IslandLearner:
@@ -80,26 +79,25 @@ class IslandLearner:
         self.seq = time.time_ns() // 1000  # increasing across restarts: the synchronizer dedups by it
         self.in_flight: dict[int, Flight] = {}
         self.merged_any = False  # a contribution of this island is in the global model
-        self._lock = threading.Lock()  # counters and bytes written from the sync threads
+        self._lock = threading.Lock()  # counters: written by the training thread, read by metrics() from any
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.bytes_up = 0
         self.blocked_s = 0.0
         self.staleness = 0
-        self.reachable = True
         self._step_time = 0.0
         self._last_step_at: float | None = None
 
         self.inbox: Inbox | None = None
         self._seen_reconnects = 0
-        self._executor: ThreadPoolExecutor | None = None
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self.leader: LeaderSync | None = None
         if self.is_leader:
-            workers = min(P, sched.overlap_steps + 2)
-            self._executor = ThreadPoolExecutor(
-                max_workers=workers, thread_name_prefix=f"diloco-island{island}-sync", initializer=single_threaded_torch
+            self.leader = LeaderSync(
+                link, island=island, uplink=self.uplink, layout_hash=layout.hash, workers=min(P, sched.overlap_steps + 2),
+                progress=lambda: (self.step, self._step_time, self.schedule_step), heartbeat_every=heartbeat_every,
             )
-            self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_every,), name=f"diloco-island{island}-heartbeat", daemon=True)
+
+    @property
+    def reachable(self) -> bool:
+        return self.leader.reachable if self.leader else True
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -143,7 +141,7 @@ class IslandLearner:
             self.inbox = Inbox(self.versions, self.bases, self.config.codec.block_size)
             self.link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
                                 on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
-            self._heartbeat.start()
+            self.leader.start_heartbeat()
         log.info("island %d joined at schedule step %d, versions %s (%d fragments from the global model)",
                  self.island, self.schedule_step, self.versions, len(plan["overwrite"]))
 
@@ -240,7 +238,8 @@ class IslandLearner:
             if refused or now - f.sent_at > self.push_wait:
                 why = f.future.exception() if refused else f"no version of round {f.round} within {self.push_wait:.0f}s"
                 log.warning("island %d: sync of fragment %d failed: %s", self.island, p, why)
-                self.reachable = self.reachable and not refused
+                if refused:
+                    self.leader.answered(False)
                 self._count("failed")
                 out.append(p)
         return out
@@ -266,28 +265,13 @@ class IslandLearner:
         future = None
         if self.is_leader:
             self.seq += 1
-            future = self._executor.submit(
-                self._exchange, p, r, snapshot, self.versions[p], self.bases[p], self.tokens[p], self.steps[p], self.seq
-            )
+            future = self.leader.push(fragment=p, round=r, snapshot=snapshot, base_version=self.versions[p],
+                                      base=self.bases[p], tokens=self.tokens[p], steps=self.steps[p], seq=self.seq)
             future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
         self.in_flight[p] = Flight(p, r, self.step + self.config.schedule.overlap_steps, keep, self.tokens[p],
                                     self.steps[p], time.monotonic(), future)
         self.sent_round[p] = r
         self._count("sent")
-
-    def _exchange(self, p, r, snapshot, base_version, base, tokens, steps, seq):
-        """Background: push the delta; the merged version comes through the subscription."""
-        payload = self.uplink.encode(snapshot - base)
-        with self._lock:
-            self.bytes_up += payload.numel()
-        ack = self.link.push(
-            island=self.island, fragment=p, round=r, base_version=base_version, tokens=max(tokens, 1.0),
-            steps=max(steps, 1), codec=self.uplink.name, seq=seq, payload=payload, layout_hash=self.layout.hash,
-        )
-        self.reachable = True
-        if ack.late:
-            self._count("late")
-        return ack
 
     def _apply(self, a: Apply) -> None:
         p, sched = a.fragment, self.config.schedule
@@ -383,24 +367,8 @@ class IslandLearner:
             return None
 
     def close(self) -> None:
-        self._stop.set()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-        if self.link is not None:
-            self.link.close()  # ends the subscription and cancels pushes in progress
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        if self._heartbeat is not None and self._heartbeat.is_alive():
-            self._heartbeat.join(timeout=5)
-
-    def _beat(self, every: float) -> None:
-        while not self._stop.wait(every):
-            try:
-                self.link.heartbeat(self.island, self.step, self._step_time, self.schedule_step)
-                self.reachable = True
-            except Exception as err:  # noqa: BLE001 - liveness only; pushes report real failures
-                self.reachable = False
-                log.debug("island %d: heartbeat failed: %s", self.island, err)
+        if self.leader is not None:
+            self.leader.close()
 
     # ---- state and metrics --------------------------------------------------------------------
 
@@ -438,8 +406,9 @@ class IslandLearner:
     def metrics(self) -> dict[str, float]:
         with self._lock:
             out = {f"diloco/syncs_{k}": float(v) for k, v in self.counters.items()}
-            bytes_up = self.bytes_up
+        late, bytes_up = (self.leader.late, self.leader.bytes_up) if self.leader else (0, 0)
         out.update({
+            "diloco/syncs_late": float(late),
             "diloco/bytes_up": float(bytes_up),
             "diloco/bytes_down": float(self.inbox.bytes_received if self.inbox else 0),
             "diloco/blocked_s": self.blocked_s,

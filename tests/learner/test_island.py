@@ -259,5 +259,5 @@ def test_state_dict_round_trips_and_refuses_another_model(islands):
 
 def test_sync_threads_run_torch_single_threaded_and_leave_the_training_thread_alone(islands, two_torch_threads):
     learner, *_ = islands(_config())
-    assert learner._executor.submit(torch.get_num_threads).result() == 1
+    assert learner.leader._pool.submit(torch.get_num_threads).result() == 1
     assert torch.get_num_threads() == 2

@@ -1,0 +1,87 @@
+"""The island leader's background work: pushes on a small thread pool and a heartbeat thread.
+
+Only rank 0 of an island talks to the synchronizer. Its training loop never waits for the
+network: a send hands the snapshot to :meth:`LeaderSync.push`, which encodes the outer gradient
+and pushes it on a pool thread; the heartbeat thread reports the island's progress every second.
+Both record whether the synchronizer answered, through one method with one meaning:
+:attr:`LeaderSync.reachable` is whether its latest answer to this island, to a heartbeat or a
+push, was a success.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from lightning_diloco.core.codecs import Codec
+from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.learner.link import SynchronizerLink
+
+log = logging.getLogger(__name__)
+
+
+class LeaderSync:
+    def __init__(self, link: SynchronizerLink, *, island: int, uplink: Codec, layout_hash: str, workers: int,
+                 progress: Callable[[], tuple[int, float, int]], heartbeat_every: float = 1.0) -> None:
+        """``progress()``: (inner steps, seconds per step, schedule step), read by the heartbeat."""
+        self.link, self.island, self.uplink, self.layout_hash = link, island, uplink, layout_hash
+        self.progress = progress
+        self.lock = threading.Lock()  # the counters below, written from pool threads
+        self.bytes_up = 0
+        self.late = 0
+        self.reachable = True
+        self._stop = threading.Event()
+        # torch ops on these threads run single-threaded, so the training loop keeps its OpenMP team
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"diloco-island{island}-sync",
+                                        initializer=single_threaded_torch)
+        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_every,),
+                                           name=f"diloco-island{island}-heartbeat", daemon=True)
+
+    def start_heartbeat(self) -> None:
+        self._heartbeat.start()
+
+    def push(self, *, fragment: int, round: int, snapshot: torch.Tensor, base_version: int, base: torch.Tensor,
+             tokens: float, steps: int, seq: int) -> Future:
+        """Push ``snapshot - base`` in the background; the future holds the ack (or the refusal)."""
+        return self._pool.submit(self._push, fragment, round, snapshot, base_version, base, tokens, steps, seq)
+
+    def answered(self, ok: bool) -> None:
+        """Record the synchronizer's latest answer (False: a push the island gave up on)."""
+        with self.lock:
+            self.reachable = ok
+
+    def _push(self, fragment, round, snapshot, base_version, base, tokens, steps, seq):
+        payload = self.uplink.encode(snapshot - base)
+        with self.lock:
+            self.bytes_up += payload.numel()
+        ack = self.link.push(
+            island=self.island, fragment=fragment, round=round, base_version=base_version, tokens=max(tokens, 1.0),
+            steps=max(steps, 1), codec=self.uplink.name, seq=seq, payload=payload, layout_hash=self.layout_hash,
+        )
+        with self.lock:
+            self.reachable = True
+            self.late += ack.late
+        return ack
+
+    def _beat(self, every: float) -> None:
+        while not self._stop.wait(every):
+            steps, step_time, schedule_step = self.progress()
+            try:
+                self.link.heartbeat(self.island, steps, step_time, schedule_step)
+                self.answered(True)
+            except Exception as err:  # noqa: BLE001 - liveness only; pushes report real failures
+                self.answered(False)
+                log.debug("island %d: heartbeat failed: %s", self.island, err)
+
+    def close(self) -> None:
+        """Cancel queued pushes, end the link (which cancels pushes in progress), join the threads."""
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.link.close()
+        self._pool.shutdown(wait=True)
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=5)
