@@ -10,6 +10,8 @@ only; Lightning's loops are never copied.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import os
 import warnings
@@ -60,6 +62,21 @@ def _env_int(name: str, value: int | None, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def _refuse_unknown(names: set[str]) -> None:
+    """A misspelt run setting would otherwise reach DDP, which a one-process island never builds:
+    it would be ignored without a word."""
+    ddp = {name for init in (DDPStrategy.__init__, torch.nn.parallel.DistributedDataParallel.__init__)
+           for name, p in inspect.signature(init).parameters.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+    ddp -= {"self", "module"}
+    unknown = sorted(names - ddp)
+    if unknown:
+        known = [s.name for s in run_settings()] + sorted(ddp)
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, n=1)) else repr(name)
+                 for name in unknown]
+        raise TypeError(f"DecoupledDiLoCoStrategy got unknown arguments {', '.join(hints)}: neither run settings "
+                        "(lightning_diloco.core.settings.run_settings()) nor DistributedDataParallel arguments")
 
 
 def _as_run_config(given: RunConfig | dict | str | os.PathLike | None) -> RunConfig | None:
@@ -150,6 +167,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
                 ``find_unused_parameters=True``).
         """
         setting_names = {s.name for s in run_settings()}
+        _refuse_unknown(set(kwargs) - setting_names)
         super().__init__(**{k: v for k, v in kwargs.items() if k not in setting_names})
         self.address = synchronizer if synchronizer is not None else (os.environ.get("DILOCO_SYNCHRONIZER") or None)
         self.island = _env_int("DILOCO_ISLAND", island, 0)

@@ -112,6 +112,16 @@ def test_run_config_takes_every_setting_at_once_and_named_arguments_override_it(
         DecoupledDiLoCoStrategy(run_config={"merge": {"quorum": 2}})
 
 
+def test_a_misspelt_argument_is_refused_with_the_name_it_meant():
+    """It would otherwise go to DDP, which a one-process island never builds: silently ignored."""
+    with pytest.raises(TypeError, match="'min_qorum' \\(did you mean 'min_quorum'\\?\\)"):
+        DecoupledDiLoCoStrategy(min_qorum=2)
+    with pytest.raises(TypeError, match="'find_unused_params' \\(did you mean 'find_unused_parameters'"):
+        DecoupledDiLoCoStrategy(find_unused_params=True)
+    # Lightning's own DDPStrategy arguments and DDP's still pass
+    assert DecoupledDiLoCoStrategy(process_group_backend="gloo", static_graph=True)._ddp_kwargs == {"static_graph": True}
+
+
 def test_environment_supplies_island_settings(monkeypatch):
     monkeypatch.setenv("DILOCO_ISLAND", "1")
     monkeypatch.setenv("DILOCO_NUM_ISLANDS", "3")
