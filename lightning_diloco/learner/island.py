@@ -56,8 +56,8 @@ class IslandLearner:
     ) -> None:
         """``params``: the model's trainable tensors in ``layout.specs`` order. ``link``: the
         synchronizer (a :class:`~lightning_diloco.transport.client.SynchronizerClient`) on the
-        leader, None on other ranks. ``push_wait``: seconds a sent fragment may wait for the version of its round
-        before the send counts as failed and the fragment may be sent again."""
+        leader, None on other ranks. ``push_wait``: seconds a sent fragment may wait for the
+        version of its round before the send counts as failed and may be sent again."""
         assert len(params) == len(layout.specs), f"{len(params)=} != {len(layout.specs)=}"
         self.params, self.layout, self.config = list(params), layout, config
         self.island, self.link = island, link
@@ -269,7 +269,7 @@ class IslandLearner:
                                       base=self.bases[p], tokens=self.tokens[p], steps=self.steps[p], seq=self.seq)
             future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
         self.in_flight[p] = Flight(p, r, self.step + self.config.schedule.overlap_steps, keep, self.tokens[p],
-                                    self.steps[p], time.monotonic(), future)
+                                   self.steps[p], time.monotonic(), future)
         self.sent_round[p] = r
         self._count("sent")
 

@@ -14,6 +14,8 @@ from lightning_diloco.core.codecs import Payload
 from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.reasons import Reason
 
+# A contribution weighs tokens**2 / steps: past these bounds no real island reports, and within
+# them the weight stays finite in float64 however a client fills the fields.
 MAX_TOKENS = 1e15
 MAX_STEPS = 10**9
 
