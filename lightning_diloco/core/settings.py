@@ -57,8 +57,12 @@ class Setting:
 
 
 def _attribute_docs(klass: type) -> dict[str, str]:
-    """``{field: docstring}`` of the string literals that follow a class's annotated fields."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+    """``{field: docstring}`` of the string literals that follow a class's annotated fields
+    (empty where the source is not shipped: the settings then work, without help text)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+    except (OSError, TypeError):
+        return {}
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, after in zip(body, body[1:]):
