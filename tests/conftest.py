@@ -68,6 +68,9 @@ def _temporary_files() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).iterdir() if not p.name.startswith(_SESSION_CACHES)}
 
 
+_PRIVATE_TMP = pytest.StashKey[str]()
+
+
 def pytest_configure(config):
     """Every temporary file of the session (ours, Lightning's, subprocesses') goes to one private
     directory, so a test that leaves one behind is seen, and nothing outlives the session."""
@@ -81,9 +84,6 @@ def pytest_unconfigure(config):
     private = config.stash.get(_PRIVATE_TMP, None)
     if private:
         shutil.rmtree(private, ignore_errors=True)
-
-
-_PRIVATE_TMP = pytest.StashKey[str]()
 
 
 @pytest.fixture(autouse=True)

@@ -79,15 +79,14 @@ class RunOptions:
 
 class Run:
     def __init__(self, options: RunOptions, command: list[str], observers: Sequence[Callable[[dict], None]] = ()) -> None:
-        args = self.args = options
-        self.command = command
+        self.options, self.command = options, command
         self.observers = list(observers)  # called with each synchronizer status the launcher samples
-        self.workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
+        self.workdir = Path(options.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.ddp = args.baseline == "ddp"
-        self.units = 1 if self.ddp else args.islands  # supervised process trees
-        horizon = args.chaos_horizon
-        self.pending: list[Fault] = parse_schedule(args.chaos, num_islands=args.islands, horizon_s=horizon) if args.chaos else []
+        self.ddp = options.baseline == "ddp"
+        self.units = 1 if self.ddp else options.islands  # supervised process trees
+        horizon = options.chaos_horizon
+        self.pending: list[Fault] = parse_schedule(options.chaos, num_islands=options.islands, horizon_s=horizon) if options.chaos else []
         self.fired: list[str] = []
         self.synchronizer_downs: list[float] = []  # run times at which the synchronizer went away
         self._sync_reachable = True
@@ -96,8 +95,8 @@ class Run:
         self.recovery = RecoveryClock()
         self._stop = threading.Event()
         self.synchronizer: Supervised | None = None
-        self.address = args.synchronizer
-        self.token = args.token
+        self.address = options.synchronizer
+        self.token = options.token
         self.client = None
         self._write = threading.Lock()
         self.failures: list[str] = []  # why units failed, for the run's last line
@@ -113,13 +112,13 @@ class Run:
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", str(port),
-               "--checkpoint-dir", str(self.workdir / "synchronizer"), "--checkpoint-every", str(self.args.checkpoint_every),
-               "--liveness-timeout", str(self.args.liveness_timeout)]
-        if self.args.run_config is not None:
+               "--checkpoint-dir", str(self.workdir / "synchronizer"), "--checkpoint-every", str(self.options.checkpoint_every),
+               "--liveness-timeout", str(self.options.liveness_timeout)]
+        if self.options.run_config is not None:
             config = self.workdir / "run-config.json"
-            config.write_text(json.dumps(self.args.run_config.to_dict(), indent=2))
+            config.write_text(json.dumps(self.options.run_config.to_dict(), indent=2))
             cmd += ["--config", str(config)]
-        cmd += self.args.synchronizer_args
+        cmd += self.options.synchronizer_args
         # the token goes by environment, never on a command line (the process list shows those)
         env = {"OMP_NUM_THREADS": "1", **({"DILOCO_TOKEN": self.token} if self.token else {})}
         self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment(env), self.echo)
@@ -129,8 +128,8 @@ class Run:
         extra = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
-            "DILOCO_NUM_ISLANDS": str(self.args.islands),
-            "DILOCO_DEVICES": str(self.args.devices_per_island * (self.args.islands if self.ddp else 1)),
+            "DILOCO_NUM_ISLANDS": str(self.options.islands),
+            "DILOCO_DEVICES": str(self.options.devices_per_island * (self.options.islands if self.ddp else 1)),
             "DILOCO_PROGRESS_FILE": str(self.workdir / f"progress-{i}.txt"),
             "DILOCO_CHECKPOINT_DIR": str(self.workdir / f"checkpoints-{i}"),
         }
@@ -139,7 +138,7 @@ class Run:
             # process cores // its own world size threads, so M one-process islands ran M times
             # too many OpenMP threads, spinning against each other (measured: 4 islands on 2
             # cores trained 5x slower).
-            processes = self.args.islands * self.args.devices_per_island
+            processes = self.options.islands * self.options.devices_per_island
             extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
         if self.ddp:
             extra["DILOCO_STRATEGY"] = "ddp"
@@ -160,10 +159,10 @@ class Run:
         self.islands = [Supervised(names[i], self.command, lambda i=i: self._island_env(i), self.echo) for i in range(self.units)]
         self.t0 = time.monotonic()
         for i, island in enumerate(self.islands):
-            if self.ddp or not self.args.stagger or i == 0:
+            if self.ddp or not self.options.stagger or i == 0:
                 island.start()
             else:  # island i starts i x stagger seconds after the first (the loop starts it)
-                island.restart_at = self.t0 + i * self.args.stagger
+                island.restart_at = self.t0 + i * self.options.stagger
 
     # ---- faults ----------------------------------------------------------------------------------
 
@@ -217,9 +216,9 @@ class Run:
     # ---- the loop ------------------------------------------------------------------------------
 
     def _sample(self, now: float) -> None:
-        files = {i: self.workdir / f"progress-{0 if self.ddp else i}.txt" for i in range(self.args.islands)}
+        files = {i: self.workdir / f"progress-{0 if self.ddp else i}.txt" for i in range(self.options.islands)}
         steps = {i: read_progress(f) for i, f in files.items()}
-        alive = {i for i in range(self.args.islands) if self.islands[0 if self.ddp else i].alive}
+        alive = {i for i in range(self.options.islands) if self.islands[0 if self.ddp else i].alive}
         if self.ddp:
             progress = steps.get(0, 0)
         else:
@@ -260,12 +259,12 @@ class Run:
                 self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
                 self._stop.set()  # every island runs the same command: the others would be refused too
                 continue
-            if island.restarts >= self.args.max_restarts:
+            if island.restarts >= self.options.max_restarts:
                 island.failed = island.done = True
-                self.failures.append(f"{island.name} exited with {code} and used up its {self.args.max_restarts} restarts")
+                self.failures.append(f"{island.name} exited with {code} and used up its {self.options.max_restarts} restarts")
                 self.echo(f"[launcher] {self.failures[-1]}\n")
                 continue
-            delay = island.hold_s if island.expected_exit else min(self.args.restart_backoff * 2 ** island.restarts, 30.0)
+            delay = island.hold_s if island.expected_exit else min(self.options.restart_backoff * 2 ** island.restarts, 30.0)
             island.restart_at = now + delay
             island.expected_exit, island.hold_s = False, 0.0
             if self.ddp:
@@ -321,18 +320,18 @@ class Run:
             self.synchronizer.stop()
 
     def _finished_at(self) -> dict[int, float]:
-        units = {i: self.islands[0 if self.ddp else i] for i in range(self.args.islands)}
+        units = {i: self.islands[0 if self.ddp else i] for i in range(self.options.islands)}
         return {i: unit.finished_at for i, unit in units.items() if unit.finished_at is not None}
 
     def report(self) -> RunReport:
         now = time.monotonic()
         method = "ddp checkpoint-restart" if self.ddp else "decoupled diloco"
-        alive = {i: self.islands[0 if self.ddp else i].alive_seconds(now) for i in range(self.args.islands)}
-        rep = build_report(method, self.args.islands, self.samples, alive, rollback_steps=self.ddp,
+        alive = {i: self.islands[0 if self.ddp else i].alive_seconds(now) for i in range(self.options.islands)}
+        rep = build_report(method, self.options.islands, self.samples, alive, rollback_steps=self.ddp,
                            synchronizer_restarts=self.synchronizer_downs,
                            finished_at=self._finished_at())
         rep.faults = self.fired
-        rep.restarts = {i: self.islands[0 if self.ddp else i].restarts for i in range(self.args.islands)}
+        rep.restarts = {i: self.islands[0 if self.ddp else i].restarts for i in range(self.options.islands)}
         rep.recoveries_s = self.recovery.recoveries
         rep.accepted = dict(self.recovery.accepted)
         return rep

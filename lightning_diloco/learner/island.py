@@ -99,9 +99,9 @@ class IslandLearner:
     def reachable(self) -> bool:
         return self.leader.reachable if self.leader else True
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str) -> None:
         with self._lock:
-            self.counters[name] += n
+            self.counters[name] += 1
 
     # ---- joining ----------------------------------------------------------------------------
 

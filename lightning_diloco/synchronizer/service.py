@@ -58,6 +58,7 @@ from lightning_diloco.synchronizer.rounds import (
 
 log = logging.getLogger(__name__)
 
+
 class Synchronizer:
     def __init__(
         self,
