@@ -21,6 +21,8 @@ from pathlib import Path
 
 from benchmarks.netns import Namespaces, unavailable
 from benchmarks.netrun import run_arm
+from lightning_diloco.core import presets
+from lightning_diloco.core.settings import changed_settings, setting_flags
 
 ARMS = {
     "diloco H=24 int4 up / bf16 down": ["--sync-every=24", "--uplink-codec=int4", "--downlink-codec=bf16"],
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     train = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(vocab), "--seq", str(seq),
              "--batch", str(batch)]
     # the recipes' CPU setting: the library's quorum 1, islands mixing the global fragment in
-    common_sync = [f"--num-fragments={args.num_fragments}", "--overlap-steps=2", "--apply=mix"]
+    common_sync = setting_flags(changed_settings(presets.small_model(args.num_fragments)))
     arms = {k: v for k, v in ARMS.items() if not args.only or any(s in k for s in args.only)}
     results = {}
     with tempfile.TemporaryDirectory(prefix="diloco-bandwidth-") as tmp, Namespaces(args.islands) as ns:

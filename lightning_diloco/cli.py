@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_synchronizer_arguments(sync)
     sync.set_defaults(run=_synchronizer)
 
-    from lightning_diloco.launch.run import add_run_arguments
+    from lightning_diloco.launch.options import add_run_arguments
 
     run = commands.add_parser(
         "run", help="run a synchronizer and M islands of COMMAND on this host (after --)",

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings
+from lightning_diloco.core import presets
+from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.settings import add_setting_arguments, changed_settings, config_with, given_settings
+from lightning_diloco.synchronizer.status import SynchronizerStatus
 
 
 @dataclass
@@ -31,7 +34,8 @@ class Preset:
     batch: int
     steps: int
     lr: float
-    diloco: dict[str, Any] = field(default_factory=dict)
+    run_config: RunConfig = field(default_factory=presets.paper)
+    """Decoupled DiLoCo's settings for this size; the command line's win."""
     reference: dict[str, float] = field(default_factory=dict)  # DDP's final figures at equal tokens (README)
     note: str = ""
 
@@ -83,7 +87,7 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
     for name in ("steps", "batch", "lr"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
-    for name, value in preset.diloco.items():
+    for name, value in changed_settings(preset.run_config).items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     for name, value in preset.model.items():
@@ -149,25 +153,25 @@ class SynchronizerObserver:
     """Keeps the synchronizer's last status, and logs its metrics to W&B as their own run."""
 
     def __init__(self, args: argparse.Namespace, out: Path) -> None:
-        self.last: dict | None = None
+        self.last: SynchronizerStatus | None = None
         self.run = start_wandb(args, out, name=f"{args.strategy}-synchronizer") if args.wandb else None
         self._next_log = 0.0
 
-    def __call__(self, status: dict) -> None:
+    def __call__(self, status: SynchronizerStatus) -> None:
         self.last = status
         if self.run is not None and time.monotonic() >= self._next_log:
             self._next_log = time.monotonic() + 2.0
-            self.run.log({"synchronizer/outer_steps": status["outer_steps"], "synchronizer/bytes_in": status["bytes_in"],
-                          "synchronizer/bytes_out": status["bytes_out"], "synchronizer/live_islands": len(status["live_islands"]),
-                          "synchronizer/accepted": sum(status["accepted"].values()),
-                          "synchronizer/refused": sum(status["refused"].values())})
+            self.run.log({"synchronizer/outer_steps": status.outer_steps, "synchronizer/bytes_in": status.bytes_in,
+                          "synchronizer/bytes_out": status.bytes_out, "synchronizer/live_islands": len(status.live_islands),
+                          "synchronizer/accepted": sum(status.accepted.values()),
+                          "synchronizer/refused": sum(status.refused.values())})
 
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()
 
 
-def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, status: dict | None) -> dict:
+def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, status: SynchronizerStatus | None) -> dict:
     results = [json.loads(p.read_text()) for p in sorted(out.glob("result-*.json"))]
     if not results:
         raise SystemExit(f"no island wrote a result to {out}; see the output above")
@@ -187,8 +191,8 @@ def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, 
         "devices": args.devices, "steps": last["steps"], "params": params,
         "tokens": sum(r["tokens"] for r in results), "wall_s": wall, "final": last["final"],
         "bytes_across": across, "bytes_across_how": across_how,
-        "outer_steps": status["outer_steps"] if status else None,
-        "synchronizer": status,  # its last status: rounds, islands, counters
+        "outer_steps": status.outer_steps if status else None,
+        "synchronizer": status.to_dict() if status else None,  # its last status: rounds, islands, counters
         "settings": diloco_settings(args) if args.strategy != "ddp" else {},
         "islands_results": results,
     }

@@ -20,15 +20,18 @@ import sys
 import time
 from pathlib import Path
 
+from lightning_diloco.core import presets
+from lightning_diloco.core.settings import value_of
+
 if __package__ in (None, ""):  # run as a file: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RECIPES = {"text_lm": ("recipes.text_lm", "eval_loss"), "vision": ("recipes.vision", "accuracy")}
 
-# The sweep: each arm names every setting it uses, so the table reads without the presets. A value
-# may be a function of the island count M.
-PAPER = dict(outer_lr=0.7, outer_momentum=0.9, merge="rda", apply="overwrite", sync_every=24, uplink_codec="int4",
-             downlink_codec="bf16", min_quorum=1)
+# The sweep: each arm names every setting it uses (the paper's value unless the arm changes it), so
+# the table reads without the presets. A value may be a function of the island count M.
+PAPER = {name: value_of(presets.paper(), name) for name in (
+    "outer_lr", "outer_momentum", "merge", "apply", "sync_every", "uplink_codec", "downlink_codec", "min_quorum")}
 SWEEP = {
     "paper defaults (lr 0.7, mom 0.9)": {},
     "parameter averaging (lr 1, mom 0)": dict(outer_lr=1.0, outer_momentum=0.0),

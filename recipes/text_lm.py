@@ -20,26 +20,25 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_diloco.core.presets import large_model, small_model  # noqa: E402
 from recipes.common import Preset, Recipe, cosine_with_warmup, main as run_recipe  # noqa: E402
 
 TINY = dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=192, seq=64, tokenizer="byte")
-# The paper's outer step and quorum 1, with islands mixing the global fragment into their own: the
-# best of benchmarks.rounds at this size (README). P = 8: the model has 21 tensors.
-CPU_DILOCO = dict(num_fragments=8, apply="mix")
 PRESETS = {
-    "cpu-tiny": Preset(model=TINY, batch=16, steps=800, lr=3e-3, diloco=CPU_DILOCO, reference={"eval_loss": 1.7577}),
+    # P = 8 fragments: the model has 21 tensors
+    "cpu-tiny": Preset(model=TINY, batch=16, steps=800, lr=3e-3, run_config=small_model(8), reference={"eval_loss": 1.7577}),
     "cpu-tiny-moe": Preset(model={**TINY, "arch": "mixtral", "intermediate": 96, "experts": 4, "experts_per_token": 2},
-                           batch=16, steps=800, lr=3e-3, diloco=CPU_DILOCO, reference={"eval_loss": 1.7300}),
+                           batch=16, steps=800, lr=3e-3, run_config=small_model(8), reference={"eval_loss": 1.7300}),
     # GPU sizes: unchanged code, bigger configs. About 125M and 1.1B parameters (dense), 1.3B (MoE).
     "gpu-125m": Preset(model=dict(arch="llama", hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048,
                                   seq=1024, tokenizer="bpe", vocab=16384), batch=16, steps=20_000, lr=6e-4,
-                       diloco=dict(sync_every=500, num_fragments=12)),
+                       run_config=large_model(sync_every=500, num_fragments=12)),
     "gpu-1b": Preset(model=dict(arch="llama", hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632,
                                 seq=2048, tokenizer="bpe", vocab=32000), batch=8, steps=50_000, lr=3e-4,
-                     diloco=dict(sync_every=500, num_fragments=22)),
+                     run_config=large_model(sync_every=500, num_fragments=22)),
     "gpu-moe-1b": Preset(model=dict(arch="qwen2_moe", hidden=1024, layers=16, heads=16, kv_heads=4, intermediate=704,
                                     experts=16, experts_per_token=4, seq=2048, tokenizer="bpe", vocab=32000),
-                         batch=8, steps=50_000, lr=3e-4, diloco=dict(sync_every=500, num_fragments=16)),
+                         batch=8, steps=50_000, lr=3e-4, run_config=large_model(sync_every=500, num_fragments=16)),
 }
 
 

@@ -18,20 +18,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_diloco.core.presets import large_model, small_model  # noqa: E402
 from recipes.common import Preset, Recipe, cosine_with_warmup, main as run_recipe  # noqa: E402
 
 TINY_VIT = dict(arch="vit", hidden=64, layers=2, heads=4, intermediate=128, patch=7, image=28)
-# The text sweep's best setting (README, "Choosing the settings"); the ViT has 40 tensors.
-CPU_DILOCO = dict(num_fragments=8, apply="mix")
 PRESETS = {
-    "cpu-tiny": Preset(model=TINY_VIT, batch=32, steps=600, lr=2e-3, diloco=CPU_DILOCO, reference={"accuracy": 0.8325}),
+    # the text sweep's best setting (README, "Choosing the settings"); the ViT has 40 tensors
+    "cpu-tiny": Preset(model=TINY_VIT, batch=32, steps=600, lr=2e-3, run_config=small_model(8), reference={"accuracy": 0.8325}),
     "cpu-tiny-cnn": Preset(model={**TINY_VIT, "arch": "cnn", "hidden": 32}, batch=32, steps=600, lr=2e-3,
-                           diloco={**CPU_DILOCO, "num_fragments": 4}),  # 8 tensors
+                           run_config=small_model(4)),  # 8 tensors
     # GPU sizes, same code: ViT-S/4 (about 21M parameters) and ViT-B/4 (about 86M) on 28 x 28 images.
     "gpu-vit-small": Preset(model=dict(arch="vit", hidden=384, layers=12, heads=6, intermediate=1536, patch=4, image=28),
-                            batch=256, steps=20_000, lr=1e-3, diloco=dict(sync_every=100, num_fragments=12)),
+                            batch=256, steps=20_000, lr=1e-3, run_config=large_model(sync_every=100, num_fragments=12)),
     "gpu-vit-base": Preset(model=dict(arch="vit", hidden=768, layers=12, heads=12, intermediate=3072, patch=4, image=28),
-                           batch=256, steps=20_000, lr=5e-4, diloco=dict(sync_every=100, num_fragments=12)),
+                           batch=256, steps=20_000, lr=5e-4, run_config=large_model(sync_every=100, num_fragments=12)),
 }
 CLASSES = 10
 

@@ -37,6 +37,11 @@ def round_of(step: int, sync_every: int) -> int:
     return step // sync_every
 
 
+def latest_round(step: int, offset: int, sync_every: int) -> int:
+    """The latest round of the fragment with ``offset`` due by schedule step ``step``; -1: none yet."""
+    return (step - offset) // sync_every if step >= offset and step > 0 else -1
+
+
 def due_step(round_index: int, offset: int, sync_every: int) -> int:
     """The schedule step at which round ``round_index`` of the fragment with ``offset`` is due."""
     return round_index * sync_every + offset

@@ -125,6 +125,13 @@ def config_with(settings: dict[str, Any], base: RunConfig | None = None) -> RunC
     })
 
 
+def changed_settings(config: RunConfig, base: RunConfig | None = None) -> dict[str, Any]:
+    """The settings whose value in ``config`` differs from ``base`` (default: the library's):
+    ``config_with(changed_settings(c)) == c``."""
+    base = base or RunConfig()
+    return {s.name: value_of(config, s.name) for s in run_settings() if value_of(config, s.name) != value_of(base, s.name)}
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     """A run config from JSON: ``{"merge": {"min_quorum": 2}, ...}``; sections and fields left
     out keep their defaults (the format ``RunConfig.to_dict`` writes)."""
@@ -160,3 +167,16 @@ def add_setting_arguments(group: argparse._ActionsContainer, *, show_defaults: b
 def given_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The run settings set on a command line built by ``add_setting_arguments``."""
     return {s.name: getattr(args, s.name) for s in run_settings() if getattr(args, s.name, None) is not None}
+
+
+def setting_flags(settings: dict[str, Any]) -> list[str]:
+    """``{"min_quorum": 2, "nesterov": False}`` -> ``["--min-quorum=2", "--no-nesterov"]``, as
+    ``add_setting_arguments`` reads them."""
+    flags = []
+    for name, value in settings.items():
+        s = setting(name)
+        if s.type is bool:
+            flags.append(s.flag if value else "--no-" + s.flag[2:])
+        else:
+            flags.append(f"{s.flag}={value}")
+    return flags

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_diloco.synchronizer.status import SynchronizerStatus
+
 STALL_S = 1.0  # seconds without an outer step before a stretch counts as global downtime
 
 
@@ -135,13 +137,13 @@ class RecoveryClock:
     def island_restarted(self, island: int, now: float) -> None:
         self._awaiting[island] = (now, self.accepted.get(island, 0))
 
-    def observe(self, status: dict, now: float) -> None:
-        incarnation = status.get("incarnation")
+    def observe(self, status: SynchronizerStatus, now: float) -> None:
+        incarnation = status.incarnation
         if incarnation != self._incarnation:
             if self._incarnation is not None:
                 self._awaiting = {i: (since, 0) for i, (since, _) in self._awaiting.items()}
             self._incarnation = incarnation
-        self.accepted = {int(i): island["accepted"] for i, island in status["islands"].items()}
+        self.accepted = {i: island.accepted for i, island in status.islands.items()}
         for i, (since, before) in list(self._awaiting.items()):
             if self.accepted.get(i, 0) > before:
                 self.recoveries.append(now - since)

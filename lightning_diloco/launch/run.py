@@ -9,8 +9,6 @@ as a whole from its last checkpoint whenever any rank dies: the comparison the p
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -20,15 +18,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lightning_diloco.core.config import RunConfig
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
+from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
-from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, clean_environment, read_progress
-from lightning_diloco.synchronizer.main import add_token_arguments, resolve_token
+from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, UnitState, clean_environment, read_progress
+from lightning_diloco.synchronizer.status import SynchronizerStatus
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY = 0.25
@@ -40,45 +37,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass(kw_only=True)
-class RunOptions:
-    """What ``lightning-diloco run`` takes, for callers in Python (recipes, benchmarks): each
-    field is the flag of the same name (``add_run_arguments``), with the same default."""
-
-    islands: int = 2
-    devices_per_island: int = 1
-    synchronizer: str | None = None
-    """Join this synchronizer (host:port[,...]) instead of starting one."""
-    token: str | None = None
-    chaos: str | None = None
-    chaos_horizon: float = 3600.0
-    report: str | None = None
-    max_restarts: int = 5
-    restart_backoff: float = 1.0
-    stagger: float = 0.0
-    liveness_timeout: float = 5.0
-    checkpoint_every: int = 1
-    baseline: str | None = None
-    workdir: str | None = None
-    run_config: RunConfig | None = None
-    """The started synchronizer's run settings (passed as ``--config``); None: the defaults."""
-    synchronizer_args: list[str] = field(default_factory=list)
-    """More arguments for the started synchronizer, e.g. ``["--status-port=8080"]``."""
-
-    def __post_init__(self) -> None:
-        if self.islands < 1 or self.devices_per_island < 1:
-            raise ValueError(f"--islands={self.islands} and --devices-per-island={self.devices_per_island} must be >= 1")
-        if self.baseline not in (None, "ddp"):
-            raise ValueError(f"baseline={self.baseline!r}: the only baseline is 'ddp'")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RunOptions:
-        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("token", "run_config")]
-        return cls(**{name: getattr(args, name) for name in names}, token=resolve_token(args))
-
-
 class Run:
-    def __init__(self, options: RunOptions, command: list[str], observers: Sequence[Callable[[dict], None]] = ()) -> None:
+    def __init__(self, options: RunOptions, command: list[str], observers: Sequence[Callable[[SynchronizerStatus], None]] = ()) -> None:
         self.options, self.command = options, command
         self.observers = list(observers)  # called with each synchronizer status the launcher samples
         self.workdir = Path(options.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
@@ -94,6 +54,9 @@ class Run:
         self.samples: list[Sample] = []
         self.recovery = RecoveryClock()
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # samples, synchronizer_downs and recovery: the loop and the sampler share them
+        self._sampling_done = threading.Event()
+        self._sampler: threading.Thread | None = None
         self.synchronizer: Supervised | None = None
         self.address = options.synchronizer
         self.token = options.token
@@ -162,7 +125,7 @@ class Run:
             if self.ddp or not self.options.stagger or i == 0:
                 island.start()
             else:  # island i starts i x stagger seconds after the first (the loop starts it)
-                island.restart_at = self.t0 + i * self.options.stagger
+                island.wait_until(self.t0 + i * self.options.stagger)
 
     # ---- faults ----------------------------------------------------------------------------------
 
@@ -184,10 +147,9 @@ class Run:
         self.fired.append(f"{fault.describe()} (fired at {now - self.t0:.1f}s)")
         self.echo(f"[chaos] {fault.describe()}\n")
         if fault.kind == "kill-synchronizer":
-            if self.synchronizer is not None:
-                self.synchronizer.expected_exit = True
-                self.synchronizer.signal(signal.SIGKILL)
-                self._synchronizer_went_down(now)
+            if self.synchronizer is not None and self.synchronizer.kill():
+                with self._lock:
+                    self._synchronizer_went_down(now)
             return
         if self.ddp:
             pid = self._rank_pid(fault.island)
@@ -197,81 +159,75 @@ class Run:
                 # The surviving ranks would block in their next collective until the process
                 # group times out; a job with checkpoint-restart is torn down and restarted whole.
                 _safe_kill(pid, signal.SIGKILL)
-                self.islands[0].expected_exit = True
-                self.islands[0].signal(signal.SIGKILL)
+                self.islands[0].kill()
             else:
                 _safe_kill(pid, signal.SIGSTOP)
                 self._timers.append(threading.Timer(fault.duration_s, _safe_kill, args=(pid, signal.SIGCONT)))
                 self._timers[-1].start()
             return
         island = self.islands[fault.island]
-        if fault.kind == "kill":
-            island.expected_exit = True
-            island.hold_s = fault.duration_s
-            island.signal(signal.SIGKILL)
-        else:
-            island.signal(signal.SIGSTOP)
-            island.paused_until = now + fault.duration_s
+        done = island.kill(fault.duration_s) if fault.kind == "kill" else island.pause(now + fault.duration_s)
+        if not done:
+            self.echo(f"[chaos] {island.name} is {island.state.value}: nothing to {fault.kind}\n")
 
     # ---- the loop ------------------------------------------------------------------------------
 
+    def _unit_index(self, island: int) -> int:
+        """The process tree that runs ``island``: its own, or the one DDP job of the baseline."""
+        return 0 if self.ddp else island
+
+    def _unit(self, island: int) -> Supervised:
+        return self.islands[self._unit_index(island)]
+
+    def _sample_until_done(self) -> None:
+        """The sampler thread: a status call can take its whole timeout while the synchronizer is
+        down, and faults, restarts and resumes must not wait for it."""
+        while True:
+            self._sample(time.monotonic())
+            if self._sampling_done.wait(SAMPLE_EVERY):
+                return
+
     def _sample(self, now: float) -> None:
-        files = {i: self.workdir / f"progress-{0 if self.ddp else i}.txt" for i in range(self.options.islands)}
+        files = {i: self.workdir / f"progress-{self._unit_index(i)}.txt" for i in range(self.options.islands)}
         steps = {i: read_progress(f) for i, f in files.items()}
-        alive = {i for i in range(self.options.islands) if self.islands[0 if self.ddp else i].alive}
-        if self.ddp:
-            progress = steps.get(0, 0)
-        else:
+        alive = {i for i in range(self.options.islands) if self._unit(i).alive}
+        status = None
+        if not self.ddp:
             try:
                 status = self.client.status()
-                progress = status["outer_steps"]
-                for i, f in files.items():  # a script without the ProgressFile callback: its heartbeats say
-                    if not f.exists() and str(i) in status["islands"]:
-                        steps[i] = status["islands"][str(i)]["steps"]
-                for observe in self.observers:
-                    observe(status)
-                self.recovery.observe(status, now)
-                self._sync_reachable = True
             except Exception:  # noqa: BLE001 - the synchronizer is down: its own restart window
+                pass
+        with self._lock:
+            if self.ddp:
+                progress = steps.get(0, 0)
+            elif status is None:
                 progress = self.samples[-1].global_progress if self.samples else 0
                 self._synchronizer_went_down(now)
-        self.samples.append(Sample(now - self.t0, progress, steps, alive))
+            else:
+                progress = status.outer_steps
+                for i, f in files.items():  # a script without the ProgressFile callback: its heartbeats say
+                    if not f.exists() and i in status.islands:
+                        steps[i] = status.islands[i].steps
+                self.recovery.observe(status, now)
+                self._sync_reachable = True
+            self.samples.append(Sample(now - self.t0, progress, steps, alive))
+        if status is not None:
+            for observe in self.observers:
+                observe(status)
 
     def _synchronizer_went_down(self, now: float) -> None:
+        """Called with ``_lock`` held."""
         if self._sync_reachable:
             self._sync_reachable = False
             self.synchronizer_downs.append(now - self.t0)
 
     def _handle_exits(self, now: float) -> None:
-        for index, island in enumerate(self.islands):
+        for island in self.islands:
             code = island.poll()
-            if code is None or island.done:
-                continue
-            if code == 0 and not island.expected_exit:
-                island.done = True
-                island.finished_at = now - self.t0
-                self.echo(f"[launcher] {island.name} finished\n")
-                continue
-            if code == EXIT_REFUSED:  # a restart would be refused the same way
-                island.failed = island.done = True
-                why = next((line for line in reversed(island.last_lines) if "refused" in line), "see its output above")
-                self.failures.append(f"{island.name} was refused by the synchronizer: {why}")
-                self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
-                self._stop.set()  # every island runs the same command: the others would be refused too
-                continue
-            if island.restarts >= self.options.max_restarts:
-                island.failed = island.done = True
-                self.failures.append(f"{island.name} exited with {code} and used up its {self.options.max_restarts} restarts")
-                self.echo(f"[launcher] {self.failures[-1]}\n")
-                continue
-            delay = island.hold_s if island.expected_exit else min(self.options.restart_backoff * 2 ** island.restarts, 30.0)
-            island.restart_at = now + delay
-            island.expected_exit, island.hold_s = False, 0.0
-            if self.ddp:
-                island.signal(signal.SIGKILL)  # one rank died: the whole job goes down and restarts
+            if code is not None and not island.done:
+                self._exited(island, code, now)
         for index, island in enumerate(self.islands):
-            if island.restart_at is not None and now >= island.restart_at:
-                island.restart_at = None
+            if island.state is UnitState.WAITING and island.due is not None and now >= island.due:
                 first = island.proc is None
                 island.start()
                 if first:  # a staggered start
@@ -279,37 +235,60 @@ class Run:
                 island.restarts += 1
                 self.echo(f"[launcher] restarted {island.name} (restart {island.restarts})\n")
                 if not self.ddp:  # a recovery counts from the moment the island went down
-                    self.recovery.island_restarted(index, island.lifetimes[-2][1] or now)
+                    with self._lock:
+                        self.recovery.island_restarted(index, island.lifetimes[-2][1] or now)
                     note = without_checkpoint(island.name, self.workdir / f"checkpoints-{index}")
                     if note:
                         self.echo(note)
-            if island.paused_until is not None and now >= island.paused_until:
-                island.paused_until = None
-                island.signal(signal.SIGCONT)
+            elif island.state is UnitState.PAUSED and now >= island.due:
+                island.resume()
         if self.synchronizer is not None and self.synchronizer.poll() is not None and not self._stop.is_set():
             self.echo("[launcher] synchronizer exited; restarting it from its checkpoint\n")
-            self.synchronizer.expected_exit = False
+            self.synchronizer.wait_until(now)
             self.synchronizer.start()  # same port, same checkpoint folder
 
+    def _exited(self, island: Supervised, code: int, now: float) -> None:
+        """What follows an island's exit: finished, failed for good, or a restart after a delay."""
+        killed = island.state is UnitState.KILLED
+        if code == 0 and not killed:
+            island.finish(now - self.t0)
+            self.echo(f"[launcher] {island.name} finished\n")
+        elif code == EXIT_REFUSED:  # a restart would be refused the same way
+            island.fail()
+            why = next((line for line in reversed(island.last_lines) if "refused" in line), "see its output above")
+            self.failures.append(f"{island.name} was refused by the synchronizer: {why}")
+            self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
+            self._stop.set()  # every island runs the same command: the others would be refused too
+        elif island.restarts >= self.options.max_restarts:
+            island.fail()
+            self.failures.append(f"{island.name} exited with {code} and used up its {self.options.max_restarts} restarts")
+            self.echo(f"[launcher] {self.failures[-1]}\n")
+        else:
+            delay = island.hold_s if killed else min(self.options.restart_backoff * 2 ** island.restarts, 30.0)
+            island.wait_until(now + delay)
+            if self.ddp:
+                island.signal(signal.SIGKILL)  # one rank died: the whole job goes down and restarts
+
     def loop(self) -> int:
-        next_sample = 0.0
+        self._sampler = threading.Thread(target=self._sample_until_done, name="diloco-launch-sampler", daemon=True)
+        self._sampler.start()
         while not self._stop.is_set():
             now = time.monotonic()
-            elapsed = now - self.t0
-            steps = self.samples[-1].steps if self.samples else {}
-            for fault in due_faults(self.pending, elapsed, steps):
+            with self._lock:
+                steps = self.samples[-1].steps if self.samples else {}
+            for fault in due_faults(self.pending, now - self.t0, steps):
                 self.pending.remove(fault)
                 self._fire(fault, now)
             self._handle_exits(now)
-            if now >= next_sample:
-                self._sample(now)
-                next_sample = now + SAMPLE_EVERY
             if all(i.done for i in self.islands):
                 break
             self._stop.wait(0.05)
-        return 1 if any(i.failed for i in self.islands) or self._stop.is_set() else 0
+        return 1 if any(i.state is UnitState.FAILED for i in self.islands) or self._stop.is_set() else 0
 
     def shutdown(self) -> None:
+        self._sampling_done.set()
+        if self._sampler is not None:
+            self._sampler.join()  # its status call is bounded by the client's timeout
         for timer in self._timers:
             timer.cancel()
         for island in self.islands:
@@ -320,18 +299,18 @@ class Run:
             self.synchronizer.stop()
 
     def _finished_at(self) -> dict[int, float]:
-        units = {i: self.islands[0 if self.ddp else i] for i in range(self.options.islands)}
+        units = {i: self._unit(i) for i in range(self.options.islands)}
         return {i: unit.finished_at for i, unit in units.items() if unit.finished_at is not None}
 
     def report(self) -> RunReport:
         now = time.monotonic()
         method = "ddp checkpoint-restart" if self.ddp else "decoupled diloco"
-        alive = {i: self.islands[0 if self.ddp else i].alive_seconds(now) for i in range(self.options.islands)}
+        alive = {i: self._unit(i).alive_seconds(now) for i in range(self.options.islands)}
         rep = build_report(method, self.options.islands, self.samples, alive, rollback_steps=self.ddp,
                            synchronizer_restarts=self.synchronizer_downs,
                            finished_at=self._finished_at())
         rep.faults = self.fired
-        rep.restarts = {i: self.islands[0 if self.ddp else i].restarts for i in range(self.options.islands)}
+        rep.restarts = {i: self._unit(i).restarts for i in range(self.options.islands)}
         rep.recoveries_s = self.recovery.recoveries
         rep.accepted = dict(self.recovery.accepted)
         return rep
@@ -363,30 +342,7 @@ def _safe_kill(pid: int, sig: int) -> None:
         pass
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``lightning-diloco run``; ``RunOptions.from_args`` reads them."""
-    d = RunOptions()
-    parser.add_argument("--islands", type=int, default=d.islands, help="M, learner islands (default %(default)s)")
-    parser.add_argument("--devices-per-island", type=int, default=d.devices_per_island, help="DDP processes per island (DILOCO_DEVICES)")
-    parser.add_argument("--synchronizer", help="use this synchronizer (host:port[,...]) instead of starting one")
-    add_token_arguments(parser, "run's shared secret")
-    parser.add_argument("--chaos", help="fault schedule, e.g. 'kill 1 at 20s; pause 2 at 30s for 5s' or @FILE")
-    parser.add_argument("--chaos-horizon", type=float, default=d.chaos_horizon, help="seconds over which random faults are drawn")
-    parser.add_argument("--report", help="write the run report as JSON here")
-    parser.add_argument("--max-restarts", type=int, default=d.max_restarts, help="restarts per island before the run fails")
-    parser.add_argument("--restart-backoff", type=float, default=d.restart_backoff, help="first restart delay after a crash, doubling")
-    parser.add_argument("--stagger", type=float, default=d.stagger,
-                        help="start island i i x this many seconds after island 0 (islands out of phase, as on a real cluster)")
-    parser.add_argument("--liveness-timeout", type=float, default=d.liveness_timeout, help="synchronizer: seconds of silence before an island is not waited for")
-    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                        help="synchronizer: outer steps between checkpoints; a killed synchronizer loses at most this many - 1")
-    parser.add_argument("--baseline", choices=["ddp"], help="run COMMAND as one DDP job with checkpoint-restart instead")
-    parser.add_argument("--workdir", help="progress files, checkpoints and synchronizer state (default: a temporary folder)")
-    parser.add_argument("--sync", dest="synchronizer_args", action="append", default=[], metavar="ARG",
-                        help="pass ARG to the synchronizer, e.g. --sync=--min-quorum=2 or --sync=--config=run.json (repeatable)")
-
-
-def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[dict], None]] = ()) -> int:
+def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[SynchronizerStatus], None]] = ()) -> int:
     """Run ``command`` as the islands of ``options`` until every island is done; print the run
     report (and write it to ``options.report``). ``observers`` are called with each synchronizer
     status the launcher samples. Returns the exit code: 0 when every island finished."""

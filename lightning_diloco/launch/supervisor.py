@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import subprocess
@@ -26,6 +27,34 @@ def clean_environment(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+class UnitState(enum.Enum):
+    """Where a supervised process tree is in its life. Every change goes through
+    :meth:`Supervised._move`, which refuses one that :data:`TRANSITIONS` does not list."""
+
+    WAITING = "waiting"
+    """Not running; (re)started at ``due`` once one is set: a staggered start, a backoff after a
+    crash, a chaos hold."""
+    RUNNING = "running"
+    PAUSED = "paused"
+    """Stopped (SIGSTOP) by a chaos fault until ``due``."""
+    KILLED = "killed"
+    """Killed on purpose by a chaos fault: its exit is expected and it restarts ``hold_s`` later."""
+    FINISHED = "finished"
+    """Exited 0 on its own: its work is done."""
+    FAILED = "failed"
+    """Refused for good, or out of restarts: not started again."""
+
+
+TRANSITIONS: dict[UnitState, frozenset[UnitState]] = {
+    UnitState.WAITING: frozenset({UnitState.WAITING, UnitState.RUNNING}),  # a new unit is waiting, with no time set
+    UnitState.RUNNING: frozenset({UnitState.PAUSED, UnitState.KILLED, UnitState.WAITING, UnitState.FINISHED, UnitState.FAILED}),
+    UnitState.PAUSED: frozenset({UnitState.RUNNING, UnitState.KILLED, UnitState.WAITING, UnitState.FINISHED, UnitState.FAILED}),
+    UnitState.KILLED: frozenset({UnitState.WAITING, UnitState.FAILED}),
+    UnitState.FINISHED: frozenset(),
+    UnitState.FAILED: frozenset(),
+}
+
+
 class Supervised:
     """A process started in its own session so its whole tree can be signalled at once."""
 
@@ -36,17 +65,57 @@ class Supervised:
         self.proc: subprocess.Popen | None = None
         self.lifetimes: list[list[float | None]] = []  # [start, end or None] per incarnation
         self.restarts = 0
-        self.paused_until: float | None = None
-        self.done = False
+        self.state = UnitState.WAITING
+        self.due: float | None = None  # WAITING: when to start it; PAUSED: when to resume it
+        self.hold_s = 0.0  # KILLED: how long it stays down after its exit
         self.finished_at: float | None = None  # run time at which it completed its work
-        self.failed = False
-        self.restart_at: float | None = None  # when to (re)start it; None: not waiting to
-        self.hold_s = 0.0  # chaos: how long a killed unit stays down before its restart
-        self.expected_exit = False  # set when we killed it on purpose (chaos)
         self._reader: threading.Thread | None = None
         self.last_lines: deque[str] = deque(maxlen=20)  # its latest output, to say why it failed
 
+    @property
+    def done(self) -> bool:
+        return self.state in (UnitState.FINISHED, UnitState.FAILED)
+
+    def _move(self, state: UnitState, due: float | None = None) -> None:
+        if state not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"{self.name}: no transition from {self.state.value} to {state.value}")
+        self.state, self.due = state, due
+
+    def wait_until(self, due: float) -> None:
+        """Start (or restart) it at ``due``."""
+        self._move(UnitState.WAITING, due)
+
+    def pause(self, until: float) -> bool:
+        """SIGSTOP its tree until ``until``; False when it is not running (nothing to pause)."""
+        if self.state is not UnitState.RUNNING or not self.alive:
+            return False
+        self.signal(signal.SIGSTOP)
+        self._move(UnitState.PAUSED, until)
+        return True
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+        self._move(UnitState.RUNNING)
+
+    def kill(self, hold_s: float = 0.0) -> bool:
+        """SIGKILL its tree on purpose; it restarts ``hold_s`` after the exit. False when it is not
+        running (a fault cannot kill what is already down)."""
+        if self.state not in (UnitState.RUNNING, UnitState.PAUSED) or not self.alive:
+            return False
+        self._move(UnitState.KILLED)
+        self.hold_s = hold_s
+        self.signal(signal.SIGKILL)
+        return True
+
+    def finish(self, at: float) -> None:
+        self._move(UnitState.FINISHED)
+        self.finished_at = at
+
+    def fail(self) -> None:
+        self._move(UnitState.FAILED)
+
     def start(self) -> None:
+        self._move(UnitState.RUNNING)
         self.proc = subprocess.Popen(self.command, env=self.make_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, start_new_session=True)
         self.lifetimes.append([time.monotonic(), None])

@@ -15,6 +15,7 @@ import torch
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings, load_run_config
+from lightning_diloco.synchronizer.status import SynchronizerStatus
 
 log = logging.getLogger(__name__)
 
@@ -142,25 +143,25 @@ def run_status(args: argparse.Namespace) -> int:
             hint = " (pass the run's token: --token-file or $DILOCO_TOKEN)" if err.reason == Reason.UNAUTHENTICATED else ""
             raise ValueError(f"{err}{hint}") from None
     if args.json:
-        print(json.dumps(shards, indent=2))
+        print(json.dumps([st.to_dict() for st in shards], indent=2))
         return 0
     for st in shards:
         print(format_status(st))
     return 0
 
 
-def format_status(st: dict) -> str:
+def format_status(st: SynchronizerStatus) -> str:
     lines = [
-        f"shard {st['shard']}/{st['num_shards']}  layout {st['layout_hash'] or '-'}  outer steps {st['outer_steps']}  "
-        f"quorum K={st['min_quorum']}  live islands {st['live_islands']}",
-        f"bytes in {st['bytes_in']:,}  out {st['bytes_out']:,}  accepted {st['accepted'] or {}}  refused {st['refused'] or {}}",
+        f"shard {st.shard}/{st.num_shards}  layout {st.layout_hash or '-'}  outer steps {st.outer_steps}  "
+        f"quorum K={st.min_quorum}  live islands {st.live_islands}",
+        f"bytes in {st.bytes_in:,}  out {st.bytes_out:,}  accepted {st.accepted}  refused {st.refused}",
         f"{'island':>6} {'live':>5} {'steps':>8} {'step s':>8} {'accepted':>9} {'seen s ago':>10}",
     ]
-    for i, isl in st["islands"].items():
-        lines.append(f"{i:>6} {'yes' if isl['live'] else 'no':>5} {isl['steps']:>8} {isl['step_time_s']:>8.3f} {isl['accepted']:>9} {isl['seen_s_ago']:>10.1f}")
+    for i, isl in st.islands.items():
+        lines.append(f"{i:>6} {'yes' if isl.live else 'no':>5} {isl.steps:>8} {isl.step_time_s:>8.3f} {isl.accepted:>9} {isl.seen_s_ago:>10.1f}")
     lines.append(f"{'frag':>6} {'version':>8} {'open':>5} {'last K':>7} {'grace s':>8}  reason")
-    for p, r in st["rounds"].items():
-        version = st["versions"].get(p, st["versions"].get(str(p), -1))
-        lines.append(f"{p:>6} {version:>8} {r['open_contributors']:>5} {r.get('contributors', '-'):>7} "
-                     f"{r.get('grace_wait_s', 0.0):>8.3f}  {r.get('reason', '')}")
+    for p, r in st.rounds.items():
+        last = r.last
+        lines.append(f"{p:>6} {st.versions.get(p, -1):>8} {r.open_contributors:>5} {last.contributors if last else '-':>7} "
+                     f"{last.grace_wait_s if last else 0.0:>8.3f}  {last.reason if last else ''}")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from lightning_diloco.synchronizer.rounds import RoundRequest
+from lightning_diloco.synchronizer.status import IslandStatus
 
 MAX_ISLANDS = 10_000
 MAX_STEP_TIME = 3600.0  # seconds: a reported step time beyond this is not a step time
@@ -174,19 +175,14 @@ class Membership:
                     self.members[i].accepted += 1
                     self.members[i].merged_at = now
 
-    def status(self, now: float) -> dict[int, dict]:
+    def status(self, now: float) -> dict[int, IslandStatus]:
         live = self.live(now)
         with self.lock:
             return {
-                i: {
-                    "live": i in live,
-                    "world_size": m.world_size,
-                    "steps": m.steps,
-                    "schedule_step": m.schedule_step,
-                    "step_time_s": m.step_time,
-                    "accepted": m.accepted,
-                    "seen_s_ago": now - m.last_seen,
-                    "merged_s_ago": None if m.merged_at is None else now - m.merged_at,
-                }
+                i: IslandStatus(
+                    live=i in live, world_size=m.world_size, steps=m.steps, schedule_step=m.schedule_step,
+                    step_time_s=m.step_time, accepted=m.accepted, seen_s_ago=now - m.last_seen,
+                    merged_s_ago=None if m.merged_at is None else now - m.merged_at,
+                )
                 for i, m in sorted(self.members.items())
             }

@@ -14,20 +14,20 @@ class SynchronizerCollector:
 
     def collect(self):
         st = self.service.status()
-        yield GaugeMetricFamily("diloco_live_islands", "Islands within the liveness timeout", value=len(st["live_islands"]))
-        yield CounterMetricFamily("diloco_outer_steps", "Outer steps applied by this shard", value=st["outer_steps"])
-        yield CounterMetricFamily("diloco_bytes_in", "Payload bytes received", value=st["bytes_in"])
-        yield CounterMetricFamily("diloco_bytes_out", "Payload bytes sent", value=st["bytes_out"])
+        yield GaugeMetricFamily("diloco_live_islands", "Islands within the liveness timeout", value=len(st.live_islands))
+        yield CounterMetricFamily("diloco_outer_steps", "Outer steps applied by this shard", value=st.outer_steps)
+        yield CounterMetricFamily("diloco_bytes_in", "Payload bytes received", value=st.bytes_in)
+        yield CounterMetricFamily("diloco_bytes_out", "Payload bytes sent", value=st.bytes_out)
         accepted = CounterMetricFamily("diloco_contributions_accepted", "Contributions accepted", labels=["kind"])
-        for kind, n in st["accepted"].items():
+        for kind, n in st.accepted.items():
             accepted.add_metric([kind], n)
         yield accepted
         refused = CounterMetricFamily("diloco_contributions_refused", "Requests refused", labels=["reason"])
-        for reason, n in st["refused"].items():
+        for reason, n in st.refused.items():
             refused.add_metric([reason], n)
         yield refused
         version = GaugeMetricFamily("diloco_fragment_version", "Global fragment version", labels=["fragment"])
-        for p, v in st["versions"].items():
+        for p, v in st.versions.items():
             version.add_metric([str(p)], v)
         yield version
 

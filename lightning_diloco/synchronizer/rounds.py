@@ -32,6 +32,7 @@ from lightning_diloco.core.guard import InfluenceGuard
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.state import FragmentState
+from lightning_diloco.synchronizer.status import LastClose, RoundStatus
 
 
 class SequenceError(ValueError):
@@ -93,9 +94,9 @@ class ClosedRound:
     reason: str
     closed_at: float
 
-    def to_dict(self) -> dict:
-        return {"last_round": self.round, "version": self.version, "contributors": len(self.islands), "late": self.late,
-                "clipped": self.clipped, "dropped": self.dropped, "grace_wait_s": self.grace_wait_s, "reason": self.reason}
+    def summary(self) -> LastClose:
+        return LastClose(self.round, self.version, len(self.islands), self.late, self.clipped, self.dropped,
+                         self.grace_wait_s, self.reason)
 
 
 @dataclass
@@ -294,23 +295,15 @@ class FragmentRounds:
         return VersionUpdate(self.fragment, frag.version, base_version, produced_by, codec.name, payload,
                              self.merged_in.get(island, -1) > have)
 
-    def status(self) -> dict:
+    def status(self) -> RoundStatus:
         t = self.totals
-        return {
-            "round": self.index,
-            "open": self.opened_at is not None,
-            "open_contributors": len(self.islands()),
-            "waiting_late": sum(e.sent_for < self.index for e in self.entries.values()),
-            "closed": t.closed,
-            "merged_entries": t.entries,
-            "merged_late": t.late,
-            "superseded": t.superseded,
-            "clipped": t.clipped,
-            "dropped": t.dropped,
-            "grace_wait_total_s": t.grace_wait_s,
-            "grace_wait_max_s": t.grace_wait_max_s,
-            **(self.last.to_dict() if self.last else {}),
-        }
+        return RoundStatus(
+            round=self.index, open=self.opened_at is not None, open_contributors=len(self.islands()),
+            waiting_late=sum(e.sent_for < self.index for e in self.entries.values()),
+            closed=t.closed, merged_entries=t.entries, merged_late=t.late, superseded=t.superseded,
+            clipped=t.clipped, dropped=t.dropped, grace_wait_total_s=t.grace_wait_s,
+            grace_wait_max_s=t.grace_wait_max_s, last=self.last.summary() if self.last else None,
+        )
 
 
 @dataclass

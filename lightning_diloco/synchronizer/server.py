@@ -8,25 +8,27 @@ from __future__ import annotations
 
 import functools
 import hmac
-import threading
 import json
 import logging
 import math
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
 import grpc
+
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.rounds import RoundRequest
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
+from lightning_diloco.synchronizer.rounds import RoundRequest
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
+from lightning_diloco.transport.status import status_to_message
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +189,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
 
     @_handler
     def Status(self, request, context):
-        return pb.StatusReply(json=json.dumps(self.service.status()))
+        return status_to_message(self.service.status())
 
 
 class SynchronizerServer:

@@ -32,10 +32,11 @@ from lightning_diloco.core import checkpoints
 from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec
 from lightning_diloco.core.config import CODECS, RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
-from lightning_diloco.core.schedule import due_step, fragment_offsets
+from lightning_diloco.core.schedule import due_step, fragment_offsets, latest_round
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.closers import CLOSER_TICK, Closers
+from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer
 from lightning_diloco.synchronizer.membership import Membership, SessionError
 from lightning_diloco.synchronizer.requests import (
@@ -55,6 +56,7 @@ from lightning_diloco.synchronizer.rounds import (
     SequenceError,
     VersionUpdate,
 )
+from lightning_diloco.synchronizer.status import SynchronizerStatus
 
 log = logging.getLogger(__name__)
 
@@ -237,12 +239,6 @@ class Synchronizer:
                     from_rounds = max(from_rounds, due_step(frag.next_round - 1, self.offsets[p], H))
         return max(self.membership.run_step(now), from_rounds)
 
-    def _clock_round(self, fragment: int, now: float) -> int:
-        """The latest round of ``fragment`` due on the live islands' clock (-1: none yet)."""
-        step = self.membership.run_step(now)
-        offset, H = self.offsets[fragment], self.config.schedule.sync_every
-        return (step - offset) // H if step >= offset and step > 0 else -1
-
     def versions(self) -> dict[int, int]:
         """Fragment versions this shard owns; -1 for a fragment not seeded yet."""
         state = self.state
@@ -336,7 +332,9 @@ class Synchronizer:
             norm = float(torch.linalg.vector_norm(outer_gradient, dtype=torch.float64))
             entry = Entry(c.island, c.seq, c.round, c.base_version, outer_gradient, c.tokens, c.steps, norm, digest)
             try:
-                ack = rounds.add(entry, now, self._clock_round(c.fragment, now))
+                # the latest round due on the live islands' clock
+                due = latest_round(self.membership.run_step(now), self.offsets[c.fragment], self.config.schedule.sync_every)
+                ack = rounds.add(entry, now, due)
             except SequenceError as err:
                 raise self.refuse(Reason.SEQUENCE_REUSED if err.reused else Reason.OLD_SEQUENCE, str(err)) from None
         H = self.config.schedule.sync_every
@@ -366,29 +364,12 @@ class Synchronizer:
         """
         self._check_session(island, session, "subscription")
         delivered = {p: int(versions.get(p, -1)) for p in self.rounds}
-        return self._events(island, self.membership.subscribed(island), delivered, active, tick)
+        return island_events(island, self.membership.subscribed(island), delivered, self.membership, self.rounds,
+                             self.config.codec, self._count_bytes_out, lambda: active() and not self.closing.is_set(), tick)
 
-    def _events(self, island: int, subscription: int, delivered: dict[int, int], active,
-                tick: float) -> Iterator[RoundRequest | VersionUpdate]:
-        changed = self.membership.changed
-        while not self.closing.is_set() and active():
-            with changed:
-                if not self.membership.is_current(island, subscription):
-                    return
-                requests = self.membership.take_requests(island)
-                behind = [p for p, r in self.rounds.items() if r.frag is not None and r.frag.version != delivered[p]]
-                if not requests and not behind:
-                    changed.wait(tick)
-                    continue
-            yield from requests
-            for p in behind:
-                rounds = self.rounds[p]
-                with rounds.cond:
-                    update = rounds.publish(island, delivered[p], self.config.codec)
-                with self.lock:
-                    self.bytes_out += update.payload.numel()
-                delivered[p] = update.version
-                yield update
+    def _count_bytes_out(self, n: int) -> None:
+        with self.lock:
+            self.bytes_out += n
 
     # ---- durability and status ----------------------------------------------------------------
 
@@ -400,38 +381,23 @@ class Synchronizer:
         """A consistent copy of the state (each fragment copied under its own lock)."""
         return self.checkpointer.snapshot()
 
-    def status(self) -> dict:
+    def status(self) -> SynchronizerStatus:
         now = self.clock()
-        live = self.live_islands(now)
-        islands = self.membership.status(now)
-        with self.lock:
-            counters = {
-                "accepted": dict(self.accepted),
-                "refused": dict(self.refused),
-                "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out,
-                "checkpoint_failures": self.checkpointer.failures,
-                "last_checkpoint_error": self.checkpointer.last_error,
-                "last_checkpoint_outer_steps": self.checkpointer.last_steps,
-            }
+        live, islands = self.live_islands(now), self.membership.status(now)
+        versions, run_step = self.versions(), self.run_step(now)
         rounds = {}
         for p, r in self.rounds.items():
             with r.cond:
                 rounds[p] = r.status()
-        return {
-            "shard": self.shard,
-            "num_shards": self.num_shards,
-            "incarnation": self.incarnation,
-            "layout_hash": self.state.layout.hash if self.state else "",
-            "outer_steps": self.state.outer_steps if self.state else 0,
-            "versions": self.versions(),
-            "run_step": self.run_step(now),
-            "sync_every": self.config.schedule.sync_every,
-            "num_fragments": self.config.schedule.num_fragments,
-            "min_quorum": self.config.merge.min_quorum,
-            "adjustments": list(self.adjustments),
-            "live_islands": sorted(live),
-            "islands": islands,
-            "rounds": rounds,
-            **counters,
-        }
+        with self.lock:
+            return SynchronizerStatus(
+                shard=self.shard, num_shards=self.num_shards, incarnation=self.incarnation,
+                layout_hash=self.state.layout.hash if self.state else "",
+                outer_steps=self.state.outer_steps if self.state else 0, run_step=run_step,
+                sync_every=self.config.schedule.sync_every, num_fragments=self.config.schedule.num_fragments,
+                min_quorum=self.config.merge.min_quorum, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+                checkpoint_failures=self.checkpointer.failures, last_checkpoint_error=self.checkpointer.last_error,
+                last_checkpoint_outer_steps=self.checkpointer.last_steps, versions=versions,
+                live_islands=sorted(live), islands=islands, rounds=rounds, accepted=dict(self.accepted),
+                refused=dict(self.refused), adjustments=list(self.adjustments),
+            )

@@ -14,6 +14,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from lightning_diloco.synchronizer.status import SynchronizerStatus
+
 REFRESH_S = 2
 
 STYLE = """
@@ -25,51 +27,48 @@ th { background: #f3f3f3; } td:first-child, th:first-child { text-align: left; }
 """
 
 
-def render(status: dict) -> str:
-    """The page for one Status dict (one shard)."""
+def render(status: SynchronizerStatus) -> str:
+    """The page for one shard's status."""
     e = html.escape
-    islands = status["islands"]
-    h = status.get("sync_every") or 1
-    live = len(status["live_islands"])
+    h = status.sync_every or 1
     summary = [
-        f"run step {status['run_step']}", f"outer steps {status['outer_steps']}",
-        f"islands live {live} of {len(islands)}", f"quorum K = {status['min_quorum']}",
-        f"H = {h}, P = {status['num_fragments']}",
-        f"bytes in {_mb(status['bytes_in'])}, out {_mb(status['bytes_out'])}",
+        f"run step {status.run_step}", f"outer steps {status.outer_steps}",
+        f"islands live {len(status.live_islands)} of {len(status.islands)}", f"quorum K = {status.min_quorum}",
+        f"H = {h}, P = {status.num_fragments}",
+        f"bytes in {_mb(status.bytes_in)}, out {_mb(status.bytes_out)}",
     ]
     rows = []
-    for i, isl in sorted(islands.items(), key=lambda kv: int(kv[0])):
-        rate = f"{1.0 / isl['step_time_s']:.2f}" if isl["step_time_s"] > 0 else "-"
-        merged = "never" if isl.get("merged_s_ago") is None else f"{isl['merged_s_ago']:.1f} s ago"
+    for i, isl in sorted(status.islands.items()):
+        rate = f"{1.0 / isl.step_time_s:.2f}" if isl.step_time_s > 0 else "-"
+        merged = "never" if isl.merged_s_ago is None else f"{isl.merged_s_ago:.1f} s ago"
         rows.append(_row([
-            e(str(i)), "live" if isl["live"] else '<span class="down">down</span>', str(isl["world_size"]),
-            str(isl["steps"]), f"{isl['schedule_step'] % h} / {h}", rate, str(isl["accepted"]), merged,
-            f"{isl['seen_s_ago']:.1f} s ago",
+            str(i), "live" if isl.live else '<span class="down">down</span>', str(isl.world_size),
+            str(isl.steps), f"{isl.schedule_step % h} / {h}", rate, str(isl.accepted), merged,
+            f"{isl.seen_s_ago:.1f} s ago",
         ]))
-    versions = {str(k): v for k, v in status["versions"].items()}
     fragments = []
-    for p, r in sorted(status["rounds"].items(), key=lambda kv: int(kv[0])):
-        closed = max(1, r["closed"])
+    for p, r in sorted(status.rounds.items()):
+        closed = max(1, r.closed)
         fragments.append(_row([
-            e(str(p)), str(versions.get(str(p), "-")), str(r["round"]) if r["round"] >= 0 else "-",
-            f"{r['open_contributors']}" + (f" ({r['waiting_late']} late)" if r.get("waiting_late") else ""),
-            str(r["closed"]), f"{r['merged_entries'] / closed:.2f}", str(r["merged_late"]),
-            f"{r['grace_wait_total_s'] / closed:.3f} / {r['grace_wait_max_s']:.3f}",
-            e(str(r.get("reason", "-"))),
+            str(p), str(status.versions.get(p, "-")), str(r.round) if r.round >= 0 else "-",
+            f"{r.open_contributors}" + (f" ({r.waiting_late} late)" if r.waiting_late else ""),
+            str(r.closed), f"{r.merged_entries / closed:.2f}", str(r.merged_late),
+            f"{r.grace_wait_total_s / closed:.3f} / {r.grace_wait_max_s:.3f}",
+            e(r.last.reason) if r.last else "-",
         ]))
-    refused = ", ".join(f"{e(k)} {v}" for k, v in sorted(status["refused"].items())) or "none"
-    accepted = ", ".join(f"{e(k)} {v}" for k, v in sorted(status["accepted"].items())) or "none"
+    refused = ", ".join(f"{e(k)} {v}" for k, v in sorted(status.refused.items())) or "none"
+    accepted = ", ".join(f"{e(k)} {v}" for k, v in sorted(status.accepted.items())) or "none"
     notes = [f"refused: {refused}", f"accepted: {accepted}"]
-    if status.get("checkpoint_failures"):
-        notes.append(f'<span class="down">checkpoint writes failed: {status["checkpoint_failures"]} '
-                     f'({e(str(status.get("last_checkpoint_error")))})</span>')
-    notes += [e(a) for a in status.get("adjustments", [])]
+    if status.checkpoint_failures:
+        notes.append(f'<span class="down">checkpoint writes failed: {status.checkpoint_failures} '
+                     f'({e(status.last_checkpoint_error)})</span>')
+    notes += [e(a) for a in status.adjustments]
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
-<title>lightning_diloco synchronizer: step {status['run_step']}</title><style>{STYLE}</style></head>
+<title>lightning_diloco synchronizer: step {status.run_step}</title><style>{STYLE}</style></head>
 <body>
-<h1>Decoupled DiLoCo synchronizer <span class="muted">shard {status['shard']} of {status['num_shards']},
-incarnation {e(str(status['incarnation']))}</span></h1>
+<h1>Decoupled DiLoCo synchronizer <span class="muted">shard {status.shard} of {status.num_shards},
+incarnation {e(status.incarnation)}</span></h1>
 <p class="summary">{''.join(f'<span>{s}</span>' for s in summary)}</p>
 <h2>Islands</h2>
 <table id="islands"><tr><th>island</th><th>state</th><th>processes</th><th>steps</th><th>phase in H</th>
@@ -94,7 +93,7 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def serve_status_page(status: Callable[[], dict], port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+def serve_status_page(status: Callable[[], SynchronizerStatus], port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
     """Serve the page on a daemon thread; ``server.shutdown(); server.server_close()`` stops it."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -104,7 +103,7 @@ def serve_status_page(status: Callable[[], dict], port: int, host: str = "127.0.
                 self.send_error(404, "the status page is at / and its data at /status.json")
                 return
             current = status()
-            body = (json.dumps(current, default=str) if path == "/status.json" else render(current)).encode()
+            body = (json.dumps(current.to_dict()) if path == "/status.json" else render(current)).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json" if path == "/status.json" else "text/html; charset=utf-8")
             self.send_header("Content-Length", str(len(body)))

@@ -28,9 +28,11 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.reasons import REJOIN, Reason
+from lightning_diloco.synchronizer.status import SynchronizerStatus
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
+from lightning_diloco.transport.status import status_from_message
 from lightning_diloco.transport.subscription import Subscription, VersionEvent
 
 log = logging.getLogger(__name__)
@@ -308,9 +310,9 @@ class SynchronizerClient:
             self._subscriptions.append(subscription)
         return subscription.start()
 
-    def status(self, shard: int = 0) -> dict:
+    def status(self, shard: int = 0) -> SynchronizerStatus:
         reply = self._call("status", lambda: self.stubs[shard].Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
-        return json.loads(reply.json)
+        return status_from_message(reply)
 
     def close(self) -> None:
         with self._lock:

@@ -223,8 +223,153 @@ class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class IslandStatus(_message.Message):
+    __slots__ = ("live", "world_size", "steps", "schedule_step", "step_time_s", "accepted", "seen_s_ago", "merged_s_ago")
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    MERGED_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    live: bool
+    world_size: int
+    steps: int
+    schedule_step: int
+    step_time_s: float
+    accepted: int
+    seen_s_ago: float
+    merged_s_ago: float
+    def __init__(self, live: _Optional[bool] = ..., world_size: _Optional[int] = ..., steps: _Optional[int] = ..., schedule_step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., accepted: _Optional[int] = ..., seen_s_ago: _Optional[float] = ..., merged_s_ago: _Optional[float] = ...) -> None: ...
+
+class LastClose(_message.Message):
+    __slots__ = ("round", "version", "contributors", "late", "clipped", "dropped", "grace_wait_s", "reason")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    GRACE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    version: int
+    contributors: int
+    late: int
+    clipped: int
+    dropped: int
+    grace_wait_s: float
+    reason: str
+    def __init__(self, round: _Optional[int] = ..., version: _Optional[int] = ..., contributors: _Optional[int] = ..., late: _Optional[int] = ..., clipped: _Optional[int] = ..., dropped: _Optional[int] = ..., grace_wait_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RoundStatus(_message.Message):
+    __slots__ = ("round", "open", "open_contributors", "waiting_late", "closed", "merged_entries", "merged_late", "superseded", "clipped", "dropped", "grace_wait_total_s", "grace_wait_max_s", "last")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_LATE_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    MERGED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MERGED_LATE_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    GRACE_WAIT_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    GRACE_WAIT_MAX_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    open: bool
+    open_contributors: int
+    waiting_late: int
+    closed: int
+    merged_entries: int
+    merged_late: int
+    superseded: int
+    clipped: int
+    dropped: int
+    grace_wait_total_s: float
+    grace_wait_max_s: float
+    last: LastClose
+    def __init__(self, round: _Optional[int] = ..., open: _Optional[bool] = ..., open_contributors: _Optional[int] = ..., waiting_late: _Optional[int] = ..., closed: _Optional[int] = ..., merged_entries: _Optional[int] = ..., merged_late: _Optional[int] = ..., superseded: _Optional[int] = ..., clipped: _Optional[int] = ..., dropped: _Optional[int] = ..., grace_wait_total_s: _Optional[float] = ..., grace_wait_max_s: _Optional[float] = ..., last: _Optional[_Union[LastClose, _Mapping]] = ...) -> None: ...
+
 class StatusReply(_message.Message):
-    __slots__ = ("json",)
-    JSON_FIELD_NUMBER: _ClassVar[int]
-    json: str
-    def __init__(self, json: _Optional[str] = ...) -> None: ...
+    __slots__ = ("shard", "num_shards", "incarnation", "layout_hash", "outer_steps", "run_step", "sync_every", "num_fragments", "min_quorum", "bytes_in", "bytes_out", "checkpoint_failures", "last_checkpoint_error", "last_checkpoint_outer_steps", "versions", "live_islands", "islands", "rounds", "accepted", "refused", "adjustments")
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class IslandsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: IslandStatus
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[IslandStatus, _Mapping]] = ...) -> None: ...
+    class RoundsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: RoundStatus
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[RoundStatus, _Mapping]] = ...) -> None: ...
+    class AcceptedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RefusedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_OUTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ADJUSTMENTS_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    num_shards: int
+    incarnation: str
+    layout_hash: str
+    outer_steps: int
+    run_step: int
+    sync_every: int
+    num_fragments: int
+    min_quorum: int
+    bytes_in: int
+    bytes_out: int
+    checkpoint_failures: int
+    last_checkpoint_error: str
+    last_checkpoint_outer_steps: int
+    versions: _containers.ScalarMap[int, int]
+    live_islands: _containers.RepeatedScalarFieldContainer[int]
+    islands: _containers.MessageMap[int, IslandStatus]
+    rounds: _containers.MessageMap[int, RoundStatus]
+    accepted: _containers.ScalarMap[str, int]
+    refused: _containers.ScalarMap[str, int]
+    adjustments: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., incarnation: _Optional[str] = ..., layout_hash: _Optional[str] = ..., outer_steps: _Optional[int] = ..., run_step: _Optional[int] = ..., sync_every: _Optional[int] = ..., num_fragments: _Optional[int] = ..., min_quorum: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ..., last_checkpoint_outer_steps: _Optional[int] = ..., versions: _Optional[_Mapping[int, int]] = ..., live_islands: _Optional[_Iterable[int]] = ..., islands: _Optional[_Mapping[int, IslandStatus]] = ..., rounds: _Optional[_Mapping[int, RoundStatus]] = ..., accepted: _Optional[_Mapping[str, int]] = ..., refused: _Optional[_Mapping[str, int]] = ..., adjustments: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -57,8 +57,7 @@ def test_absurd_token_counts_cannot_drown_an_honest_island(target, tokens):
         step = target.snapshot()[0] - base
         assert all_finite({0: step}) and not ack.late
         # the attacker counts at most 4 x the run's tokens per step: the honest island is not a rounding error
-        status = target.service.status()["rounds"][0]
-        assert status["merged_entries"] >= 2
+        assert target.service.status().rounds[0].merged_entries >= 2
         assert float(step.norm()) < 10 * 2 * float(honest_delta.norm())
     finally:
         attacker.close()
@@ -89,7 +88,7 @@ def test_an_infinite_step_time_does_not_stall_the_rounds(target):
         # the run is at step 10: round 2 of fragment 0 (H = 4, offset 2)
         target.push(target.honest, 0, 0, torch.zeros(layout(target.config).fragment_numel(0)), round=2, seq=1)
         target.settle(0, 1)  # closed: a step time of inf is ignored, so the grace window stays bounded
-        assert target.service.status()["islands"][1]["step_time_s"] < 3600
+        assert target.service.status().islands[1].step_time_s < 3600
     finally:
         attacker.close()
 
@@ -150,7 +149,7 @@ def test_a_first_joiner_with_an_impossible_layout_is_refused_and_nothing_is_adop
         with pytest.raises(grpc.RpcError) as err:
             client.stubs[0].Join(request, timeout=5)
         assert err.value.details().startswith("layout_mismatch")
-        assert server.service.state is None and server.service.status()["layout_hash"] == ""
+        assert server.service.state is None and server.service.status().layout_hash == ""
         assert client.join(0, 1, SPECS).layout_hash  # an honest island can still start the run
     finally:
         client.close()
@@ -200,4 +199,4 @@ def test_phantom_islands_are_bounded_and_forgotten(target, monkeypatch):
     monkeypatch.setattr(target.service, "clock", lambda: clock() + 10_000)
     target.honest.heartbeat(0, 1, 0.1)  # rejoins: its own session was forgotten too
     stub.Join(pb.JoinRequest(island=5, world_size=1, tensors=request), timeout=5)  # pruning happens at join
-    assert len(target.service.status()["islands"]) <= 3
+    assert len(target.service.status().islands) <= 3

@@ -92,10 +92,10 @@ def test_sigkill_under_load_loses_nothing_checkpointed_and_clients_carry_on(tmp_
         proc, _ = _start(tmp_path, port)  # same port: the clients reconnect by themselves
         restarted = SynchronizerClient(address).status()
         # nothing checkpointed is lost: the restart is at the last checkpoint on disk, or later
-        assert restarted["outer_steps"] >= on_disk["outer_steps"] > 0
-        lost = before["outer_steps"] - restarted["outer_steps"]
+        assert restarted.outer_steps >= on_disk["outer_steps"] > 0
+        lost = before.outer_steps - restarted.outer_steps
         print(f"\n[crash] {CLIENTS} clients, {acks_at_kill} contributions acked before the kill, outer steps seen "
-              f"{before['outer_steps']}, on disk {on_disk['outer_steps']}, after restart {restarted['outer_steps']} "
+              f"{before.outer_steps}, on disk {on_disk['outer_steps']}, after restart {restarted.outer_steps} "
               f"(lost {max(0, lost)}), errors while it was down {len(errors)}, synchronizer RSS over the load (MB) "
               f"{[round(r) for r in rss]}")
         assert rss[-1] < rss[1] * 1.5 + 50  # a plateau, not a climb
@@ -104,7 +104,7 @@ def test_sigkill_under_load_loses_nothing_checkpointed_and_clients_carry_on(tmp_
         for t in threads:
             t.join(60)
         final = clients[0].status()
-        assert final["outer_steps"] > restarted["outer_steps"]  # the clients carried on against the new process
+        assert final.outer_steps > restarted.outer_steps  # the clients carried on against the new process
         assert sum(acks) > acks_at_kill
         assert all(torch.isfinite(clients[0].pull(p)[1]).all() for p in range(2))
     finally:

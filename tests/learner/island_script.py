@@ -33,7 +33,7 @@ class WaitForAllIslands(Callback):
     def on_train_start(self, trainer, pl_module):
         link = trainer.strategy.learner.link
         deadline = time.monotonic() + 120
-        while link is not None and len(link.status()["live_islands"]) < self.num_islands:
+        while link is not None and len(link.status().live_islands) < self.num_islands:
             assert time.monotonic() < deadline, "the other islands never joined"
             time.sleep(0.1)
 

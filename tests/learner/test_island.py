@@ -159,7 +159,7 @@ def test_an_island_asked_for_a_round_sends_at_its_next_step_in_phase_with_the_ru
     assert second.counters["requested"] == 1 and second.sent_round == [1]  # it sent for round 1 ...
     assert second.schedule_step == 4 and second.counters["realigned"] == 1  # ... and jumped to the run's step
     _settle(first), _settle(second)
-    assert service.status()["rounds"][0]["contributors"] == 2  # both in the same round
+    assert service.status().rounds[0].last.contributors == 2  # both in the same round
 
 
 def test_a_send_merged_into_an_earlier_open_round_ends_its_flight_with_that_round(islands):

@@ -60,8 +60,8 @@ def test_two_islands_contribute_and_end_on_the_same_global_model(tmp_path):
     results = [torch.load(tmp_path / f"island{i}" / "rank0.pt", weights_only=False) for i in range(2)]
     # each island saw its own half of the data: 512 samples / 2 islands / batch 16 = 16 steps per epoch
     assert [r["steps"] for r in results] == [32, 32]
-    assert all(isl["accepted"] >= 8 for isl in status["islands"].values()), status["islands"]
-    assert status["accepted"]["merged"] == sum(isl["accepted"] for isl in status["islands"].values())
+    assert all(isl.accepted >= 8 for isl in status.islands.values()), status.islands
+    assert status.accepted["merged"] == sum(isl.accepted for isl in status.islands.values())
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         assert torch.equal(a, b)
 
@@ -93,12 +93,12 @@ def test_islands_started_out_of_phase_share_one_round_per_due_step(tmp_path):
         server.stop(grace=0)
     results = [torch.load(tmp_path / f"island{i}" / "rank0.pt", weights_only=False) for i in range(2)]
     schedule = max(r["metrics"]["diloco/schedule_step"] for r in results)
-    for p, rounds in status["rounds"].items():
-        assert rounds["closed"] <= schedule / 4 + 1, (p, rounds, schedule)  # at most one step per round
-    merged = sum(r["merged_entries"] for r in status["rounds"].values())
-    assert merged / sum(r["closed"] for r in status["rounds"].values()) > 1.3  # most rounds hold both islands
+    for p, rounds in status.rounds.items():
+        assert rounds.closed <= schedule / 4 + 1, (p, rounds, schedule)  # at most one step per round
+    merged = sum(r.merged_entries for r in status.rounds.values())
+    assert merged / sum(r.closed for r in status.rounds.values()) > 1.3  # most rounds hold both islands
     assert results[1]["metrics"]["diloco/schedule_step"] > results[1]["steps"]  # the late one started at the run's step
-    assert all(isl["accepted"] >= 8 for isl in status["islands"].values()), status["islands"]
+    assert all(isl.accepted >= 8 for isl in status.islands.values()), status.islands
 
 
 def test_an_island_of_two_ddp_processes_stays_consistent(tmp_path):

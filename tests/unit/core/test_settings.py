@@ -7,14 +7,17 @@ import typing
 
 import pytest
 
+from lightning_diloco.core import presets
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.settings import (
     add_setting_arguments,
+    changed_settings,
     config_with,
     given_settings,
     load_run_config,
     run_settings,
     setting,
+    setting_flags,
     value_of,
 )
 from lightning_diloco.synchronizer.main import add_synchronizer_arguments, run_config_from_args
@@ -44,8 +47,7 @@ def test_every_setting_can_be_set_on_the_synchronizer_command_line(name):
     value = sample_setting_value(s)
     parser = argparse.ArgumentParser()
     add_synchronizer_arguments(parser)
-    flag = (s.flag if value else "--no-" + s.flag[2:]) if s.type is bool else f"{s.flag}={value}"
-    config = run_config_from_args(parser.parse_args([flag]))
+    config = run_config_from_args(parser.parse_args(setting_flags({name: value})))
     assert value_of(config, name) == value
     assert config_with({name: value}) == config
 
@@ -94,3 +96,18 @@ def test_sync_every_alone_lowers_num_fragments_and_unknown_names_are_refused():
         config_with({"quorum": 2})
     with pytest.raises(ValueError, match="min_quorum=0"):
         config_with({"min_quorum": 0})
+
+
+@pytest.mark.parametrize("preset", [presets.paper(), presets.small_model(4), presets.large_model(sync_every=500, num_fragments=22)])
+def test_a_preset_is_its_changed_settings_and_they_survive_the_command_line(preset):
+    changed = changed_settings(preset)
+    assert config_with(changed) == preset
+    parser = argparse.ArgumentParser()
+    add_setting_arguments(parser)
+    assert given_settings(parser.parse_args(setting_flags(changed))) == changed
+    assert changed_settings(presets.paper()) == {}  # the paper's settings are the library's defaults
+
+
+def test_a_preset_that_breaks_an_invariant_is_refused_when_called():
+    with pytest.raises(ValueError, match="num_fragments"):
+        presets.large_model(sync_every=4, num_fragments=8)

@@ -3,6 +3,7 @@
 import pytest
 
 from lightning_diloco.launch.report import RecoveryClock, Sample, build_report, downtime, useful_time
+from lightning_diloco.synchronizer.status import IslandStatus, SynchronizerStatus
 
 
 def test_useful_time_credits_every_advancing_interval():
@@ -55,7 +56,11 @@ def test_goodput_is_useful_over_allocated_island_time():
 
 
 def _status(incarnation, **accepted):
-    return {"incarnation": incarnation, "islands": {i[1:]: {"accepted": n} for i, n in accepted.items()}}
+    islands = {int(i[1:]): IslandStatus(live=True, world_size=1, steps=0, schedule_step=0, step_time_s=0.1, accepted=n,
+                                        seen_s_ago=0.0) for i, n in accepted.items()}
+    return SynchronizerStatus(shard=0, num_shards=1, incarnation=incarnation, layout_hash="h", outer_steps=0, run_step=0,
+                              sync_every=1, num_fragments=1, min_quorum=1, bytes_in=0, bytes_out=0, checkpoint_failures=0,
+                              last_checkpoint_error="", last_checkpoint_outer_steps=0, islands=islands)
 
 
 def test_recovery_is_the_first_contribution_accepted_after_a_restart():

@@ -3,13 +3,16 @@
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.settings import config_with
-from lightning_diloco.launch.run import Run, RunOptions, add_run_arguments
+from lightning_diloco.launch.options import RunOptions, add_run_arguments
+from lightning_diloco.launch.run import Run
+from lightning_diloco.launch.supervisor import UnitState
 
 
 def _run(tmp_path, *argv):
@@ -59,12 +62,17 @@ def test_a_thread_count_the_user_set_is_kept(tmp_path, monkeypatch):
 
 def test_staggered_islands_wait_their_turn(tmp_path, monkeypatch):
     started = []
-    monkeypatch.setattr("lightning_diloco.launch.supervisor.Supervised.start", lambda self: started.append(self.name))
+
+    def start(self):
+        self._move(UnitState.RUNNING)
+        started.append(self.name)
+
+    monkeypatch.setattr("lightning_diloco.launch.supervisor.Supervised.start", start)
     monkeypatch.setattr("lightning_diloco.transport.client.SynchronizerClient.__init__", lambda self, *a, **k: None)
     run = _run(tmp_path, "--islands", "3", "--stagger", "3", "--synchronizer", "127.0.0.1:1")
     run.start()
     assert started == ["island 0"]
-    assert [u.restart_at - run.t0 for u in run.islands[1:]] == [3.0, 6.0]
+    assert [(u.state, u.due - run.t0) for u in run.islands[1:]] == [(UnitState.WAITING, 3.0), (UnitState.WAITING, 6.0)]
     run._handle_exits(run.t0 + 3.5)
     assert started == ["island 0", "island 1"] and run.islands[1].restarts == 0  # a first start, not a restart
 
@@ -92,3 +100,49 @@ def test_a_restarted_island_without_a_checkpoint_is_told_it_trains_its_steps_aga
     assert without_checkpoint("island 1", folder) is not None  # an empty folder resumes nothing either
     (folder / "last.ckpt").write_bytes(b"x")
     assert without_checkpoint("island 1", folder) is None
+
+
+def test_faults_and_resumes_do_not_wait_for_a_status_call_that_hangs(tmp_path, monkeypatch):
+    """The launcher asks the synchronizer for its status on its own thread: while a call hangs (a
+    synchronizer that is down or stuck takes the client's whole timeout), faults still fire on
+    time and a paused island is still resumed."""
+    import threading
+
+    release = threading.Event()
+    calls = []
+
+    class HangingClient:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def status(self):
+            calls.append(time.monotonic())
+            release.wait(60)
+            raise ConnectionError("synchronizer down")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("lightning_diloco.transport.client.SynchronizerClient", HangingClient)
+    options = RunOptions(workdir=str(tmp_path), islands=1, synchronizer="127.0.0.1:1", chaos="pause 0 at 0.2s for 0.3s")
+    run = Run(options, ["sleep", "60"])
+    run.start()
+    loop = threading.Thread(target=run.loop, name="diloco-test-launch-loop")
+    loop.start()
+    try:
+        island = run.islands[0]
+        _wait_for(lambda: run.fired and island.state is UnitState.PAUSED, "the pause")
+        _wait_for(lambda: island.state is UnitState.RUNNING, "the resume")
+        assert len(calls) == 1 and not release.is_set()  # all while the first status call still hangs
+    finally:
+        release.set()
+        run._stop.set()
+        loop.join(60)
+        run.shutdown()
+
+
+def _wait_for(condition, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.02)

@@ -46,7 +46,7 @@ def test_a_round_closes_once_and_a_contribution_after_it_goes_into_the_next_roun
     sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=6, base_version=1, seq=2))
     [closed] = sync.poll()
     assert (closed.round, closed.version, closed.islands, closed.late) == (6, 2, (0, 1), 1)
-    assert sync.status()["outer_steps"] == 2  # two rounds, two outer steps, with two islands and K = 1
+    assert sync.status().outer_steps == 2  # two rounds, two outer steps, with two islands and K = 1
 
 
 def test_one_outer_step_per_round_whatever_the_quorum_and_arrival_order():
@@ -59,9 +59,9 @@ def test_one_outer_step_per_round_whatever_the_quorum_and_arrival_order():
                                        base_version=sync.versions()[1], seq=r))
                 clock.advance(0.1)
                 sync.poll()
-        rounds = sync.status()["rounds"][1]
-        assert rounds["closed"] <= 4 + 1 and sync.versions()[1] == rounds["closed"], (quorum, rounds)
-        assert rounds["merged_entries"] + rounds["open_contributors"] == 12, (quorum, rounds)
+        rounds = sync.status().rounds[1]
+        assert rounds.closed <= 4 + 1 and sync.versions()[1] == rounds.closed, (quorum, rounds)
+        assert rounds.merged_entries + rounds.open_contributors == 12, (quorum, rounds)
 
 
 def test_the_grace_window_admits_an_island_inside_it():
@@ -97,7 +97,7 @@ def test_no_merge_below_quorum_and_status_says_so():
     clock.advance(100)
     sync.heartbeat(0, 1, 0.1)
     assert sync.poll() == [] and sync.versions()[0] == 0
-    assert sync.status()["rounds"][0]["open_contributors"] == 1
+    assert sync.status().rounds[0].open_contributors == 1
 
 
 def test_an_island_whose_heartbeats_stopped_is_not_waited_for():
@@ -108,7 +108,7 @@ def test_an_island_whose_heartbeats_stopped_is_not_waited_for():
     sync.heartbeat(0, 11, 5.0)  # island 0 stays alive, island 1 went silent
     sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=0))
     [closed] = sync.poll()
-    assert "every live island" in closed.reason and sync.status()["live_islands"] == [0]
+    assert "every live island" in closed.reason and sync.status().live_islands == [0]
 
 
 def test_a_late_contribution_is_measured_against_its_own_base_and_discounted_by_age():
@@ -153,8 +153,8 @@ def test_a_newer_send_for_the_same_round_supersedes_the_older_one():
     sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.02), round=0, seq=2))  # a restarted island
     sync.push(contribution(config, 1, 0, torch.full((_numel(config),), 0.02), round=0, seq=1))
     [closed] = sync.poll()
-    assert closed.islands == (0, 1) and sync.status()["rounds"][0]["superseded"] == 1
-    assert sync.status()["rounds"][0]["merged_entries"] == 2
+    assert closed.islands == (0, 1) and sync.status().rounds[0].superseded == 1
+    assert sync.status().rounds[0].merged_entries == 2
 
 
 def test_a_non_contributor_receives_every_new_version_as_a_delta_against_what_it_holds():
@@ -216,7 +216,7 @@ def test_a_restarted_synchronizer_knows_the_runs_step_from_its_rounds(tmp_path):
     sync.poll()
     restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
     assert restarted.run_step() == 30 * 4 + 2
-    assert restarted.status()["rounds"][0]["round"] == 31
+    assert restarted.status().rounds[0].round == 31
 
 
 def test_an_old_or_unknown_base_is_merged_with_its_age_never_refused():

@@ -73,7 +73,7 @@ def test_repeated_push_is_answered_idempotently_never_merged_twice():
     sync.poll()
     again = sync.push(c)  # a retry after the merge: same answer, nothing added
     assert again.duplicate and again.round == 0 and sync.versions()[0] == 1
-    assert sync.status()["accepted"] == {"on_time": 2, "duplicate": 2, "merged": 2}
+    assert sync.status().accepted == {"on_time": 2, "duplicate": 2, "merged": 2}
 
 
 def test_an_older_sequence_number_than_one_merged_is_refused():
@@ -144,10 +144,10 @@ def test_bad_input_is_refused_with_its_reason_and_the_state_is_unchanged(reason)
         sync.push(_bad_input(config, reason))
     sync.poll()
     assert err.value.reason == reason and str(err.value)
-    assert sync.status()["refused"] == {reason: 1}
+    assert sync.status().refused == {reason: 1}
     assert sync.versions() == {0: 0, 1: 0}
     assert all(torch.equal(sync.pull(p)[1], before[p]) for p in range(2))
-    assert sync.status()["rounds"][0]["open_contributors"] == 0
+    assert sync.status().rounds[0].open_contributors == 0
 
 
 def test_a_model_with_another_layout_cannot_join():
@@ -189,7 +189,7 @@ def test_a_step_that_would_not_be_finite_leaves_its_contributor_out():
     sync.push(contribution(config, 1, 0, torch.full((numel,), 3e38), seq=0))  # finite, and weighs most
     [closed] = sync.poll()
     assert closed.islands == (0,) and closed.dropped == 1 and torch.isfinite(sync.pull(0)[1]).all()
-    assert sync.status()["refused"] == {"non_finite_step": 1}
+    assert sync.status().refused == {"non_finite_step": 1}
 
 
 def test_restart_from_checkpoint_keeps_versions_fragments_momentum_and_rounds(tmp_path):
@@ -223,6 +223,6 @@ def test_a_standalone_synchronizer_fits_its_fragments_to_the_first_islands_model
     sync = Synchronizer(config, clock=FakeClock())
     reply = sync.join(0, 1, SPECS)
     assert reply["config"]["schedule"]["num_fragments"] == 4 == len(sync.rounds)
-    assert "num_fragments lowered from 24 to 4" in sync.status()["adjustments"][0]
+    assert "num_fragments lowered from 24 to 4" in sync.status().adjustments[0]
     with pytest.raises(Refusal, match="model's 3 trainable tensors"):
         sync.join(1, 1, SPECS[:3])  # a later island with another model is still refused

@@ -94,7 +94,7 @@ def test_the_same_data_is_served_as_json_and_other_paths_are_404(page):
     sync, url = page
     kind, body = _get(url + "/status.json")
     assert kind == "application/json"
-    assert json.loads(body)["outer_steps"] == sync.status()["outer_steps"] == 2
+    assert json.loads(body)["outer_steps"] == sync.status().outer_steps == 2
     with pytest.raises(urllib.error.HTTPError) as err:
         _get(url + "/admin")
     assert err.value.code == 404
@@ -102,8 +102,8 @@ def test_the_same_data_is_served_as_json_and_other_paths_are_404(page):
 
 def test_text_from_the_run_is_escaped():
     status = _synchronizer_with_history().status()
-    status["adjustments"] = ["<script>alert(1)</script>"]
-    status["refused"] = {"<b>bad</b>": 1}
+    status.adjustments = ["<script>alert(1)</script>"]
+    status.refused = {"<b>bad</b>": 1}
     body = render(status)
     assert "<script>" not in body and "<b>bad" not in body and "&lt;script&gt;" in body
 
