@@ -24,13 +24,14 @@ from contextlib import contextmanager
 
 import torch
 
-from lightning_diloco.core.apply import apply_global, keeps_counters
+from lightning_diloco.core.apply import apply_global
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment, split_fragment
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
 from lightning_diloco.learner.collective import Collective
 from lightning_diloco.learner.flights import Apply, Flight
+from lightning_diloco.learner.fragment_sync import FragmentSync, fragments_from_state_dict, fragments_state_dict
 from lightning_diloco.learner.inbox import Arrival, Inbox
 from lightning_diloco.learner.leader import LeaderSync
 from lightning_diloco.learner.link import SynchronizerLink
@@ -71,13 +72,8 @@ class IslandLearner:
         P = layout.num_fragments
         self.step = 0
         self.schedule_step = 0
-        self.versions = [0] * P
-        self.bases: list[torch.Tensor] = [flatten_fragment(self._fragment_params(p)) for p in range(P)]
-        self.sent_round = [-1] * P
-        self.tokens = [0.0] * P
-        self.steps = [0] * P
+        self.fragments = [FragmentSync(flatten_fragment(self._fragment_params(p))) for p in range(P)]
         self.seq = time.time_ns() // 1000  # increasing across restarts: the synchronizer dedups by it
-        self.in_flight: dict[int, Flight] = {}
         self.merged_any = False  # a contribution of this island is in the global model
         self._lock = threading.Lock()  # counters: written by the training thread, read by metrics() from any
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -96,6 +92,15 @@ class IslandLearner:
             )
 
     @property
+    def versions(self) -> list[int]:
+        return [f.version for f in self.fragments]
+
+    @property
+    def in_flight(self) -> dict[int, Flight]:
+        """Fragment -> its send in flight (a view: change ``fragments``)."""
+        return {p: f.flight for p, f in enumerate(self.fragments) if f.flight is not None}
+
+    @property
     def reachable(self) -> bool:
         return self.leader.reachable if self.leader else True
 
@@ -110,14 +115,11 @@ class IslandLearner:
 
     def _share(self, obj):
         """The leader's ``obj`` on every rank of the island."""
-        return self.collective.broadcast_object(obj) if self.collective.world_size > 1 else obj
+        return self.collective.broadcast_object(obj)
 
     def _share_fragment(self, p: int, value: torch.Tensor | None) -> torch.Tensor:
-        if self.collective.world_size == 1:
-            return value
-        if value is None:
-            value = torch.empty(self.layout.fragment_numel(p))
-        return self.collective.broadcast_tensor(value)
+        """The leader's flat fragment ``p`` on every rank (the others pass None)."""
+        return self.collective.broadcast_tensor(torch.empty(self.layout.fragment_numel(p)) if value is None else value)
 
     def start(self, resume: dict | None = None, run_step: int = 0) -> None:
         """Seed unseeded fragments, pull every global fragment and start from the global model,
@@ -131,14 +133,16 @@ class IslandLearner:
         plan = self._pull_global(resume, run_step) if self.is_leader else None
         plan = self._share(plan)
         for p, version in plan["versions"].items():
-            value = self._share_fragment(p, self.bases[p] if self.is_leader else None)
-            self.bases[p], self.versions[p] = value, version
+            f = self.fragments[p]
+            value = self._share_fragment(p, f.base if self.is_leader else None)
             if p in plan["overwrite"]:
+                f.adopt(value, version)
                 self.write_fragment(p, value)
-                self.tokens[p], self.steps[p] = 0.0, 0
+            else:  # resumed: the checkpoint's base and counters hold
+                f.base, f.version = value, version
         self.schedule_step = plan["schedule_step"]
         if self.is_leader:
-            self.inbox = Inbox(self.versions, self.bases, self.config.codec.block_size)
+            self.inbox = Inbox(self.versions, [f.base for f in self.fragments], self.config.codec.block_size)
             self.link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
                                 on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
             self.leader.start_heartbeat()
@@ -157,7 +161,7 @@ class IslandLearner:
             pulled[p] = version
             if resume is not None and resume["versions"][p] == version:
                 continue  # nothing merged since our checkpoint: keep local progress
-            self.bases[p] = value
+            self.fragments[p].base = value
             overwrite.append(p)
         # the run's clock wins, unless this island's own (resumed) clock is ahead of it
         schedule_step = max(self.schedule_step, run_step, beat.run_step)
@@ -174,13 +178,12 @@ class IslandLearner:
         self.step += 1
         self.schedule_step += 1
         island_tokens = tokens * self.collective.world_size  # ranks see equal shards
-        for p in range(self.layout.num_fragments):
-            self.tokens[p] += island_tokens
-            self.steps[p] += 1
+        for f in self.fragments:
+            f.stepped(island_tokens)
         plan = self._share(self._plan() if self.is_leader else None)
         self.schedule_step = plan["schedule_step"]
         for p in plan["fail"]:
-            self.in_flight.pop(p, None)
+            self.fragments[p].flight = None
         for p, r in plan["send"]:
             self._send(p, r)
         applies = plan["apply"]
@@ -204,11 +207,12 @@ class IslandLearner:
         if due is not None:
             wanted[due] = max(wanted.get(due, -1), round_of(self.schedule_step, H))
         fail = self._failed_flights()
+        in_flight = self.in_flight
         send = []
         for p, r in sorted(wanted.items()):
-            if self.sent_round[p] >= r:
+            if self.fragments[p].sent_round >= r:
                 continue  # already sent for that round (asked for it, then due by our own clock)
-            if p in self.in_flight and p not in fail:
+            if p in in_flight and p not in fail:
                 self._count("skipped")  # never two sends of one fragment in flight
                 continue
             send.append((p, r))
@@ -217,17 +221,17 @@ class IslandLearner:
         reconnected = self.inbox.reconnects != self._seen_reconnects
         self._seen_reconnects = self.inbox.reconnects
         if reconnected:  # what waited in rounds may be gone with a restarted synchronizer
-            for p in self.in_flight:
+            for p in in_flight:
                 if p not in fail:
                     fail.append(p)
                     self._count("failed")
-        arrivals = self.inbox.take(lambda a: a.fragment not in self.in_flight or a.fragment in fail
-                                   or self.step >= self.in_flight[a.fragment].apply_at)
+        arrivals = self.inbox.take(lambda a: a.fragment not in in_flight or a.fragment in fail
+                                   or self.step >= in_flight[a.fragment].apply_at)
         return {"schedule_step": self.schedule_step, "fail": fail, "send": send,
-                "apply": [self._decision(a, ends=a.fragment in self.in_flight and a.fragment not in fail) for a in arrivals]}
+                "apply": [self._decision(a, ends=a.fragment in in_flight and a.fragment not in fail) for a in arrivals]}
 
     def _decision(self, a: Arrival, ends: bool) -> Apply:
-        ends = ends and self.in_flight[a.fragment].ended_by(a)
+        ends = ends and self.fragments[a.fragment].flight.ended_by(a)
         return Apply(a.fragment, a.version, ends, a.included)
 
     def _failed_flights(self) -> list[int]:
@@ -250,50 +254,37 @@ class IslandLearner:
             return all(self._settled(p) for p in fragments)
 
         self.inbox.wait(arrived, self.push_wait)
-        arrivals = self.inbox.take(lambda a: a.fragment in fragments and self.in_flight[a.fragment].ended_by(a))
+        arrivals = self.inbox.take(lambda a: a.fragment in fragments and self.fragments[a.fragment].flight.ended_by(a))
         return [self._decision(a, ends=True) for a in arrivals]
 
     def _settled(self, p: int) -> bool:
         """(Under the inbox lock) the version of p's round arrived, or its push failed."""
         arrival = self.inbox.fresh.get(p)
-        flight = self.in_flight[p]
+        flight = self.fragments[p].flight
         return (arrival is not None and flight.ended_by(arrival)) or flight.failed()
 
     def _send(self, p: int, r: int) -> None:
         snapshot = flatten_fragment(self._fragment_params(p))  # host copy, 1/P of the model
         keep = snapshot if self.config.schedule.apply == "rebase" else None
-        future = None
+        f, future = self.fragments[p], None
         if self.is_leader:
             self.seq += 1
-            future = self.leader.push(fragment=p, round=r, snapshot=snapshot, base_version=self.versions[p],
-                                      base=self.bases[p], tokens=self.tokens[p], steps=self.steps[p], seq=self.seq)
+            future = self.leader.push(fragment=p, round=r, snapshot=snapshot, base_version=f.version,
+                                      base=f.base, tokens=f.tokens, steps=f.steps, seq=self.seq)
             future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
-        self.in_flight[p] = Flight(p, r, self.step + self.config.schedule.overlap_steps, keep, self.tokens[p],
-                                   self.steps[p], time.monotonic(), future)
-        self.sent_round[p] = r
+        f.sent(Flight(p, r, self.step + self.config.schedule.overlap_steps, keep, f.tokens, f.steps, time.monotonic(), future))
         self._count("sent")
 
     def _apply(self, a: Apply) -> None:
         p, sched = a.fragment, self.config.schedule
         value = self.inbox.received[p][1] if self.is_leader else None
         value = self._share_fragment(p, value)
-        flight = self.in_flight.get(p)
-        reference = flight.snapshot if (a.ends_flight and flight.snapshot is not None) else self.bases[p]
+        f = self.fragments[p]
+        reference = f.flight.snapshot if (a.ends_flight and f.flight.snapshot is not None) else f.base
         current = flatten_fragment(self._fragment_params(p))
         self.write_fragment(p, apply_global(sched.apply, current, value, reference, alpha=sched.mix_alpha))
-        if keeps_counters(sched.apply):
-            if a.ends_flight:
-                self.tokens[p] -= flight.tokens_at_send
-                self.steps[p] -= flight.steps_at_send
-            elif flight is not None and flight.snapshot is not None:  # the flight's progress moved with us
-                flight.snapshot.add_(value).sub_(self.bases[p])
-        else:
-            self.tokens[p], self.steps[p] = 0.0, 0
-        self.staleness = max(0, a.version - self.versions[p] - 1)
-        self.bases[p], self.versions[p] = value, a.version
+        self.staleness = f.applied(value, a.version, sched.apply, a.ends_flight)
         self.merged_any = self.merged_any or a.included
-        if a.ends_flight:
-            del self.in_flight[p]
         self._count("applied" if a.ends_flight else "received")
 
     @torch.no_grad()
@@ -307,8 +298,8 @@ class IslandLearner:
         """The last applied global fragments in place of the local weights, put back on exit."""
         saved = [p.detach().clone() for p in self.params]
         try:
-            for p in range(self.layout.num_fragments):
-                self.write_fragment(p, self.bases[p])
+            for p, f in enumerate(self.fragments):
+                self.write_fragment(p, f.base)
             yield
         finally:
             with torch.no_grad():
@@ -327,30 +318,32 @@ class IslandLearner:
         plan = None
         if self.is_leader:
             plan = self._final_plan(timeout)
-        self.in_flight.clear()
+        for f in self.fragments:
+            f.flight = None
         plan = self._share(plan)
         if plan is None:
             return False
         for p, version in plan.items():
-            self.bases[p] = self._share_fragment(p, self.bases[p] if self.is_leader else None)
-            self.versions[p] = version
-            self.write_fragment(p, self.bases[p])
+            f = self.fragments[p]
+            f.base, f.version = self._share_fragment(p, f.base if self.is_leader else None), version
+            self.write_fragment(p, f.base)
         return True
 
     def _final_plan(self, timeout: float) -> dict | None:
         # A late contribution waits for a round that opens only when some island sends for it; at
         # the end of a run nobody may, so waiting would only cost the timeout. It stays queued and
         # is merged if the run goes on.
-        late = sorted(p for p, f in self.in_flight.items() if f.late())
+        in_flight = self.in_flight
+        late = sorted(p for p, f in in_flight.items() if f.late())
         if late:
             log.info("island %d: late contribution(s) to fragment(s) %s wait for their next round; not awaited at the end",
                      self.island, late)
-        awaited = [p for p in self.in_flight if p not in late]
+        awaited = [p for p in in_flight if p not in late]
         self.inbox.wait(lambda: all(self._settled(p) for p in awaited), timeout)
         for p in awaited:
             if not self._settled(p):
                 log.warning("island %d: the round of fragment %d (round %d) did not close within %.0f s of the end",
-                            self.island, p, self.in_flight[p].round, timeout)
+                            self.island, p, in_flight[p].round, timeout)
         self.merged_any = self.merged_any or any(a.included for a in self.inbox.take(lambda a: True))
         if not self.merged_any:
             log.warning("island %d: none of its contributions was merged into the global model before training ended "
@@ -359,7 +352,7 @@ class IslandLearner:
         try:
             plan = {}
             for p in range(self.layout.num_fragments):
-                version, self.bases[p] = self.link.pull(p)
+                version, self.fragments[p].base = self.link.pull(p)
                 plan[p] = version
             return plan
         except Exception as err:  # keep the local model rather than crash at the very end
@@ -379,12 +372,8 @@ class IslandLearner:
             "layout_hash": self.layout.hash,
             "step": self.step,
             "schedule_step": self.schedule_step,
-            "versions": list(self.versions),
-            "bases": [b.clone() for b in self.bases],
-            "sent_round": list(self.sent_round),
-            "tokens": list(self.tokens),
-            "steps": list(self.steps),
             "seq": self.seq,
+            **fragments_state_dict(self.fragments),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -396,11 +385,7 @@ class IslandLearner:
             )
         self.step = int(state["step"])
         self.schedule_step = int(state["schedule_step"])
-        self.versions = [int(v) for v in state["versions"]]
-        self.bases = [b.clone() for b in state["bases"]]
-        self.sent_round = [int(r) for r in state["sent_round"]]
-        self.tokens = [float(t) for t in state["tokens"]]
-        self.steps = [int(s) for s in state["steps"]]
+        self.fragments = fragments_from_state_dict(state)
         self.seq = max(self.seq, int(state["seq"]))
 
     def metrics(self) -> dict[str, float]:

@@ -81,7 +81,7 @@ def test_reply_is_applied_exactly_tau_steps_after_the_send(islands):
             applied_at[t] = before
     assert sorted(applied_at) == [3, 5, 7]  # sends at 2, 4, 6 land at 3, 5, 7; the one at 8 is in flight
     assert learner.versions == [2, 1] and 1 in learner.in_flight
-    assert learner.sent_round == [1, 2]  # rounds are schedule step // H
+    assert [f.sent_round for f in learner.fragments] == [1, 2]  # rounds are schedule step // H
 
 
 def test_overwrite_with_plain_averaging_keeps_a_single_island_on_its_own_trajectory(islands):
@@ -119,7 +119,7 @@ def test_rebase_keeps_the_progress_made_since_the_snapshot(islands):
         _step(learner, params)  # applied after step 6
     global_value = service.pull(0)[1]
     assert torch.allclose(flatten_fragment(params), global_value + 0.02, atol=1e-6)
-    assert learner.steps[0] == 2  # the two steps since the snapshot still count
+    assert learner.fragments[0].steps == 2  # the two steps since the snapshot still count
 
 
 def test_a_fragment_in_flight_is_skipped_not_sent_twice(islands):
@@ -140,7 +140,7 @@ def test_training_goes_on_while_the_synchronizer_is_down_and_resyncs_after(islan
         _step(learner, params)
         _settle(learner)
     assert learner.counters["failed"] >= 2 and learner.counters["applied"] == 0
-    assert learner.versions == [0] and learner.steps[0] == 6  # counters keep accumulating
+    assert learner.versions == [0] and learner.fragments[0].steps == 6  # counters keep accumulating
     link.down = False
     for _ in range(4):
         _step(learner, params)
@@ -156,7 +156,7 @@ def test_an_island_asked_for_a_round_sends_at_its_next_step_in_phase_with_the_ru
         _step(first, params0)  # island 0 sends for round 1 at step 4; island 1 has not moved
     assert second.inbox.wait(lambda: 0 in second.inbox.requests, 10)  # the round is open: island 1 is asked
     _step(second, params1)
-    assert second.counters["requested"] == 1 and second.sent_round == [1]  # it sent for round 1 ...
+    assert second.counters["requested"] == 1 and [f.sent_round for f in second.fragments] == [1]  # it sent for round 1 ...
     assert second.schedule_step == 4 and second.counters["realigned"] == 1  # ... and jumped to the run's step
     _settle(first), _settle(second)
     assert service.status().rounds[0].last.contributors == 2  # both in the same round
