@@ -312,7 +312,10 @@ class SynchronizerClient:
 
     def status(self, shard: int = 0) -> SynchronizerStatus:
         reply = self._call("status", lambda: self.stubs[shard].Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
-        return status_from_message(reply)
+        try:
+            return status_from_message(reply)
+        except ValueError as err:
+            raise SynchronizerError(None, Reason.UNKNOWN, f"{self.addresses[shard]}: {err}") from None
 
     def close(self) -> None:
         with self._lock:

@@ -24,6 +24,9 @@ def status_to_message(status: SynchronizerStatus) -> pb.StatusReply:
 
 
 def status_from_message(message: pb.StatusReply) -> SynchronizerStatus:
+    if not message.incarnation:  # every synchronizer that sends the typed fields names its process
+        raise ValueError("the synchronizer answered Status in an older format (a JSON blob, before the typed fields); "
+                         "run the same lightning_diloco version for the synchronizer and its clients")
     return _read(message, SynchronizerStatus)
 
 

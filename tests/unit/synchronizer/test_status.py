@@ -57,3 +57,11 @@ def test_the_dataclasses_and_the_messages_have_the_same_fields(record, message):
 def test_json_has_text_keys_and_plain_values():
     data = _status().to_dict()
     assert data["islands"][0]["merged_s_ago"] == 1.5 and data["rounds"][0]["last"]["contributors"] == 2
+
+
+def test_a_status_in_the_old_format_is_refused_with_what_to_do():
+    """A synchronizer of an older version answers with the JSON blob (field 1, now reserved): no
+    typed field is set, and reading it as all zeros would show a run that never started."""
+    old = pb.StatusReply.FromString(b"\x0a\x02{}")  # field 1, length 2: the old json string
+    with pytest.raises(ValueError, match="older format.*same lightning_diloco version"):
+        status_from_message(old)
