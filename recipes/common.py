@@ -107,11 +107,6 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def diloco_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The run settings given (or preset): the synchronizer's config and the strategy's arguments."""
-    return given_settings(args)
-
-
 def main(recipe: Recipe, argv: list[str] | None, description: str | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = resolve(recipe, build_parser(recipe, description).parse_args(argv))
@@ -136,7 +131,7 @@ def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
     options = RunOptions(
         islands=args.islands, devices_per_island=args.devices, workdir=str(out / "run"), report=str(out / "run-report.json"),
         restart_backoff=0.5, baseline="ddp" if ddp else None, chaos=args.chaos, stagger=args.stagger,
-        run_config=None if ddp else config_with(diloco_settings(args)),  # the islands' strategy gets the same settings
+        run_config=None if ddp else config_with(given_settings(args)),  # the islands' strategy gets the same settings
     )
     observer = SynchronizerObserver(args, out) if not ddp else None
     code = run(options, command, observers=[observer] if observer else [])
@@ -193,7 +188,7 @@ def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, 
         "bytes_across": across, "bytes_across_how": across_how,
         "outer_steps": status.outer_steps if status else None,
         "synchronizer": status.to_dict() if status else None,  # its last status: rounds, islands, counters
-        "settings": diloco_settings(args) if args.strategy != "ddp" else {},
+        "settings": given_settings(args) if args.strategy != "ddp" else {},
         "islands_results": results,
     }
 
@@ -316,7 +311,7 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
     if strategy_name == "ddp":
         strategy: Any = "ddp"
     else:
-        strategy = lightning_diloco.DecoupledDiLoCoStrategy(**diloco_settings(args))
+        strategy = lightning_diloco.DecoupledDiLoCoStrategy(**given_settings(args))
     trainer = pl.Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=devices, max_steps=args.steps, logger=loggers,
         callbacks=callbacks, enable_checkpointing=bool(args.chaos and ckpt_dir),

@@ -6,8 +6,9 @@ import argparse
 
 import pytest
 
+from lightning_diloco.core.settings import given_settings
 from recipes import compare, data
-from recipes.common import build_parser, cosine_with_warmup, diloco_settings, resolve
+from recipes.common import build_parser, cosine_with_warmup, resolve
 from recipes.text_lm import RECIPE as TEXT
 from recipes.vision import RECIPE as VISION
 
@@ -103,8 +104,8 @@ def _args(recipe, *argv):
 def test_presets_fill_what_the_user_left_out():
     a = _args(TEXT, "--islands", "4")
     assert (a.steps, a.batch, a.hidden, a.arch) == (800, 16, 64, "llama")
-    assert diloco_settings(a) == {"num_fragments": 8, "apply": "mix"}  # the library's quorum 1
-    assert diloco_settings(_args(TEXT, "--islands", "2", "--min-quorum", "2"))["min_quorum"] == 2
+    assert given_settings(a) == {"num_fragments": 8, "apply": "mix"}  # the library's quorum 1
+    assert given_settings(_args(TEXT, "--islands", "2", "--min-quorum", "2"))["min_quorum"] == 2
     a = _args(TEXT, "--preset", "cpu-tiny-moe", "--steps", "5", "--outer-lr", "1.0")
     assert (a.steps, a.arch, a.experts, a.outer_lr) == (5, "mixtral", 4, 1.0)
     assert _args(VISION, "--preset", "cpu-tiny-cnn").arch == "cnn"
