@@ -83,6 +83,7 @@ class IslandLearner:
         self._last_step_at: float | None = None
 
         self.inbox: Inbox | None = None
+        self._taken: dict[int, Arrival] = {}  # leader: the arrivals decided on, until applied
         self._seen_reconnects = 0
         self.leader: LeaderSync | None = None
         if self.is_leader:
@@ -231,7 +232,10 @@ class IslandLearner:
                 "apply": [self._decision(a, ends=a.fragment in in_flight and a.fragment not in fail) for a in arrivals]}
 
     def _decision(self, a: Arrival, ends: bool) -> Apply:
+        """Decide to apply ``a``; the leader keeps ``a`` itself until applied, because the inbox's
+        newest value may be a later version by then (it is still fresh, to be applied next)."""
         ends = ends and self.fragments[a.fragment].flight.ended_by(a)
+        self._taken[a.fragment] = a
         return Apply(a.fragment, a.version, ends, a.included)
 
     def _failed_flights(self) -> list[int]:
@@ -277,7 +281,7 @@ class IslandLearner:
 
     def _apply(self, a: Apply) -> None:
         p, sched = a.fragment, self.config.schedule
-        value = self.inbox.received[p][1] if self.is_leader else None
+        value = self._taken.pop(p).value if self.is_leader else None
         value = self._share_fragment(p, value)
         f = self.fragments[p]
         reference = f.flight.snapshot if (a.ends_flight and f.flight.snapshot is not None) else f.base

@@ -123,6 +123,8 @@ class SynchronizerClient:
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
         self._join_request: pb.JoinRequest | None = None
+        self._join_lock = threading.Lock()  # one join at a time: see rejoin()
+        self.joins = 0  # successful joins so far: which sessions a failing call was made with
         self.sessions = [""] * len(self.stubs)  # per shard, from the last join
         self.incarnations = [""] * len(self.stubs)  # per shard: which synchronizer process that was
         self._subscriptions: list[Subscription] = []
@@ -156,6 +158,7 @@ class SynchronizerClient:
         attempt = 0
         keep_trying_until = time.monotonic() + patience
         while True:
+            joins = self.joins
             try:
                 return call()
             except grpc.RpcError as err:
@@ -164,7 +167,13 @@ class SynchronizerClient:
                 if reason in REJOIN and self._join_request:
                     log.info("%s: %s (the synchronizer restarted, or this island joined again elsewhere); joining again",
                              what, reason)
-                    self._join_all(self._join_request)
+                    try:
+                        self.rejoin(joins)
+                    except grpc.RpcError as join_err:  # a synchronizer still starting: retried like the call
+                        code, details = join_err.code(), join_err.details() or ""
+                        if code not in RETRYABLE:
+                            raise SynchronizerError(code, Reason.parse(details), f"{what}: joining again refused "
+                                                    f"({code.name}): {details}") from None
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise TimeoutError(f"{what}: {details or 'deadline exceeded'}") from None
                 elif code not in RETRYABLE:
@@ -205,11 +214,30 @@ class SynchronizerClient:
             world_size=world_size,
             tensors=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in specs],
         )
-        info = self._call("join", lambda: self._join_all(request), patience=patience)
+        def join_once() -> JoinInfo:
+            with self._join_lock:
+                return self._join_all(request)
+
+        info = self._call("join", join_once, patience=patience)
         self._join_request = request
         return info
 
+    def rejoin(self, joins: int) -> None:
+        """Join again after the synchronizer forgot this island's session (it restarted, or the
+        island joined elsewhere). ``joins``: :attr:`joins` when the refused call was made.
+
+        Single-flight: the push pool, the heartbeat and every subscription reader notice a restart
+        at about the same time, and each join issues a new session and ends the subscription of
+        the one before, so rejoins that each caller made would undo each other. The first caller
+        joins; the others wait for it and return, since :attr:`joins` moved past what they saw.
+        """
+        with self._join_lock:
+            if self.joins != joins or self._join_request is None:
+                return
+            self._join_all(self._join_request)
+
     def _join_all(self, request: pb.JoinRequest) -> JoinInfo:
+        """(With ``_join_lock`` held.)"""
         replies = []
         for shard, stub in enumerate(self.stubs):
             reply = stub.Join(request, timeout=self.timeout, metadata=self.metadata)
@@ -222,6 +250,7 @@ class SynchronizerClient:
         versions: dict[int, int] = {}
         for r in replies:
             versions.update(r.versions)
+        self.joins += 1
         return JoinInfo(RunConfig.from_dict(json.loads(replies[0].config_json)), replies[0].layout_hash, versions,
                         max(r.run_step for r in replies))
 

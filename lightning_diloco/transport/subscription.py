@@ -72,7 +72,7 @@ class Subscription:
 
     def _read(self, shard: int) -> None:
         single_threaded_torch()  # it decodes fragments beside the training loop
-        client, attempt, opened_before = self.client, 0, False
+        client, attempt, opened_before, joins = self.client, 0, False, self.client.joins
         incarnation = client.incarnations[shard]
         while not self._stop.is_set():
             try:
@@ -81,6 +81,7 @@ class Subscription:
                     # a restarted synchronizer reissues the version numbers past its last checkpoint
                     # with other contents: what this island holds is no base for its deltas
                     held, incarnation = {}, client.incarnations[shard]
+                joins = client.joins
                 request = pb.SubscribeRequest(island=self.island, versions=held, session=client.sessions[shard])
                 call = client.stubs[shard].Subscribe(request, metadata=client.metadata)
                 with self._lock:
@@ -97,9 +98,9 @@ class Subscription:
                 if self._stop.is_set():
                     return
                 code, details = err.code(), err.details() or ""
-                if Reason.parse(details) in REJOIN and client._join_request:
+                if Reason.parse(details) in REJOIN:
                     try:
-                        client._join_all(client._join_request)
+                        client.rejoin(joins)
                         continue
                     except grpc.RpcError:
                         pass

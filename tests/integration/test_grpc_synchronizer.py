@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import ipaddress
 import threading
+import time
 
 import grpc
 import pytest
@@ -300,6 +301,50 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
         server.stop(grace=0)
         if "server" in restarted:
             restarted["server"].stop(grace=0)
+
+
+class CountedJoins(Synchronizer):
+    """A synchronizer whose joins are counted and slow, so every thread of a client notices the
+    restart while the first rejoin is still under way."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.joined: list[int] = []
+
+    def join(self, island, world_size, specs):
+        self.joined.append(island)
+        time.sleep(0.3)
+        return super().join(island, world_size, specs)
+
+
+def test_a_synchronizer_restart_noticed_by_push_heartbeat_and_subscription_costs_exactly_one_join(tmp_path):
+    config = run_config()
+    server = SynchronizerServer(Synchronizer(config, checkpoint_dir=tmp_path)).start()
+    client = SynchronizerClient(server.address, max_retries=20, backoff=0.05, max_backoff=0.2)
+    events, restarted = Events(), None
+    try:
+        _seeded(client, config)
+        events.subscribe(client, 0, {0: 0, 1: 0})
+        server.stop(grace=0)  # checkpoints on the way down
+        restarted = SynchronizerServer(CountedJoins(config, checkpoint_dir=tmp_path), port=server.port).start()
+        numel = layout(config).fragment_numel(0)
+        callers = [
+            threading.Thread(target=client.heartbeat, args=(0, 5, 0.1, 5), name="diloco-test-heartbeat"),
+            threading.Thread(target=_push, args=(client, config, 0, 0, torch.full((numel,), 0.01)), name="diloco-test-push"),
+        ]
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join(timeout=30)
+        assert not any(thread.is_alive() for thread in callers)
+        events.version(0, 1)  # the subscription reopened with the one new session and carries on
+        assert restarted.service.joined == [0]
+        assert restarted.service.status().accepted.get("on_time") == 1
+    finally:
+        client.close()
+        server.stop(grace=0)
+        if restarted is not None:
+            restarted.stop(grace=0)
 
 
 def test_an_island_started_before_its_synchronizer_waits_and_joins(caplog):

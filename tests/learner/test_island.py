@@ -9,6 +9,7 @@ import torch
 
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import build_layout, flatten_fragment
+from lightning_diloco.learner.inbox import Arrival
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import SPECS
@@ -189,6 +190,36 @@ def test_a_non_contributor_takes_each_new_version_at_its_next_step(islands):
     _step(second, params1)
     assert second.counters["received"] == 1 and second.versions == [1]
     assert torch.allclose(flatten_fragment(params1), service.pull(0)[1])
+
+
+def test_a_version_arriving_between_decision_and_apply_is_applied_next_not_in_place_of_the_decided_one(islands):
+    """The reader threads may store a newer version after the leader took one: the step applies
+    the version it decided on, under that version's number, and the newer one at the next step."""
+    config = _config(P=1, H=4, tau=1)
+    first, _, params0, service = islands(config)
+    second, _, params1, _ = islands(config, island=1, service=service, seed=1)
+    for _ in range(4):
+        _step(first, params0)
+    _settle(first)
+    assert second.inbox.wait(lambda: 0 in second.inbox.fresh, 10)
+    decided = second.inbox.fresh[0]
+    newer = Arrival(0, decided.version + 1, decided.round + 1, decided.value + 1.0, False)
+    take = second.inbox.take
+
+    def take_then_newer_arrives(ready):
+        out = take(ready)
+        if out:
+            second.inbox.put(newer)  # lands while the training thread is between plan and apply
+        return out
+
+    second.inbox.take = take_then_newer_arrives
+    _step(second, params1)
+    assert second.versions == [decided.version]
+    assert torch.equal(flatten_fragment(params1), decided.value)  # not the newer value under the older number
+    second.inbox.take = take
+    _step(second, params1)
+    assert second.versions == [newer.version] and torch.equal(flatten_fragment(params1), newer.value)
+    assert second.counters["received"] == 2
 
 
 def test_a_late_joiner_starts_in_phase_with_the_run(islands):
