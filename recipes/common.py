@@ -93,6 +93,8 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
     for name, value in preset.model.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+    if args.data_seed is None:  # island i shuffles as DDP's rank i of a run seeded --seed does
+        args.data_seed = args.seed
     args.eval_every = args.eval_every or max(1, args.steps // 10)
     args.out = args.out or f"runs/{recipe.name}-{args.preset}-{args.strategy}"
     if args.wandb:

@@ -148,6 +148,18 @@ class CodecConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """How the islands split the training data (learner side)."""
+
+    seed: int = 0
+    """The shuffle seed of every island's distributed sampler: the run's, whatever seed each
+    island's process was given. With one permutation, island i of M (rank r of its W processes)
+    takes every (M x W)-th index of it from i x W + r, so the islands' shards partition the data as
+    DDP's ranks do; islands shuffling with their own seeds would overlap and leave about
+    (1 - 1/M)^M of it unseen each epoch."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class RunConfig:
     """Everything an island and the synchronizer must agree on."""
 
@@ -155,13 +167,14 @@ class RunConfig:
     merge: MergeConfig = field(default_factory=MergeConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, dict[str, Any]]) -> RunConfig:
-        parts = {"schedule": ScheduleConfig, "merge": MergeConfig, "outer": OuterConfig, "codec": CodecConfig}
+        parts = {"schedule": ScheduleConfig, "merge": MergeConfig, "outer": OuterConfig, "codec": CodecConfig, "data": DataConfig}
         unknown = set(data) - set(parts)
         _check(not unknown, f"unknown config sections {sorted(unknown)}; expected {sorted(parts)}")
         built = {}

@@ -31,6 +31,7 @@ PUBLIC_NAMES = {
     ("outer", "momentum"): "outer_momentum",
     ("codec", "uplink"): "uplink_codec",
     ("codec", "downlink"): "downlink_codec",
+    ("data", "seed"): "data_seed",
 }
 
 

@@ -198,8 +198,12 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # the seed too: Lightning's default is this process's PL_GLOBAL_SEED, which differs
+        # between islands seeded apart, and shards cut from different permutations overlap
         island_world = self.num_nodes * self.num_processes
-        return {"num_replicas": self.num_islands * island_world, "rank": self.island * island_world + self.global_rank}
+        config = self.learner.config if self.learner is not None else self.run_config  # the synchronizer's, once joined
+        return {"num_replicas": self.num_islands * island_world, "rank": self.island * island_world + self.global_rank,
+                "seed": config.data.seed}
 
     # ---- a one-process island: Lightning's single-device path ----------------------------------
 

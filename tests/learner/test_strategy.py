@@ -232,3 +232,29 @@ def test_the_best_checkpoint_holds_the_weights_that_earned_its_score(tmp_path):
     with torch.no_grad():
         loss = torch.nn.functional.mse_loss(best.net(x), y)
     assert float(loss) == pytest.approx(float(ckpt.best_model_score), rel=1e-5)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_islands_seeded_apart_take_disjoint_shards_that_cover_the_data(devices, monkeypatch):
+    """Each island's process seeds itself differently (the recipes: seed + island); the samplers
+    still cut one permutation, so the M x W shards partition the dataset as DDP's ranks would."""
+    from lightning.pytorch import seed_everything
+    from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+
+    islands, n = 4, 1003  # not a multiple of the ranks: the sampler pads the last ones
+    dataset = list(range(n))
+    shards = []
+    for island in range(islands):
+        seed_everything(100 + island, verbose=False)  # sets PL_GLOBAL_SEED, which Lightning's sampler would take
+        strategy = DecoupledDiLoCoStrategy(island=island, num_islands=islands, data_seed=7)
+        for rank in range(devices):
+            monkeypatch.setattr(type(strategy), "num_processes", property(lambda self: devices))
+            monkeypatch.setattr(type(strategy), "global_rank", property(lambda self, rank=rank: rank))
+            loader_ = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True)
+            sampler = _get_distributed_sampler(loader_, shuffle=True, overfit_batches=0, mode=None,
+                                               **strategy.distributed_sampler_kwargs)
+            sampler.set_epoch(3)
+            shards.append(list(sampler))
+    seen = [i for shard in shards for i in shard]
+    assert set(seen) == set(dataset)  # nothing left unseen in the epoch
+    assert len(seen) - len(set(seen)) < islands * devices  # only the sampler's padding repeats an index
