@@ -23,7 +23,7 @@ from typing import Any, Callable
 from lightning_diloco.core import presets
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.settings import add_setting_arguments, changed_settings, config_with, given_settings
-from lightning_diloco.synchronizer.status import SynchronizerStatus
+from lightning_diloco.core.protocol import SynchronizerStatus
 
 
 @dataclass

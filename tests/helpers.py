@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import torch
 
@@ -97,3 +98,15 @@ def sample_setting_value(s):
     if s.type is int:
         return s.default + 2
     return {"grace_gamma": 0.25, "mix_alpha": 0.25, "outer_momentum": 0.5, "outlier_z": 4.0}.get(s.name, s.default * 2)
+
+
+def wait_for_version(pull, fragment: int, version: int, timeout: float = 30.0) -> tuple[int, torch.Tensor]:
+    """``pull(fragment)`` until it returns ``version`` or a later one (a closer merges in the
+    background); fails after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pull(fragment)
+        if got[0] >= version:
+            return got
+        assert time.monotonic() < deadline, f"fragment {fragment} still at version {got[0]} after {timeout} s, waiting for {version}"
+        time.sleep(0.02)

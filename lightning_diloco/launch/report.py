@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_diloco.synchronizer.status import SynchronizerStatus
+from lightning_diloco.core.protocol import SynchronizerStatus
 
 STALL_S = 1.0  # seconds without an outer step before a stretch counts as global downtime
 

@@ -25,7 +25,7 @@ from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
 from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, UnitState, clean_environment, read_progress
-from lightning_diloco.synchronizer.status import SynchronizerStatus
+from lightning_diloco.core.protocol import SynchronizerStatus
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY = 0.25

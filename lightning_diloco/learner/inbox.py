@@ -8,6 +8,7 @@ latest and skips the ones in between.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -16,12 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Arrival:
+    """A new global version as the island takes it: the :class:`VersionUpdate` decoded into the
+    full value against the version held before."""
+
     fragment: int
     version: int
     round: int
@@ -32,19 +37,13 @@ class Arrival:
     """A contribution of this island was merged since the version it held before."""
 
 
-@dataclass(frozen=True)
-class Request:
-    round: int
-    due_step: int
-
-
 class Inbox:
     def __init__(self, versions: list[int], values: list[torch.Tensor], block_size: int) -> None:
         self.block_size = block_size
         self.cond = threading.Condition()
         self.received = {p: (v, x) for p, (v, x) in enumerate(zip(versions, values))}  # newest known per fragment
         self.fresh: dict[int, Arrival] = {}
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, RoundRequest] = {}
         self.reconnects = 0
         self.bytes_received = 0
 
@@ -55,8 +54,8 @@ class Inbox:
         with self.cond:
             return {p: v for p, (v, _) in self.received.items()}
 
-    def on_version(self, event) -> None:
-        """A :class:`~lightning_diloco.transport.subscription.VersionEvent` from the subscription."""
+    def on_version(self, event: VersionUpdate) -> None:
+        """A new version from the subscription."""
         p = event.fragment
         with self.cond:
             have, base = self.received[p]
@@ -70,7 +69,7 @@ class Inbox:
             log.warning("fragment %d: version %d came as a delta against %d, but this island holds %d; ignored",
                         p, event.version, event.base_version, have)
             return
-        arrival = Arrival(p, event.version, event.round, value, event.included)
+        arrival = Arrival(fragment=p, version=event.version, round=event.round, value=value, included=event.included)
         self.put(arrival, payload_bytes=len(event.payload))
 
     def put(self, arrival: Arrival, payload_bytes: int = 0) -> None:
@@ -79,16 +78,16 @@ class Inbox:
             self.bytes_received += payload_bytes
             old = self.fresh.get(arrival.fragment)
             if old is not None and old.included:  # keep the news that our work is in
-                arrival = Arrival(arrival.fragment, arrival.version, arrival.round, arrival.value, True)
+                arrival = dataclasses.replace(arrival, included=True)
             self.received[arrival.fragment] = (arrival.version, arrival.value)
             self.fresh[arrival.fragment] = arrival
             self.cond.notify_all()
 
-    def on_request(self, fragment: int, round_index: int, due_step: int) -> None:
+    def on_request(self, request: RoundRequest) -> None:
         with self.cond:
-            old = self.requests.get(fragment)
-            if old is None or old.round < round_index:
-                self.requests[fragment] = Request(round_index, due_step)
+            old = self.requests.get(request.fragment)
+            if old is None or old.round < request.round:
+                self.requests[request.fragment] = request
                 self.cond.notify_all()
 
     def on_reconnect(self) -> None:
@@ -103,7 +102,7 @@ class Inbox:
 
     # ---- the training thread -------------------------------------------------------------------
 
-    def take_requests(self) -> dict[int, Request]:
+    def take_requests(self) -> dict[int, RoundRequest]:
         with self.cond:
             out, self.requests = self.requests, {}
             return out

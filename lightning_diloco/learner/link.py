@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # the learner never imports gRPC itself
     import torch
 
-    from lightning_diloco.transport.client import Beat, PushAck
-    from lightning_diloco.transport.subscription import VersionEvent
+    from lightning_diloco.core.protocol import Beat, PushAck, RoundRequest, VersionUpdate
 
 
 @runtime_checkable
@@ -26,15 +25,15 @@ class SynchronizerLink(Protocol):
     def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
         """Offer version 0 of a fragment; (whether this offer was the one taken, the version now)."""
 
-    def pull(self, fragment: int, newer_than: int = -1, wait: float = 0.0) -> tuple[int, torch.Tensor]:
-        """(version, fp32 value), waiting up to ``wait`` s for a version newer than ``newer_than``."""
+    def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
+        """(version, fp32 value) of a fragment now."""
 
     def push(self, *, island: int, fragment: int, round: int, base_version: int, tokens: float, steps: int,
              codec: str, seq: int, payload: torch.Tensor, layout_hash: str) -> PushAck:
         """Put a contribution into its round; refusals raise ``SynchronizerError`` with a Reason."""
 
     def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
-                  on_request: Callable[[int, int, int], None], on_version: Callable[[VersionEvent], None],
+                  on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],
                   on_reconnect: Callable[[], None] = ...) -> Any:
         """Start delivering round requests and new versions to the callbacks until :meth:`close`."""
 

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 from lightning_diloco.core.config import CodecConfig
 from lightning_diloco.synchronizer.membership import Membership
-from lightning_diloco.synchronizer.rounds import FragmentRounds, RoundRequest, VersionUpdate
+from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
+from lightning_diloco.synchronizer.rounds import FragmentRounds
 
 
 def island_events(island: int, subscription: int, delivered: dict[int, int], membership: Membership,

@@ -15,7 +15,7 @@ import torch
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings, load_run_config
-from lightning_diloco.synchronizer.status import SynchronizerStatus
+from lightning_diloco.core.protocol import SynchronizerStatus
 
 log = logging.getLogger(__name__)
 

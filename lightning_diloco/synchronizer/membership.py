@@ -18,8 +18,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
-from lightning_diloco.synchronizer.rounds import RoundRequest
-from lightning_diloco.synchronizer.status import IslandStatus
+from lightning_diloco.core.protocol import IslandStatus, RoundRequest
 
 MAX_ISLANDS = 10_000
 MAX_STEP_TIME = 3600.0  # seconds: a reported step time beyond this is not a step time

@@ -32,7 +32,7 @@ from lightning_diloco.core.guard import InfluenceGuard
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.state import FragmentState
-from lightning_diloco.synchronizer.status import LastClose, RoundStatus
+from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
 
 
 class SequenceError(ValueError):
@@ -42,23 +42,6 @@ class SequenceError(ValueError):
     def __init__(self, message: str, reused: bool = False) -> None:
         super().__init__(message)
         self.reused = reused
-
-
-@dataclass(frozen=True)
-class Ack:
-    """What a push learns at once: where its contribution went."""
-
-    fragment: int
-    round: int
-    """The round it will be merged in."""
-    late: bool
-    """Sent for a round that had already closed: merged into the next one."""
-    duplicate: bool
-    """A retry of a contribution already accepted: nothing was added."""
-    version: int
-    """The fragment's version when it was accepted."""
-    opened: bool = False
-    """This contribution made its round due (the synchronizer asks the other islands to send)."""
 
 
 @dataclass
@@ -95,8 +78,8 @@ class ClosedRound:
     closed_at: float
 
     def summary(self) -> LastClose:
-        return LastClose(self.round, self.version, len(self.islands), self.late, self.clipped, self.dropped,
-                         self.grace_wait_s, self.reason)
+        return LastClose(round=self.round, version=self.version, contributors=len(self.islands), late=self.late,
+                         clipped=self.clipped, dropped=self.dropped, grace_wait_s=self.grace_wait_s, reason=self.reason)
 
 
 @dataclass
@@ -150,8 +133,9 @@ class FragmentRounds:
     def islands(self) -> set[int]:
         return {e.island for e in self.entries.values()}
 
-    def add(self, entry: Entry, now: float, clock_round: int = -1) -> Ack:
-        """Put a validated contribution into the round it belongs to.
+    def add(self, entry: Entry, now: float, clock_round: int = -1) -> tuple[PushAck, bool]:
+        """Put a validated contribution into the round it belongs to; returns the push's answer
+        and whether this contribution made its round due (the other islands are asked to send).
 
         ``clock_round``: the round of this fragment that is due on the run's clock. A contribution
         sent for an earlier one is late even if no round closed since (e.g. retried across a
@@ -163,14 +147,16 @@ class FragmentRounds:
         if settled is not None and entry.seq <= settled.seq:
             if entry.seq == settled.seq:
                 self._same_payload(entry, settled.digest)
-                return Ack(self.fragment, settled.round, False, True, frag.version)
+                return PushAck(fragment=self.fragment, round=settled.round, late=False, duplicate=True,
+                               version=frag.version), False
             raise SequenceError(f"sequence {entry.seq} of island {island} is older than its last merged one ({settled.seq})")
         for key, other in self.entries.items():
             if other.island != island:
                 continue
             if other.seq == entry.seq:
                 self._same_payload(entry, other.digest)
-                return Ack(self.fragment, self.index, other.sent_for < self.index, True, frag.version)
+                return PushAck(fragment=self.fragment, round=self.index, late=other.sent_for < self.index, duplicate=True,
+                               version=frag.version), False
             if other.seq > entry.seq:
                 raise SequenceError(f"sequence {entry.seq} of island {island} is older than one already waiting ({other.seq})")
         if frag.next_round < 0:
@@ -190,7 +176,8 @@ class FragmentRounds:
         if self.opened_at is not None and self.quorum_at is None and len(self.islands()) >= self.config.merge.min_quorum:
             self.quorum_at = now
         self.cond.notify_all()
-        return Ack(self.fragment, frag.next_round, not on_time, False, frag.version, opened)
+        return PushAck(fragment=self.fragment, round=frag.next_round, late=not on_time, duplicate=False,
+                       version=frag.version), opened
 
     @staticmethod
     def _same_payload(entry: Entry, digest: bytes) -> None:
@@ -292,8 +279,8 @@ class FragmentRounds:
             if payload is None:
                 payload = self.downlink_cache[key] = codec.encode(frag.value - base)
         produced_by = self.rounds_of.get(frag.version, max(-1, self.index - 1))
-        return VersionUpdate(self.fragment, frag.version, base_version, produced_by, codec.name, payload,
-                             self.merged_in.get(island, -1) > have)
+        return VersionUpdate(fragment=self.fragment, version=frag.version, base_version=base_version, round=produced_by,
+                             codec=codec.name, payload=payload, included=self.merged_in.get(island, -1) > have)
 
     def status(self) -> RoundStatus:
         t = self.totals
@@ -304,28 +291,3 @@ class FragmentRounds:
             clipped=t.clipped, dropped=t.dropped, grace_wait_total_s=t.grace_wait_s,
             grace_wait_max_s=t.grace_wait_max_s, last=self.last.summary() if self.last else None,
         )
-
-
-@dataclass
-class RoundRequest:
-    """The synchronizer asks an island to send ``fragment`` now, for ``round``."""
-
-    fragment: int
-    round: int
-    due_step: int
-
-
-@dataclass
-class VersionUpdate:
-    """A new global version of a fragment for one island: a delta against the version it last got
-    (``base_version``), or the full fp32 value when ``base_version`` is -1."""
-
-    fragment: int
-    version: int
-    base_version: int
-    round: int
-    codec: str
-    payload: torch.Tensor
-    included: bool
-    """Whether a contribution of this island was merged since its ``base_version``."""
-

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import functools
 import hmac
-import json
 import logging
-import math
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -23,18 +21,17 @@ from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
-from lightning_diloco.synchronizer.rounds import RoundRequest
+from lightning_diloco.core.protocol import RoundRequest
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
-from lightning_diloco.transport.status import status_to_message
+from lightning_diloco.transport.messages import join_reply, to_message, version_header
 
 log = logging.getLogger(__name__)
 
-MAX_PULL_WAIT = 60.0  # seconds a Pull may wait for a newer version, whatever the client asks
 MAX_DETAILS = 1000  # characters of a refusal's message sent back: it may quote client input
-RESERVE = 8  # workers kept free of long calls (subscriptions, waiting pulls) for everything else
+RESERVE = 8  # workers kept free of long calls (subscriptions) for everything else
 STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for the rest
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.OUT_OF_RANGE,
@@ -73,25 +70,14 @@ def _events(events: Iterator, context: grpc.ServicerContext, release) -> Iterato
     try:
         for event in events:
             if isinstance(event, RoundRequest):
-                yield pb.SyncEvent(request=pb.RoundRequest(fragment=event.fragment, round=event.round, due_step=event.due_step))
+                yield pb.SyncEvent(request=to_message(event, pb.RoundRequest()))
                 continue
-            header = pb.FragmentHeader(fragment=event.fragment, version=event.version, base_version=event.base_version,
-                                       codec=event.codec, payload_bytes=event.payload.numel(), round=event.round,
-                                       included=event.included)
+            header = version_header(event, event.payload.numel())
             yield from iter_chunks(header, event.payload, lambda header=None, data=b"": pb.SyncEvent(chunk=pb.FragmentChunk(header=header, data=data)))
     except Refusal as refusal:
         _abort(context, refusal)
     finally:
         release()
-
-
-def _bounded_wait(seconds: float, context: grpc.ServicerContext) -> float:
-    """A client's wait request, clamped to [0, MAX_PULL_WAIT] and to its own deadline."""
-    wait = seconds if math.isfinite(seconds) else MAX_PULL_WAIT
-    remaining = context.time_remaining()
-    if remaining is not None:
-        wait = min(wait, remaining - 0.05)
-    return max(0.0, min(wait, MAX_PULL_WAIT))
 
 
 class SynchronizerServicer(pb_grpc.SynchronizerServicer):
@@ -132,16 +118,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             reply = self.service.join(request.island, request.world_size, specs)
         except ValueError as err:  # a malformed spec, e.g. an unknown role
             raise self.service.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
-        return pb.JoinReply(
-            config_json=json.dumps(reply["config"]),
-            layout_hash=reply["layout_hash"],
-            versions=reply["versions"],
-            shard=self.service.shard,
-            num_shards=self.service.num_shards,
-            run_step=reply["run_step"],
-            session=reply["session"],
-            incarnation=self.service.incarnation,
-        )
+        return join_reply(reply, shard=self.service.shard, num_shards=self.service.num_shards)
 
     @_handler
     def Seed(self, request_iterator, context):
@@ -162,7 +139,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             island=h.island, fragment=h.fragment, round=h.round, base_version=h.base_version, tokens=h.tokens,
             steps=h.steps, codec=h.codec, seq=h.seq, payload=payload, layout_hash=h.layout_hash, session=h.session,
         ))
-        return pb.PushAck(fragment=ack.fragment, round=ack.round, late=ack.late, duplicate=ack.duplicate, version=ack.version)
+        return to_message(ack, pb.PushAck())
 
     @_handler
     def Subscribe(self, request, context):
@@ -171,25 +148,20 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
 
     @_handler
     def Pull(self, request, context):
-        wait = _bounded_wait(request.wait_seconds, context)
-        release = self._long_call("waiting pull") if wait > 0 else (lambda: None)
-        try:
-            version, value = self.service.pull(request.fragment, request.newer_than, timeout=wait, active=context.is_active)
-        finally:
-            release()
+        version, value = self.service.pull(request.fragment)
         payload = get_codec("fp32").encode(value)
         header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec="fp32", payload_bytes=payload.numel())
         return iter_chunks(header, payload, pb.FragmentChunk)
 
     @_handler
     def Heartbeat(self, request, context):
-        run_step = self.service.heartbeat(request.island, request.steps, request.step_time, request.schedule_step,
-                                          session=request.session)
-        return pb.HeartbeatReply(versions=self.service.versions(), run_step=run_step)
+        beat = self.service.heartbeat(request.island, request.steps, request.step_time, request.schedule_step,
+                                      session=request.session)
+        return to_message(beat, pb.HeartbeatReply())
 
     @_handler
     def Status(self, request, context):
-        return status_to_message(self.service.status())
+        return to_message(self.service.status(), pb.StatusReply())
 
 
 class SynchronizerServer:

@@ -3,7 +3,7 @@
 Transport-agnostic: the gRPC server and in-process callers drive the same object.
 
 - A push is validated, measured against its base and put into its fragment's round; it is
-  answered at once with an :class:`~lightning_diloco.synchronizer.rounds.Ack` (which round, late
+  answered at once with a :class:`~lightning_diloco.core.protocol.PushAck` (which round, late
   or not). A push that opens a round asks every other live island to send that fragment now.
 - Each fragment has one closer thread (:meth:`start`; closers.py) that closes its round when the
   quorum and grace rules say so, whether or not anyone is waiting; tests move a fake clock and
@@ -32,10 +32,11 @@ from lightning_diloco.core import checkpoints
 from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec
 from lightning_diloco.core.config import CODECS, RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
+from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.schedule import due_step, fragment_offsets, latest_round
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.closers import CLOSER_TICK, Closers
+from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer
 from lightning_diloco.synchronizer.membership import Membership, SessionError
@@ -47,16 +48,7 @@ from lightning_diloco.synchronizer.requests import (
     payload_digest,
     payload_size,
 )
-from lightning_diloco.synchronizer.rounds import (
-    Ack,
-    ClosedRound,
-    Entry,
-    FragmentRounds,
-    RoundRequest,
-    SequenceError,
-    VersionUpdate,
-)
-from lightning_diloco.synchronizer.status import SynchronizerStatus
+from lightning_diloco.synchronizer.rounds import ClosedRound, Entry, FragmentRounds, SequenceError
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +152,8 @@ class Synchronizer:
 
     # ---- membership -----------------------------------------------------------------------
 
-    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> dict:
-        """Register an island; returns the run settings, layout hash, versions and run step."""
+    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> JoinInfo:
+        """Register an island; returns the run settings, layout hash, versions, run step and session."""
         if island < 0 or world_size < 1:
             raise self.refuse(Reason.BAD_ISLAND, f"island={island} world_size={world_size}: need island >= 0 and world_size >= 1")
         with self.lock:
@@ -184,14 +176,8 @@ class Synchronizer:
             session = self.membership.join(island, world_size, now)
         except OverflowError as err:
             raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
-        return {
-            "config": self.config.to_dict(),
-            "layout_hash": layout.hash,
-            "versions": self.versions(),
-            "owned": sorted(self.rounds),
-            "run_step": run_step,
-            "session": session,
-        }
+        return JoinInfo(config=self.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
+                        session=session, incarnation=self.incarnation)
 
     def _fit_fragments(self, tensors: int) -> None:
         """The first island's model has fewer tensors than fragments asked for (tensors are never
@@ -213,15 +199,16 @@ class Synchronizer:
             raise self.refuse(Reason.NOT_JOINED, f"island {island} sent a {what} before joining; call Join first") from None
 
     def heartbeat(self, island: int, steps: int, step_time: float, schedule_step: int | None = None,
-                  session: str | None = None) -> int:
-        """Record an island's progress (clamped to plausible values); returns the run step."""
+                  session: str | None = None) -> Beat:
+        """Record an island's progress (clamped to plausible values); returns every owned
+        fragment's version and the run step."""
         now = self.clock()
         self._check_session(island, session, "heartbeat")
         self.membership.seen(island, now, steps=steps, schedule_step=schedule_step, step_time=step_time)
         for rounds in self.rounds.values():  # liveness may have changed what a round waits for
             with rounds.cond:
                 rounds.cond.notify_all()
-        return self.run_step(now)
+        return Beat(versions=self.versions(), run_step=self.run_step(now))
 
     def live_islands(self, now: float | None = None) -> set[int]:
         return self.membership.live(self.clock() if now is None else now)
@@ -281,21 +268,13 @@ class Synchronizer:
                 self.membership.changed.notify_all()
         return seeded
 
-    def pull(self, fragment: int, newer_than: int = -1, timeout: float = 0.0,
-             active: Callable[[], bool] = lambda: True) -> tuple[int, torch.Tensor]:
-        """(version, fp32 copy) of a fragment, waiting up to ``timeout`` s for one newer than given
-        (and no longer than ``active()`` holds: a caller that hung up stops the wait)."""
+    def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
+        """(version, fp32 copy) of a fragment: what a joining island starts from (new versions
+        reach it through its subscription)."""
         rounds = self._rounds(fragment)
-        deadline = self.clock() + timeout
         with rounds.cond:
-            while True:
-                frag = rounds.frag
-                if frag is not None and frag.version > newer_than:
-                    return frag.version, frag.value.clone()
-                left = deadline - self.clock()
-                if left <= 0 or self.closing.is_set() or not active():
-                    return self._seeded(rounds).version, frag.value.clone()
-                rounds.cond.wait(min(left, CLOSER_TICK))
+            frag = self._seeded(rounds)
+            return frag.version, frag.value.clone()
 
     # ---- contributions ---------------------------------------------------------------------
 
@@ -310,7 +289,7 @@ class Synchronizer:
         except ValueError as err:
             raise self.refuse(Reason.NON_FINITE if isinstance(err, NonFiniteError) else Reason.BAD_PAYLOAD, str(err)) from None
 
-    def push(self, c: Contribution) -> Ack:
+    def push(self, c: Contribution) -> PushAck:
         """Put a contribution into its fragment's round; answered at once, merged when it closes.
 
         A retry with the same sequence number gets the same answer and is never merged twice.
@@ -334,16 +313,16 @@ class Synchronizer:
             try:
                 # the latest round due on the live islands' clock
                 due = latest_round(self.membership.run_step(now), self.offsets[c.fragment], self.config.schedule.sync_every)
-                ack = rounds.add(entry, now, due)
+                ack, opened = rounds.add(entry, now, due)
             except SequenceError as err:
                 raise self.refuse(Reason.SEQUENCE_REUSED if err.reused else Reason.OLD_SEQUENCE, str(err)) from None
         H = self.config.schedule.sync_every
         self.membership.seen(c.island, now, schedule_step=due_step(c.round, self.offsets[c.fragment], H))
         with self.lock:
             self.accepted["duplicate" if ack.duplicate else "late" if ack.late else "on_time"] += 1
-        if ack.opened:  # the round is due: everyone else sends this fragment now, not at its own pace
+        if opened:  # the round is due: everyone else sends this fragment now, not at its own pace
             others = self.membership.live(now) - {c.island}
-            request = RoundRequest(c.fragment, ack.round, due_step(ack.round, self.offsets[c.fragment], H))
+            request = RoundRequest(fragment=c.fragment, round=ack.round, due_step=due_step(ack.round, self.offsets[c.fragment], H))
             self.membership.ask(request, others)
         return ack
 

@@ -14,7 +14,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from lightning_diloco.synchronizer.status import SynchronizerStatus
+from lightning_diloco.core.protocol import SynchronizerStatus
 
 REFRESH_S = 2
 

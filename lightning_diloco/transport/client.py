@@ -11,13 +11,12 @@ breaks.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -25,15 +24,14 @@ import grpc
 import torch
 
 from lightning_diloco.core.codecs import get_codec
-from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.reasons import REJOIN, Reason
-from lightning_diloco.synchronizer.status import SynchronizerStatus
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
-from lightning_diloco.transport.status import status_from_message
-from lightning_diloco.transport.subscription import Subscription, VersionEvent
+from lightning_diloco.transport.messages import from_message, join_info
+from lightning_diloco.transport.subscription import Subscription
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,32 +45,6 @@ class SynchronizerError(RuntimeError):
     def __init__(self, code: grpc.StatusCode | None, reason: Reason, message: str) -> None:
         super().__init__(message)
         self.code, self.reason = code, reason
-
-
-@dataclass(frozen=True)
-class JoinInfo:
-    config: RunConfig
-    layout_hash: str
-    versions: dict[int, int]
-    run_step: int = 0
-    """The run's clock: the schedule step a joining island starts at."""
-
-
-@dataclass(frozen=True)
-class PushAck:
-    fragment: int
-    round: int
-    """The round the contribution will be merged in."""
-    late: bool
-    """It was sent for a round that had closed: it is merged into the next one."""
-    duplicate: bool
-    version: int
-
-
-@dataclass(frozen=True)
-class Beat:
-    versions: dict[int, int]
-    run_step: int
 
 
 def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
@@ -251,8 +223,8 @@ class SynchronizerClient:
         for r in replies:
             versions.update(r.versions)
         self.joins += 1
-        return JoinInfo(RunConfig.from_dict(json.loads(replies[0].config_json)), replies[0].layout_hash, versions,
-                        max(r.run_step for r in replies))
+        # one run seen from every shard: each shard's versions, the furthest clock (sessions stay per shard)
+        return dataclasses.replace(join_info(replies[0]), versions=versions, run_step=max(r.run_step for r in replies))
 
     def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
         payload = get_codec("fp32").encode(value)
@@ -293,16 +265,16 @@ class SynchronizerClient:
                 self._counted(iter_chunks(header, payload, pb.PushChunk)), timeout=self.timeout, metadata=self.metadata
             )
             self._count(received=ack.ByteSize())
-            return PushAck(ack.fragment, ack.round, ack.late, ack.duplicate, ack.version)
+            return from_message(ack, PushAck)
 
         return self._call(f"push of fragment {fragment}", call, self.shard_of(fragment))
 
-    def pull(self, fragment: int, newer_than: int = -1, wait: float = 0.0) -> tuple[int, torch.Tensor]:
-        """(version, fp32 value) of a fragment, waiting up to ``wait`` s for a version > newer_than."""
-        request = pb.PullRequest(fragment=fragment, newer_than=newer_than, wait_seconds=wait)
+    def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
+        """(version, fp32 value) of a fragment: what a joining island starts from."""
+        request = pb.PullRequest(fragment=fragment)
 
         def call():
-            replies = self._stub(fragment).Pull(request, timeout=self.timeout + wait, metadata=self.metadata)
+            replies = self._stub(fragment).Pull(request, timeout=self.timeout, metadata=self.metadata)
             h, data = self._receive(replies, f"pull of fragment {fragment}")
             return h.version, get_codec("fp32").decode(data, len(data) // 4)
 
@@ -322,15 +294,15 @@ class SynchronizerClient:
             self._count(received=reply.ByteSize())
             versions.update(reply.versions)
             run_step = max(run_step, reply.run_step)
-        return Beat(versions, run_step)
+        return Beat(versions=versions, run_step=run_step)
 
     def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
-                  on_request: Callable[[int, int, int], None], on_version: Callable[[VersionEvent], None],
+                  on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],
                   on_reconnect: Callable[[], None] = lambda: None) -> Subscription:
         """Start reading this island's events from every shard (one thread each).
 
         ``versions()`` tells, at each (re)connect, which version of each fragment the island holds;
-        ``on_request(fragment, round, due_step)`` and ``on_version(event)`` run on the reader
+        ``on_request(request)`` and ``on_version(update)`` run on the reader
         threads; ``on_reconnect()`` when a stream that had worked is open again (contributions
         waiting in rounds may have been lost with a restarted synchronizer).
         """
@@ -341,10 +313,7 @@ class SynchronizerClient:
 
     def status(self, shard: int = 0) -> SynchronizerStatus:
         reply = self._call("status", lambda: self.stubs[shard].Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
-        try:
-            return status_from_message(reply)
-        except ValueError as err:
-            raise SynchronizerError(None, Reason.UNKNOWN, f"{self.addresses[shard]}: {err}") from None
+        return from_message(reply, SynchronizerStatus)
 
     def close(self) -> None:
         with self._lock:

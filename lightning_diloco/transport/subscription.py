@@ -8,14 +8,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
+from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import REJOIN, Reason
 from lightning_diloco.transport import synchronizer_pb2 as pb
+from lightning_diloco.transport.messages import from_message, version_update
 
 if TYPE_CHECKING:
     from lightning_diloco.transport.client import SynchronizerClient
@@ -25,25 +26,11 @@ log = logging.getLogger(__name__)
 RESUBSCRIBE_BACKOFF = 1.0  # seconds, the longest wait before a broken subscription is reopened
 
 
-@dataclass(frozen=True)
-class VersionEvent:
-    """A new global version of a fragment: ``payload`` is a delta against ``base_version`` in
-    ``codec``, or the full fp32 value when ``base_version`` is -1."""
-
-    fragment: int
-    version: int
-    base_version: int
-    round: int
-    codec: str
-    payload: bytearray
-    included: bool
-
-
 class Subscription:
     """One island's event streams, one reader thread per shard; reopened whenever they break."""
 
     def __init__(self, client: SynchronizerClient, island: int, versions: Callable[[], dict[int, int]],
-                 on_request: Callable[[int, int, int], None], on_version: Callable[[VersionEvent], None],
+                 on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],
                  on_reconnect: Callable[[], None]) -> None:
         self.client, self.island, self.versions = client, island, versions
         self.on_request, self.on_version, self.on_reconnect = on_request, on_version, on_reconnect
@@ -121,8 +108,7 @@ class Subscription:
             any_event = True
             self.client._count(received=event.ByteSize())
             if event.HasField("request"):
-                r = event.request
-                self.on_request(r.fragment, r.round, r.due_step)
+                self.on_request(from_message(event.request, RoundRequest))
                 continue
             chunk = event.chunk
             if chunk.HasField("header"):
@@ -135,7 +121,6 @@ class Subscription:
             buffer[filled:end] = chunk.data
             filled = end
             if filled == len(buffer):
-                self.on_version(VersionEvent(header.fragment, header.version, header.base_version, header.round,
-                                             header.codec, buffer, header.included))
+                self.on_version(version_update(header, buffer))
                 header, buffer = None, None
         return any_event

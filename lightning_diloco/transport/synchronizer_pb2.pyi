@@ -90,14 +90,12 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class FragmentHeader(_message.Message):
-    __slots__ = ("fragment", "version", "base_version", "codec", "payload_bytes", "contributors", "reason", "island", "round", "included", "session")
+    __slots__ = ("fragment", "version", "base_version", "codec", "payload_bytes", "island", "round", "included", "session")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
@@ -107,13 +105,11 @@ class FragmentHeader(_message.Message):
     base_version: int
     codec: str
     payload_bytes: int
-    contributors: int
-    reason: str
     island: int
     round: int
     included: bool
     session: str
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., contributors: _Optional[int] = ..., reason: _Optional[str] = ..., island: _Optional[int] = ..., round: _Optional[int] = ..., included: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., island: _Optional[int] = ..., round: _Optional[int] = ..., included: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("fragment", "round", "late", "duplicate", "version")
@@ -146,14 +142,10 @@ class SeedReply(_message.Message):
     def __init__(self, seeded: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("fragment", "newer_than", "wait_seconds")
+    __slots__ = ("fragment",)
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
-    NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
-    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
-    newer_than: int
-    wait_seconds: float
-    def __init__(self, fragment: _Optional[int] = ..., newer_than: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, fragment: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island", "steps", "step_time", "schedule_step", "session")

@@ -15,7 +15,7 @@ from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.client import SynchronizerClient
-from tests.helpers import SPECS, initial_fragments, layout, run_config
+from tests.helpers import SPECS, initial_fragments, layout, run_config, wait_for_version
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Target:
                            layout_hash=layout(self.config).hash)
 
     def settle(self, fragment: int, version: int) -> None:
-        assert self.honest.pull(fragment, newer_than=version - 1, wait=10)[0] >= version
+        wait_for_version(self.honest.pull, fragment, version, timeout=10)
 
     def answers_status_promptly(self) -> None:
         started = time.monotonic()

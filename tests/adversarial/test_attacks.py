@@ -64,19 +64,12 @@ def test_absurd_token_counts_cannot_drown_an_honest_island(target, tokens):
 
 
 def test_a_pull_cannot_pin_the_servers_workers(target):
+    """Pull answers with the current version at once (new versions reach islands through their
+    subscriptions, which are counted as long calls): a flood of pulls holds no worker."""
     stub = target.stub()
-    calls = [stub.Pull(pb.PullRequest(fragment=0, newer_than=10**9, wait_seconds=float("inf"))) for _ in range(40)]
-    try:
-        time.sleep(0.5)
-        target.answers_status_promptly()
-        refused = [c for c in calls if c.done()]
-        assert refused and all(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refused)
-        assert "busy" in refused[0].details()
-    finally:
-        for c in calls:
-            c.cancel()
-    time.sleep(0.5)  # a cancelled pull stops waiting: its worker is free again
+    calls = [stub.Pull(pb.PullRequest(fragment=0), timeout=30) for _ in range(40)]  # all started, none read yet
     target.answers_status_promptly()
+    assert all(next(c).header.version == 0 for c in calls)
     assert target.honest.pull(0)[0] == 0
 
 

@@ -20,7 +20,7 @@ from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
-from tests.helpers import SPECS, initial_fragments, layout, run_config
+from tests.helpers import SPECS, initial_fragments, layout, run_config, wait_for_version
 
 
 def _push(client, config, island, fragment, delta, *, round=0, base_version=0, seq=0, codec="fp32", tokens=100.0, steps=4):
@@ -47,9 +47,9 @@ class Events:
         self.held: dict[int, int] = {}
         self.reconnects = 0
 
-    def on_request(self, fragment, round_index, due):
+    def on_request(self, request):
         with self.cond:
-            self.requests.append((fragment, round_index, due))
+            self.requests.append((request.fragment, request.round, request.due_step))
             self.cond.notify_all()
 
     def on_version(self, event):
@@ -230,7 +230,7 @@ def test_tls_connection_works(tmp_path):
         with SynchronizerClient(server.address, tls_root_cert=cert) as client:
             _seeded(client, config)
             assert _push(client, config, 0, 0, torch.zeros(layout(config).fragment_numel(0))).round == 0
-            assert client.pull(0, newer_than=0, wait=10)[0] == 1
+            assert wait_for_version(client.pull, 0, 1)[0] == 1
         with SynchronizerClient(server.address, max_retries=0) as plaintext:
             with pytest.raises(SynchronizerError):
                 plaintext.join(0, 1, SPECS)
@@ -247,7 +247,7 @@ def test_shards_own_their_fragments_and_the_client_routes_by_fragment():
             assert info.versions == {0: -1, 1: -1}
             numel = layout(config).fragment_numel(1)
             _push(client, config, 0, 1, torch.zeros(numel))
-            assert client.pull(1, newer_than=0, wait=10)[0] == 1
+            assert wait_for_version(client.pull, 1, 1)[0] == 1
             assert servers[0].service.versions() == {0: 0}
             assert servers[1].service.versions() == {1: 1}
             assert client.heartbeat(0, 1, 0.1).versions == {0: 0, 1: 1}
@@ -407,7 +407,7 @@ def test_sixteen_concurrent_learners_merge_exactly_like_the_reference(started):
                                     tokens=50.0 * (i + 1), steps=4)
                         assert ack.round == r and not ack.late
                     for p in range(2):  # every round waits for all 16: the next base is version r + 1
-                        assert clients[i].pull(p, newer_than=r, wait=30)[0] == r + 1
+                        assert wait_for_version(clients[i].pull, p, r + 1)[0] == r + 1
             except Exception as err:  # reported below
                 errors.append(err)
 

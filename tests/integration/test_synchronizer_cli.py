@@ -14,7 +14,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.transport.client import SynchronizerClient
-from tests.helpers import SPECS, initial_fragments, layout, run_config
+from tests.helpers import SPECS, initial_fragments, layout, run_config, wait_for_version
 
 CLI = [sys.executable, "-m", "lightning_diloco.cli"]
 
@@ -63,7 +63,7 @@ def test_synchronizer_command_serves_status_metrics_and_checkpoints_on_sigterm(s
         numel = layout(config).fragment_numel(0)
         client.push(island=0, fragment=0, round=0, base_version=0, tokens=10.0, steps=2, codec="fp32", seq=0,
                     payload=get_codec("fp32").encode(torch.zeros(numel)), layout_hash=info.layout_hash)
-        assert client.pull(0, newer_than=0, wait=30)[0] == 1  # its closer merged the round
+        assert wait_for_version(client.pull, 0, 1)[0] == 1  # its closer merged the round
 
     table = subprocess.run([*CLI, "status", address], capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 
+import dataclasses
+
 from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.protocol import RoundRequest
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.rounds import RoundRequest
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
-from lightning_diloco.transport.client import Beat, PushAck, SynchronizerError
-from lightning_diloco.transport.subscription import VersionEvent
+from lightning_diloco.transport.client import SynchronizerError
 
 
 class ServiceLink:
@@ -27,34 +28,31 @@ class ServiceLink:
 
     def heartbeat(self, island, steps, step_time, schedule_step=0):
         self._check()
-        run_step = self.service.heartbeat(island, steps, step_time, schedule_step)
-        return Beat(self.service.versions(), run_step)
+        return self.service.heartbeat(island, steps, step_time, schedule_step)
 
     def seed(self, island, p, value):
         return self.service.seed(island, p, get_codec("fp32").encode(value)), 0
 
-    def pull(self, p, newer_than=-1, wait=0.0):
+    def pull(self, p):
         self._check()
-        return self.service.pull(p, newer_than, wait)
+        return self.service.pull(p)
 
     def push(self, **fields):
         if self.gate is not None:
             self.gate.wait(10)
         self._check()
         try:
-            ack = self.service.push(Contribution(**fields))
+            return self.service.push(Contribution(**fields))
         except Refusal as refusal:
             raise SynchronizerError(None, refusal.reason, str(refusal)) from None
-        return PushAck(ack.fragment, ack.round, ack.late, ack.duplicate, ack.version)
 
     def subscribe(self, island, versions, *, on_request, on_version, on_reconnect=lambda: None):
         def read():
             for event in self.service.subscribe(island, versions(), active=lambda: not self._stop.is_set(), tick=0.05):
                 if isinstance(event, RoundRequest):
-                    on_request(event.fragment, event.round, event.due_step)
-                else:
-                    on_version(VersionEvent(event.fragment, event.version, event.base_version, event.round, event.codec,
-                                            bytearray(event.payload.numpy().tobytes()), event.included))
+                    on_request(event)
+                else:  # the bytes a client reads off the wire
+                    on_version(dataclasses.replace(event, payload=bytearray(event.payload.numpy().tobytes())))
 
         thread = threading.Thread(target=read, name=f"diloco-test-subscription-{island}", daemon=True)
         thread.start()

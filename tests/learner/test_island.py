@@ -41,7 +41,7 @@ def islands():
         link = ServiceLink(service)
         learner = IslandLearner(params, layout, config, island=island, link=link, heartbeat_every=60)
         made.append(learner)
-        learner.start(run_step=info["run_step"])
+        learner.start(run_step=info.run_step)
         return learner, link, params, service
 
     yield make
@@ -203,7 +203,7 @@ def test_a_version_arriving_between_decision_and_apply_is_applied_next_not_in_pl
     _settle(first)
     assert second.inbox.wait(lambda: 0 in second.inbox.fresh, 10)
     decided = second.inbox.fresh[0]
-    newer = Arrival(0, decided.version + 1, decided.round + 1, decided.value + 1.0, False)
+    newer = Arrival(fragment=0, version=decided.version + 1, round=decided.round + 1, value=decided.value + 1.0, included=False)
     take = second.inbox.take
 
     def take_then_newer_arrives(ready):

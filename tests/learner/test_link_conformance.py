@@ -14,7 +14,8 @@ from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
-from lightning_diloco.transport.client import Beat, PushAck, SynchronizerClient, SynchronizerError
+from lightning_diloco.core.protocol import Beat, PushAck
+from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
 from tests.helpers import SPECS, initial_fragments, layout, run_config
 from tests.learner.service_link import ServiceLink
 
@@ -72,7 +73,7 @@ def test_both_links_answer_an_exchange_alike(link):
     event = events[0]
     assert (event.fragment, event.version, event.base_version, event.round, event.included) == (0, 1, 0, 0, True)
     assert isinstance(event.payload, bytearray) and event.codec == CONFIG.codec.downlink
-    version, value = link.pull(0, newer_than=0)
+    version, value = link.pull(0)
     assert version == 1 and not torch.equal(value, values[0])
 
     with pytest.raises(SynchronizerError) as refused:

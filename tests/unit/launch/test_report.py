@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_diloco.launch.report import RecoveryClock, Sample, build_report, downtime, useful_time
-from lightning_diloco.synchronizer.status import IslandStatus, SynchronizerStatus
+from lightning_diloco.core.protocol import IslandStatus, SynchronizerStatus
 
 
 def test_useful_time_credits_every_advancing_interval():

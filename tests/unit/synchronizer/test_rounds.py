@@ -7,7 +7,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import split_fragment
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.outer import OuterOptimizer
-from lightning_diloco.synchronizer.rounds import RoundRequest, VersionUpdate
+from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
 
@@ -36,7 +36,7 @@ def test_a_round_closes_once_and_a_contribution_after_it_goes_into_the_next_roun
     config = run_config(min_quorum=1, gamma=0.0)
     sync, clock = _started(config, 2)
     first = sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=5, seq=1))
-    assert (first.round, first.late, first.opened) == (5, False, True)
+    assert (first.round, first.late) == (5, False) and sync.rounds[0].opened_at is not None  # it opened round 5
     [closed] = sync.poll()
     assert (closed.round, closed.version, closed.islands) == (5, 1, (0,))
     clock.advance(0.5)
@@ -192,7 +192,7 @@ def test_a_late_joiner_starts_at_the_runs_step_never_ahead_of_it():
     sync.heartbeat(1, 700, 0.1, schedule_step=1190)
     clock.advance(3.0)  # island 1 was killed: still live, but it must not drag the clock ahead
     sync.heartbeat(0, 530, 0.1, schedule_step=1230)
-    assert sync.join(2, 1, SPECS)["run_step"] == 1230
+    assert sync.join(2, 1, SPECS).run_step == 1230
     sync.heartbeat(0, 531, 0.1, schedule_step=1000)  # a report older than one already made
     assert sync.run_step() == 1230
 
@@ -203,7 +203,7 @@ def test_a_send_for_a_round_the_run_has_passed_is_late_even_after_a_restart():
     clock.advance(10.0)
     sync.heartbeat(0, 100, 0.1, schedule_step=4 * 40 + 2)  # the run is at round 40 of fragment 0
     retried = sync.push(contribution(config, 1, 0, torch.zeros(_numel(config)), round=31))  # sent before a restart
-    assert retried.late and not retried.opened and sync.poll() == []
+    assert retried.late and sync.rounds[0].opened_at is None and sync.poll() == []
     sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=40))
     [closed] = sync.poll()
     assert (closed.round, closed.islands, closed.late) == (40, (0, 1), 1)

@@ -1,5 +1,6 @@
 """The live status page: what a browser gets from a synchronizer that has merged some rounds."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -101,9 +102,8 @@ def test_the_same_data_is_served_as_json_and_other_paths_are_404(page):
 
 
 def test_text_from_the_run_is_escaped():
-    status = _synchronizer_with_history().status()
-    status.adjustments = ["<script>alert(1)</script>"]
-    status.refused = {"<b>bad</b>": 1}
+    status = dataclasses.replace(_synchronizer_with_history().status(), adjustments=["<script>alert(1)</script>"],
+                                 refused={"<b>bad</b>": 1})
     body = render(status)
     assert "<script>" not in body and "<b>bad" not in body and "&lt;script&gt;" in body
 

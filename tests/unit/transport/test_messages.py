@@ -1,4 +1,4 @@
-"""The synchronizer's status: the same typed record in process and after the trip through gRPC's message."""
+"""Protocol records: the same typed record in process and after the trip through gRPC's message."""
 
 from __future__ import annotations
 
@@ -6,9 +6,20 @@ import dataclasses
 
 import pytest
 
-from lightning_diloco.synchronizer.status import IslandStatus, LastClose, RoundStatus, SynchronizerStatus
+from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.protocol import (
+    Beat,
+    IslandStatus,
+    JoinInfo,
+    LastClose,
+    PushAck,
+    RoundRequest,
+    RoundStatus,
+    SynchronizerStatus,
+    VersionUpdate,
+)
 from lightning_diloco.transport import synchronizer_pb2 as pb
-from lightning_diloco.transport.status import status_from_message, status_to_message
+from lightning_diloco.transport.messages import from_message, join_info, join_reply, to_message, version_header, version_update
 
 
 def _status(**changes) -> SynchronizerStatus:
@@ -38,8 +49,8 @@ def _status(**changes) -> SynchronizerStatus:
 @pytest.mark.parametrize("status", [_status(), _status(islands={}, rounds={}, versions={}, live_islands=[], adjustments=[])],
                          ids=["every field", "nothing yet"])
 def test_a_status_comes_back_from_its_message_unchanged(status):
-    message = status_to_message(status)
-    back = status_from_message(pb.StatusReply.FromString(message.SerializeToString()))
+    message = to_message(status, pb.StatusReply())
+    back = from_message(pb.StatusReply.FromString(message.SerializeToString()), SynchronizerStatus)
     assert back == status
     # unset stays unset: "never merged" and "no round closed yet" are not 0
     if status.islands:
@@ -48,7 +59,7 @@ def test_a_status_comes_back_from_its_message_unchanged(status):
 
 @pytest.mark.parametrize("record, message", [
     (IslandStatus, pb.IslandStatus), (LastClose, pb.LastClose), (RoundStatus, pb.RoundStatus),
-    (SynchronizerStatus, pb.StatusReply),
+    (SynchronizerStatus, pb.StatusReply), (PushAck, pb.PushAck), (RoundRequest, pb.RoundRequest), (Beat, pb.HeartbeatReply),
 ])
 def test_the_dataclasses_and_the_messages_have_the_same_fields(record, message):
     assert {f.name for f in dataclasses.fields(record)} == set(message.DESCRIPTOR.fields_by_name)
@@ -59,9 +70,12 @@ def test_json_has_text_keys_and_plain_values():
     assert data["islands"][0]["merged_s_ago"] == 1.5 and data["rounds"][0]["last"]["contributors"] == 2
 
 
-def test_a_status_in_the_old_format_is_refused_with_what_to_do():
-    """A synchronizer of an older version answers with the JSON blob (field 1, now reserved): no
-    typed field is set, and reading it as all zeros would show a run that never started."""
-    old = pb.StatusReply.FromString(b"\x0a\x02{}")  # field 1, length 2: the old json string
-    with pytest.raises(ValueError, match="older format.*same lightning_diloco version"):
-        status_from_message(old)
+def test_records_converted_by_hand_come_back_unchanged():
+    info = JoinInfo(config=RunConfig(), layout_hash="abc", versions={0: 3, 2: -1}, run_step=48, session="s1",
+                    incarnation="i1")
+    reply = pb.JoinReply.FromString(join_reply(info, shard=1, num_shards=2).SerializeToString())
+    assert join_info(reply) == info and (reply.shard, reply.num_shards) == (1, 2)
+    update = VersionUpdate(fragment=2, version=5, base_version=4, round=7, codec="bf16", payload=bytearray(b"xy"),
+                           included=True)
+    header = pb.FragmentHeader.FromString(version_header(update, payload_bytes=2).SerializeToString())
+    assert version_update(header, bytearray(b"xy")) == update and header.payload_bytes == 2

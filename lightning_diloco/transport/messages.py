@@ -1,33 +1,59 @@
-"""The synchronizer's status dataclasses to and from their gRPC message, field by field by name.
+"""Protocol records (core/protocol.py) to and from their gRPC messages, field by field by name.
 
 One generic conversion instead of a hand-written copy per field: a field that exists on one side
-only raises here (and in tests/unit/transport/test_status.py) rather than silently reading as 0.
+only raises here (and in tests/unit/synchronizer/test_status.py) rather than silently reading as 0.
+The join reply carries the run settings as JSON and a version travels as a header and chunks, so
+those two are converted by hand (join_reply, version_header).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from lightning_diloco.synchronizer.status import SynchronizerStatus
+from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.protocol import JoinInfo, VersionUpdate
 from lightning_diloco.transport import synchronizer_pb2 as pb
 
 T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 
 
-def status_to_message(status: SynchronizerStatus) -> pb.StatusReply:
-    return _fill(pb.StatusReply(), status)
+def to_message(record: Any, message: M) -> M:
+    """``message`` (a new, empty one) filled from ``record``'s fields of the same names."""
+    return _fill(message, record)
 
 
-def status_from_message(message: pb.StatusReply) -> SynchronizerStatus:
-    if not message.incarnation:  # every synchronizer that sends the typed fields names its process
-        raise ValueError("the synchronizer answered Status in an older format (a JSON blob, before the typed fields); "
-                         "run the same lightning_diloco version for the synchronizer and its clients")
-    return _read(message, SynchronizerStatus)
+def from_message(message: Message, cls: type[T]) -> T:
+    """A ``cls`` record read from ``message``'s fields of the same names."""
+    return _read(message, cls)
+
+
+def join_reply(info: JoinInfo, *, shard: int, num_shards: int) -> pb.JoinReply:
+    return pb.JoinReply(config_json=json.dumps(info.config.to_dict()), layout_hash=info.layout_hash,
+                        versions=info.versions, shard=shard, num_shards=num_shards, run_step=info.run_step,
+                        session=info.session, incarnation=info.incarnation)
+
+
+def join_info(reply: pb.JoinReply) -> JoinInfo:
+    return JoinInfo(config=RunConfig.from_dict(json.loads(reply.config_json)), layout_hash=reply.layout_hash,
+                    versions=dict(reply.versions), run_step=reply.run_step, session=reply.session,
+                    incarnation=reply.incarnation)
+
+
+def version_header(update: VersionUpdate, payload_bytes: int) -> pb.FragmentHeader:
+    return pb.FragmentHeader(fragment=update.fragment, version=update.version, base_version=update.base_version,
+                             codec=update.codec, payload_bytes=payload_bytes, round=update.round, included=update.included)
+
+
+def version_update(header: pb.FragmentHeader, payload: bytearray) -> VersionUpdate:
+    return VersionUpdate(fragment=header.fragment, version=header.version, base_version=header.base_version,
+                         round=header.round, codec=header.codec, payload=payload, included=header.included)
 
 
 def _fill(message: Message, record: Any) -> Message:

@@ -1,0 +1,186 @@
+"""The records the synchronizer and its islands exchange, each defined once.
+
+The service returns them, the gRPC server turns them into messages and the client back into
+the same records (transport/messages.py), and the island, the launcher, the status page and the
+in-process test double read them: one record per concept on every side of the wire. The gRPC
+messages (synchronizer.proto) have the same field names, converted field by field by name, so a
+field added on one side only fails a test instead of going missing on the wire.
+
+Keyword-only and frozen: built by name, never changed after. Islands and fragments are keyed by
+int everywhere; only :meth:`SynchronizerStatus.to_dict` (JSON) turns keys into text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_diloco.core.config import RunConfig
+
+RECORD = dataclass(kw_only=True, frozen=True)
+
+
+# ---- joining and liveness ---------------------------------------------------------------------
+
+
+@RECORD
+class JoinInfo:
+    """What an island learns when it joins (from every shard, combined by the client)."""
+
+    config: RunConfig
+    """The run's settings: the synchronizer's are authoritative."""
+    layout_hash: str
+    versions: dict[int, int]
+    """Fragment -> its current version; -1 for a fragment not seeded yet."""
+    run_step: int
+    """The run's clock: the schedule step a joining island starts at."""
+    session: str = ""
+    """Names this join (per shard): requests of an older session are refused."""
+    incarnation: str = ""
+    """Which synchronizer process answered; a new one after a restart."""
+
+
+@RECORD
+class Beat:
+    """The answer to a heartbeat."""
+
+    versions: dict[int, int]
+    run_step: int
+
+
+# ---- contributions and what comes back -----------------------------------------------------------
+
+
+@RECORD
+class PushAck:
+    """What a push learns at once: where its contribution went."""
+
+    fragment: int
+    round: int
+    """The round it will be merged in."""
+    late: bool
+    """Sent for a round that had already closed: merged into the next one."""
+    duplicate: bool
+    """A retry of a contribution already accepted: nothing was added."""
+    version: int
+    """The fragment's version when it was accepted."""
+
+
+@RECORD
+class RoundRequest:
+    """The synchronizer asks an island to send ``fragment`` now, for ``round``."""
+
+    fragment: int
+    round: int
+    due_step: int
+    """Where ``round`` is on the run's clock: an island behind it skips ahead."""
+
+
+@RECORD
+class VersionUpdate:
+    """A new global version of a fragment for one island: a delta against the version it last got
+    (``base_version``), or the full fp32 value when ``base_version`` is -1."""
+
+    fragment: int
+    version: int
+    base_version: int
+    round: int
+    """The round that produced this version (-1: none known, e.g. the seed)."""
+    codec: str
+    payload: torch.Tensor | bytes | bytearray
+    """Encoded by ``codec``: a uint8 tensor where it is made, the bytes off the wire."""
+    included: bool
+    """Whether a contribution of this island was merged since its ``base_version``."""
+
+
+# ---- status ---------------------------------------------------------------------------------------
+
+
+@RECORD
+class IslandStatus:
+    live: bool
+    world_size: int
+    steps: int
+    """Local steps the island reported in its last heartbeat (they restart at 0 with the process)."""
+    schedule_step: int
+    """Where the island is on the run's clock."""
+    step_time_s: float
+    accepted: int
+    """Contributions of this island merged into a global version."""
+    seen_s_ago: float
+    merged_s_ago: float | None = None
+    """None: none of its contributions has been merged yet."""
+
+
+@RECORD
+class LastClose:
+    """How a fragment's latest round closed."""
+
+    round: int
+    version: int
+    contributors: int
+    late: int
+    clipped: int
+    dropped: int
+    grace_wait_s: float
+    reason: str
+
+
+@RECORD
+class RoundStatus:
+    """One fragment's open round and the totals over every round it closed."""
+
+    round: int
+    open: bool
+    open_contributors: int
+    waiting_late: int
+    """Entries in the open round that were sent for an earlier one."""
+    closed: int
+    merged_entries: int
+    merged_late: int
+    superseded: int
+    clipped: int
+    dropped: int
+    grace_wait_total_s: float
+    grace_wait_max_s: float
+    last: LastClose | None = None
+    """None until the fragment's first round closes."""
+
+
+@RECORD
+class SynchronizerStatus:
+    """One shard of the synchronizer."""
+
+    shard: int
+    num_shards: int
+    incarnation: str
+    layout_hash: str
+    """Empty until the first island joins."""
+    outer_steps: int
+    run_step: int
+    sync_every: int
+    num_fragments: int
+    min_quorum: int
+    bytes_in: int
+    bytes_out: int
+    checkpoint_failures: int
+    last_checkpoint_error: str
+    last_checkpoint_outer_steps: int
+    versions: dict[int, int] = field(default_factory=dict)
+    """Fragment -> its current global version."""
+    live_islands: list[int] = field(default_factory=list)
+    islands: dict[int, IslandStatus] = field(default_factory=dict)
+    rounds: dict[int, RoundStatus] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    """Contributions by outcome (on_time, late, duplicate, merged, ...)."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """Refusals by :class:`~lightning_diloco.reasons.Reason` value."""
+    adjustments: list[str] = field(default_factory=list)
+    """Settings changed to fit the run, as said in the log."""
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready data (``/status.json``, ``lightning-diloco status --json``, recipe summaries)."""
+        return asdict(self)
