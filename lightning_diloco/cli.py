@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="print a synchronizer's status as a table")
     status.add_argument("address", help="host:port, comma-separated for every shard")
-    from lightning_diloco.synchronizer.main import add_token_arguments
+    from lightning_diloco.core.credentials import add_token_arguments
 
     add_token_arguments(status, "run's token")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")

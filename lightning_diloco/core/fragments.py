@@ -98,11 +98,6 @@ class FragmentLayout:
     def total_numel(self) -> int:
         return sum(s.numel for s in self.specs)
 
-    def balance(self) -> float:
-        """Largest fragment over the ideal size total / P (1.0 is perfect)."""
-        ideal = self.total_numel / self.num_fragments
-        return max(self.fragment_numel(p) for p in range(self.num_fragments)) / ideal
-
     def to_dict(self) -> dict:
         return {"specs": [s.to_dict() for s in self.specs], "fragments": [list(f) for f in self.fragments]}
 

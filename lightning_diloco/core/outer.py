@@ -7,6 +7,26 @@ import torch
 from lightning_diloco.core.config import OuterConfig
 
 
+def island_delta(local: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """What an island sends for a fragment: its progress since the global version it holds,
+    ``local - base`` (encoded by the uplink codec). :func:`outer_gradient` turns it around."""
+    return local - base
+
+
+def outer_gradient(delta: torch.Tensor) -> torch.Tensor:
+    """Delta_m = Theta_base - theta_m = -delta, measured against the island's own base. Overwrites
+    ``delta``.
+
+    Why its own base and not the current global value (the paper's Theta_p - theta_m): the two
+    agree when the base is current, but for a base that is ``age`` versions old the current value
+    adds -(Theta_now - Theta_base), which undoes the rounds the island missed; with outer momentum
+    that feedback diverged with quorum 1 and islands out of phase (measured, issue 12). Measured
+    against its own base a late contribution adds only its own progress, and the round discounts
+    it by its age.
+    """
+    return delta.neg_()
+
+
 class OuterOptimizer:
     """One SGD state over one global fragment (a flat fp32 tensor, updated in place)."""
 

@@ -42,20 +42,6 @@ class FragmentState:
         """The fragment at ``version`` if still kept, else None (stale or from the future)."""
         return self.history.get(version)
 
-    @staticmethod
-    def outer_gradient(delta: torch.Tensor) -> torch.Tensor:
-        """Delta_m = Theta_base - theta_m = -d, measured against the island's own base. Overwrites
-        ``delta``.
-
-        Why its own base and not the current global value (the paper's Theta_p - theta_m): the two
-        agree when the base is current, but for a base that is ``age`` versions old the current
-        value adds -(Theta_now - Theta_base), which undoes the rounds the island missed; with outer
-        momentum that feedback diverged with quorum 1 and islands out of phase (measured, issue
-        12). Measured against its own base a late contribution adds only its own progress, and
-        the round discounts it by its age.
-        """
-        return delta.neg_()
-
     def apply(self, outer_gradient: torch.Tensor, keep: int = 0) -> int | None:
         """One outer step; publishes and returns the new version. Keeps max(S, ``keep``) versions.
 
@@ -109,7 +95,11 @@ class SynchronizerState:
             expected = layout.fragment_numel(p)
             assert value.numel() == expected, f"fragment {p}: {value.numel()=} != {expected=}"
         self.fragments = {p: FragmentState(value, config) for p, value in sorted(fragments.items())}
-        self.outer_steps = 0
+
+    @property
+    def outer_steps(self) -> int:
+        """Outer steps taken: each one adds 1 to its fragment's version, which starts at 0."""
+        return sum(f.version for f in self.fragments.values())
 
     @classmethod
     def from_parameters(
@@ -140,11 +130,6 @@ class SynchronizerState:
     def versions(self) -> dict[int, int]:
         return {p: f.version for p, f in self.fragments.items()}
 
-    def apply(self, p: int, outer_gradient: torch.Tensor, keep: int = 0) -> int | None:
-        version = self.fragments[p].apply(outer_gradient, keep)
-        self.outer_steps += version is not None
-        return version
-
     def state_dict(self) -> dict:
         return {
             "format": CHECKPOINT_FORMAT,
@@ -164,7 +149,6 @@ class SynchronizerState:
         out = cls(config, layout, frags)
         for p, f in state["fragments"].items():
             out.fragments[int(p)].load_state_dict(f)
-        out.outer_steps = int(state["outer_steps"])
         return out
 
     def summary(self) -> dict:
@@ -188,9 +172,14 @@ class SynchronizerState:
         return checkpoints.load(directory, cls.from_state_dict)
 
 
+def shard_of(fragment: int, num_shards: int) -> int:
+    """The synchronizer shard that owns ``fragment``: fragments are dealt round-robin."""
+    return fragment % num_shards
+
+
 def owned_by_shard(shard: int, num_shards: int) -> Callable[[int], bool]:
-    """Fragment ownership of shard ``shard`` of ``num_shards``: p % num_shards == shard."""
+    """Whether shard ``shard`` of ``num_shards`` owns a fragment."""
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard index {shard} must be in [0, {num_shards})")
-    return lambda p: p % num_shards == shard
+    return lambda p: shard_of(p, num_shards) == shard
 

@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from lightning_diloco.core.exit_codes import EXIT_REFUSED
+from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
-from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, UnitState, clean_environment, read_progress
-from lightning_diloco.core.protocol import SynchronizerStatus
+from lightning_diloco.launch.supervisor import Supervised, UnitState, clean_environment, read_progress
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY = 0.25

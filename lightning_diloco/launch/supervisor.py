@@ -13,7 +13,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-EXIT_REFUSED = 78  # EX_CONFIG: an island the synchronizer refused for good; restarting it cannot help
 
 # Variables of an enclosing launcher that would make an island join someone else's world.
 INHERITED_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PMI_", "OMPI_", "PMIX_", "DILOCO_")

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from lightning_diloco.core.codecs import Codec
+from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.learner.link import SynchronizerLink
 
@@ -55,7 +56,7 @@ class LeaderSync:
             self.reachable = ok
 
     def _push(self, fragment, round, snapshot, base_version, base, tokens, steps, seq):
-        payload = self.uplink.encode(snapshot - base)
+        payload = self.uplink.encode(island_delta(snapshot, base))
         with self.lock:
             self.bytes_up += payload.numel()
         ack = self.link.push(

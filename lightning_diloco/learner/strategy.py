@@ -25,11 +25,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.exit_codes import EXIT_REFUSED
 from lightning_diloco.core.fragments import build_layout, tensor_specs
 from lightning_diloco.core.settings import config_with, load_run_config, run_settings, value_of
 from lightning_diloco.learner.collective import Collective, TorchCollective
 from lightning_diloco.learner.island import IslandLearner
-from lightning_diloco.launch.supervisor import EXIT_REFUSED
 from lightning_diloco.reasons import Reason
 from lightning_diloco.learner.tokens import default_tokens_per_batch
 
@@ -133,7 +133,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             sync_every: H, inner steps between two sends of one fragment (run setting, default
                 24). Given alone, num_fragments becomes min(24, H).
             num_fragments: P, fragments the parameters are packed into, at most H (run setting,
-                default 24; lowered to the model's tensor count on an embedded synchronizer).
+                default 24; the synchronizer lowers it to the model's tensor count).
             overlap_steps: tau, steps after a send at which its round's global fragment is
                 applied; 0 waits for it (synchronous DiLoCo) (run setting, default 2).
             outer_lr: The outer Nesterov step's learning rate (run setting, default 0.7).
@@ -274,7 +274,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
 
         address = self.address
         if address is None:
-            address = self._start_embedded(specs)
+            address = self._start_embedded()
         link = SynchronizerClient(address, token=self.token)
         try:
             info = link.join(self.island, self.world_size, specs, patience=self.join_wait)
@@ -290,19 +290,17 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         self._warn_on_conflicts(info.config)
         return link, info
 
-    def _start_embedded(self, specs) -> str:
+    def _start_embedded(self) -> str:
         from lightning_diloco.core.state import SynchronizerState
         from lightning_diloco.synchronizer.server import SynchronizerServer
         from lightning_diloco.synchronizer.service import Synchronizer
 
-        config = self.run_config
-        if config.schedule.num_fragments > len(specs) and "num_fragments" not in self.explicit:
-            # the default P = 24 assumes a model of at least 24 tensors; a tiny one gets one each
-            config = config_with({**self.explicit, "num_fragments": len(specs)}, self.base_config)
-            log.info("num_fragments lowered to %d: the model has %d trainable tensors", len(specs), len(specs))
+        # a model of fewer tensors than num_fragments gets one fragment each: the synchronizer
+        # lowers P at the first join, as a remote one does
         saved = (self._resume or {}).get("embedded")
         state = SynchronizerState.from_state_dict(saved) if saved else None
-        self.embedded = SynchronizerServer(Synchronizer(config, state=state), host="127.0.0.1", port=0, token=self.token).start()
+        self.embedded = SynchronizerServer(Synchronizer(self.run_config, state=state), host="127.0.0.1", port=0,
+                                           token=self.token).start()
         return self.embedded.address
 
     def _warn_on_conflicts(self, authoritative: RunConfig) -> None:

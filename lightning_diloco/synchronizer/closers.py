@@ -88,7 +88,6 @@ class Closers:
             log.warning("fragment %d round %d: %d contribution(s) left out, the step with them was not finite",
                         closed.fragment, closed.round, closed.dropped)
         with service.lock:
-            service.state.outer_steps += bool(closed.islands)
             service.accepted["merged"] += len(closed.islands)
             if closed.dropped:
                 service.refused[Reason.NON_FINITE_STEP.value] += closed.dropped

@@ -69,7 +69,6 @@ class Checkpointer:
                 if frag is not None:
                     snapshot.seed(p, frag.value)
                     snapshot.fragments[p].load_state_dict(frag.state_dict())
-        snapshot.outer_steps = sum(f.version for f in snapshot.fragments.values())
         return snapshot
 
     def _loop(self) -> None:

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings, load_run_config
+from lightning_diloco.core.credentials import add_token_arguments, resolve_token
 from lightning_diloco.core.protocol import SynchronizerStatus
+from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings, load_run_config
 
 log = logging.getLogger(__name__)
 
@@ -31,22 +32,6 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     base = load_run_config(args.config) if args.config else None
     return config_with(given_settings(args), base)
-
-
-def add_token_arguments(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--token-file`` (and $DILOCO_TOKEN); ``--token`` too, though it shows in the process list."""
-    parser.add_argument("--token-file", help=f"file holding the {what} (default: $DILOCO_TOKEN)")
-    parser.add_argument("--token", help="the token itself; visible to every user of this host in the process list, "
-                        "prefer --token-file or $DILOCO_TOKEN")
-
-
-def resolve_token(args: argparse.Namespace) -> str | None:
-    if args.token_file:
-        try:
-            return Path(args.token_file).read_text().strip() or None
-        except OSError as err:
-            raise ValueError(f"--token-file {args.token_file}: {err.strerror or err}") from None
-    return args.token or os.environ.get("DILOCO_TOKEN") or None
 
 
 def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:

@@ -78,10 +78,6 @@ class Membership:
         for i in [i for i, m in self.members.items() if now - m.last_seen > forget]:
             del self.members[i]
 
-    def joined(self, island: int) -> bool:
-        with self.lock:
-            return island in self.members
-
     def check(self, island: int, session: str | None) -> None:
         """Raise KeyError for an island that never joined, SessionError for a stale session.
         ``session`` None: an in-process caller, trusted."""

@@ -44,7 +44,7 @@ class SequenceError(ValueError):
         self.reused = reused
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Entry:
     """One contribution waiting in a round."""
 
@@ -60,7 +60,7 @@ class Entry:
     """Of the payload: a retry must carry the very same bytes."""
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ClosedRound:
     fragment: int
     round: int
@@ -82,7 +82,7 @@ class ClosedRound:
                          clipped=self.clipped, dropped=self.dropped, grace_wait_s=self.grace_wait_s, reason=self.reason)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Settled:
     seq: int
     round: int
@@ -218,7 +218,7 @@ class FragmentRounds:
         dropped = len(entries) - len(kept)
         for e in entries:  # left out or not, each is settled: a retry gets the same answer
             if e.island not in self.settled or self.settled[e.island].seq < e.seq:
-                self.settled[e.island] = _Settled(e.seq, index, frag.version, e.digest)
+                self.settled[e.island] = _Settled(seq=e.seq, round=index, version=frag.version, digest=e.digest)
         for i in kept:
             e = entries[i]
             self.merged_in[e.island] = frag.version
@@ -226,7 +226,8 @@ class FragmentRounds:
         islands = tuple(sorted({entries[i].island for i in kept}))
         late = sum(entries[i].sent_for < index for i in kept)
         grace = max(0.0, now - self.quorum_at) if self.quorum_at is not None else 0.0
-        self.last = ClosedRound(self.fragment, index, frag.version, islands, late, clipped, dropped, grace, reason, now)
+        self.last = ClosedRound(fragment=self.fragment, round=index, version=frag.version, islands=islands, late=late,
+                                clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now)
         if version is not None:
             self.rounds_of[version] = index
         for old in [v for v in self.rounds_of if v not in frag.history]:

@@ -32,9 +32,10 @@ from lightning_diloco.core import checkpoints
 from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec
 from lightning_diloco.core.config import CODECS, RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
+from lightning_diloco.core.outer import outer_gradient
 from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.schedule import due_step, fragment_offsets, latest_round
-from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard
+from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
@@ -236,7 +237,7 @@ class Synchronizer:
 
     def _rounds(self, fragment: int) -> FragmentRounds:
         if not self.owned(fragment) or not 0 <= fragment < self.config.schedule.num_fragments:
-            owner = fragment % self.num_shards
+            owner = shard_of(fragment, self.num_shards)
             raise self.refuse(
                 Reason.UNKNOWN_FRAGMENT,
                 f"fragment {fragment} is not owned by shard {self.shard} of {self.num_shards} "
@@ -307,9 +308,10 @@ class Synchronizer:
             self.bytes_in += payload_size(c.payload)
         with rounds.cond:
             self._seeded(rounds)
-            outer_gradient = FragmentState.outer_gradient(delta)
-            norm = float(torch.linalg.vector_norm(outer_gradient, dtype=torch.float64))
-            entry = Entry(c.island, c.seq, c.round, c.base_version, outer_gradient, c.tokens, c.steps, norm, digest)
+            gradient = outer_gradient(delta)
+            norm = float(torch.linalg.vector_norm(gradient, dtype=torch.float64))
+            entry = Entry(island=c.island, seq=c.seq, sent_for=c.round, base_version=c.base_version, outer_gradient=gradient,
+                          tokens=c.tokens, steps=c.steps, norm=norm, digest=digest)
             try:
                 # the latest round due on the live islands' clock
                 due = latest_round(self.membership.run_step(now), self.offsets[c.fragment], self.config.schedule.sync_every)

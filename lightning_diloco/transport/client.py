@@ -26,6 +26,7 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.state import shard_of
 from lightning_diloco.reasons import REJOIN, Reason
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
@@ -106,7 +107,7 @@ class SynchronizerClient:
         return len(self.stubs)
 
     def shard_of(self, fragment: int) -> int:
-        return fragment % self.num_shards
+        return shard_of(fragment, self.num_shards)
 
     def _stub(self, fragment: int) -> pb_grpc.SynchronizerStub:
         return self.stubs[self.shard_of(fragment)]

@@ -65,7 +65,7 @@ def test_layout_balance_on_a_real_transformer():
     ideal = layout.total_numel / 24
     # greedy LPT: no fragment exceeds the ideal by more than the largest tensor
     assert max(layout.fragment_numel(p) for p in range(24)) <= ideal + largest_tensor
-    assert layout.balance() < 1.6
+    assert max(layout.fragment_numel(p) for p in range(24)) / ideal < 1.6  # the largest fragment over the ideal size
     assert layout.fragment_specs(0)  # every fragment holds something
     roles = {s.name: s.role for s in specs}
     assert roles["model.embed_tokens.weight"] == EMBEDDING and roles["lm_head.weight"] == DENSE

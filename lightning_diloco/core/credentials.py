@@ -1,0 +1,24 @@
+"""The run's shared secret on a command line: one way to give it to every program that needs it
+(the synchronizer, the launcher, ``lightning-diloco status``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def add_token_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--token-file`` (and $DILOCO_TOKEN); ``--token`` too, though it shows in the process list."""
+    parser.add_argument("--token-file", help=f"file holding the {what} (default: $DILOCO_TOKEN)")
+    parser.add_argument("--token", help="the token itself; visible to every user of this host in the process list, "
+                        "prefer --token-file or $DILOCO_TOKEN")
+
+
+def resolve_token(args: argparse.Namespace) -> str | None:
+    if args.token_file:
+        try:
+            return Path(args.token_file).read_text().strip() or None
+        except OSError as err:
+            raise ValueError(f"--token-file {args.token_file}: {err.strerror or err}") from None
+    return args.token or os.environ.get("DILOCO_TOKEN") or None
