@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from lightning_diloco.core.state import SynchronizerState
@@ -19,13 +20,16 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    def __init__(self, service, directory: Path | None, every: int) -> None:
-        """``service``: the :class:`~lightning_diloco.synchronizer.service.Synchronizer` whose
-        state is saved; ``every``: outer steps between checkpoints (0: only when asked)."""
-        self.service, self.directory, self.every = service, directory, every
+    def __init__(self, directory: Path | None, every: int, *, snapshot: Callable[[], SynchronizerState | None],
+                 outer_steps: Callable[[], int], closing: threading.Event) -> None:
+        """``every``: outer steps between checkpoints (0: only when asked); ``snapshot()``: a
+        consistent copy of the state to save (None before the first join); ``outer_steps()``:
+        the live state's count, to tell when one is due."""
+        self.directory, self.every = directory, every
+        self.snapshot, self.outer_steps, self.closing = snapshot, outer_steps, closing
         self.lock = threading.Lock()
         self.due = threading.Event()
-        self.last_steps = service.state.outer_steps if service.state else 0
+        self.last_steps = outer_steps()
         self.failures, self.last_error = 0, ""
         self._thread: threading.Thread | None = None
 
@@ -35,45 +39,32 @@ class Checkpointer:
             self._thread.start()
 
     def stop(self) -> None:
-        """Call once ``service.closing`` is set."""
+        """Call once ``closing`` is set."""
         self.due.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
 
     def write_if_due(self) -> None:
-        state = self.service.state
-        if self.directory is not None and self.every > 0 and state is not None and state.outer_steps - self.last_steps >= self.every:
+        if self.directory is not None and self.every > 0 and self.outer_steps() - self.last_steps >= self.every:
             self.write()
 
     def write(self) -> Path | None:
         """Write a checkpoint now (no-op without a directory or a state)."""
-        if self.directory is None or self.service.state is None:
+        if self.directory is None:
             return None
         with self.lock:
             snapshot = self.snapshot()
+            if snapshot is None:
+                return None
             path = snapshot.save(self.directory)
             self.last_steps = snapshot.outer_steps
         log.debug("checkpoint at %d outer steps: %s", snapshot.outer_steps, path)
         return path
 
-    def snapshot(self) -> SynchronizerState:
-        """A consistent copy of the state, fragment by fragment: each is copied under its own lock
-        (fragments are independent, so a snapshot never stalls every round at once)."""
-        service = self.service
-        assert service.state is not None, "no island has joined: nothing to snapshot"
-        snapshot = SynchronizerState(service.config, service.state.layout, {})
-        for p, rounds in service.rounds.items():
-            with rounds.cond:
-                frag = rounds.frag
-                if frag is not None:
-                    snapshot.seed(p, frag.value)
-                    snapshot.fragments[p].load_state_dict(frag.state_dict())
-        return snapshot
-
     def _loop(self) -> None:
         single_threaded_torch()
-        closing = self.service.closing
+        closing = self.closing
         while not closing.is_set():
             self.due.wait()
             self.due.clear()

@@ -101,8 +101,10 @@ class Synchronizer:
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
         self._started = False
-        self.checkpointer = Checkpointer(self, self.checkpoint_dir, checkpoint_every)
-        self.closers = Closers(self)
+        self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint_every, snapshot=self._snapshot_or_none,
+                                         outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing)
+        self.closers = Closers(self.rounds, self.membership, clock=self.clock, closing=self.closing,
+                               on_closed=self._round_closed)
         if self.state is not None:
             self._make_rounds(self.state.layout)
 
@@ -329,8 +331,24 @@ class Synchronizer:
         return ack
 
     def poll(self, now: float | None = None) -> list[ClosedRound]:
-        """Close every round that is due to close at ``now``: what the closers do, for tests."""
-        return self.closers.poll(self.clock() if now is None else now)
+        """Close every round that is due to close at ``now``: what the closers do, for tests (a
+        checkpoint that is due is written here, on the caller's thread)."""
+        closed = self.closers.poll(self.clock() if now is None else now)
+        if closed:  # outside the fragments' locks: a checkpoint takes each of them in turn
+            self.checkpointer.write_if_due()
+        return closed
+
+    def _round_closed(self, closed: ClosedRound, now: float) -> None:
+        """Everything a closed round changes beyond its fragment, in one place. Called by its
+        closer with the fragment's lock held (the lock order: rounds.cond, then self.lock and
+        the membership's)."""
+        with self.lock:
+            self.accepted["merged"] += len(closed.islands)
+            if closed.dropped:
+                self.refused[Reason.NON_FINITE_STEP.value] += closed.dropped
+        self.membership.credit(closed.islands, now)
+        self.membership.withdraw(closed.fragment, closed.round)  # also wakes the subscriptions
+        self.checkpointer.due.set()  # written on its own thread: rounds never wait for the disk
 
     # ---- subscriptions ---------------------------------------------------------------------
 
@@ -359,8 +377,24 @@ class Synchronizer:
         return self.checkpointer.write()
 
     def snapshot(self) -> SynchronizerState:
-        """A consistent copy of the state (each fragment copied under its own lock)."""
-        return self.checkpointer.snapshot()
+        """A consistent copy of the state, fragment by fragment: each is copied under its own lock
+        (fragments are independent, so a snapshot never stalls every round at once)."""
+        snapshot = self._snapshot_or_none()
+        assert snapshot is not None, "no island has joined: nothing to snapshot"
+        return snapshot
+
+    def _snapshot_or_none(self) -> SynchronizerState | None:
+        state = self.state
+        if state is None:
+            return None
+        snapshot = SynchronizerState(self.config, state.layout, {})
+        for p, rounds in self.rounds.items():
+            with rounds.cond:
+                frag = rounds.frag
+                if frag is not None:
+                    snapshot.seed(p, frag.value)
+                    snapshot.fragments[p].load_state_dict(frag.state_dict())
+        return snapshot
 
     def status(self) -> SynchronizerStatus:
         now = self.clock()
