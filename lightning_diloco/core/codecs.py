@@ -25,10 +25,6 @@ import warnings
 
 import torch
 
-# Decoding reads straight from the received bytes and never writes to them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-
 Payload = "torch.Tensor | bytes | bytearray | memoryview"
 
 
@@ -60,7 +56,9 @@ class Codec:
             return data.contiguous(), False
         if size == 0:
             return torch.zeros(0, dtype=torch.uint8), True
-        return torch.frombuffer(data, dtype=torch.uint8), isinstance(data, bytearray)
+        with warnings.catch_warnings():  # decoding reads the received bytes and never writes to them
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(data, dtype=torch.uint8), isinstance(data, bytearray)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

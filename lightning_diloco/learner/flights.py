@@ -1,17 +1,18 @@
-"""A fragment's send in flight, and a decision to apply a global version: the island's two
-records between a send and the step at which its round's global fragment is applied."""
+"""The island's records between a send and the step at which its round's global fragment is
+applied: a send in flight, a decision to apply a version, and the leader's plans that every rank
+of the island carries out (broadcast, so all ranks change the same fragments at the same step)."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lightning_diloco.learner.inbox import Arrival
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Flight:
     """A contribution sent and not yet answered by its round's global version."""
 
@@ -45,7 +46,7 @@ class Flight:
         return self.merged_in() is not None and self.future.result().late
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Apply:
     """Apply ``version`` of ``fragment`` at this step; decided by the leader, broadcast to all."""
 
@@ -53,3 +54,26 @@ class Apply:
     version: int
     ends_flight: bool
     included: bool
+
+
+@dataclass(kw_only=True, frozen=True)
+class StartPlan:
+    """How the island starts from the global model."""
+
+    versions: dict[int, int]
+    """Fragment -> the global version pulled."""
+    overwrite: list[int]
+    """Fragments whose local values the global ones replace (the others resume their checkpoint's)."""
+    schedule_step: int
+
+
+@dataclass(kw_only=True, frozen=True)
+class StepPlan:
+    """What the island does at one step boundary."""
+
+    schedule_step: int
+    fail: list[int] = field(default_factory=list)
+    """Fragments whose send failed: their flight ends without a version."""
+    send: list[tuple[int, int]] = field(default_factory=list)
+    """(fragment, round) to send now."""
+    apply: list[Apply] = field(default_factory=list)

@@ -30,7 +30,7 @@ from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment, split_fragment
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
 from lightning_diloco.learner.collective import Collective
-from lightning_diloco.learner.flights import Apply, Flight
+from lightning_diloco.learner.flights import Apply, Flight, StartPlan, StepPlan
 from lightning_diloco.learner.fragment_sync import FragmentSync, fragments_from_state_dict, fragments_state_dict
 from lightning_diloco.learner.inbox import Arrival, Inbox
 from lightning_diloco.learner.leader import LeaderSync
@@ -133,24 +133,24 @@ class IslandLearner:
             self.load_state_dict(resume)
         plan = self._pull_global(resume, run_step) if self.is_leader else None
         plan = self._share(plan)
-        for p, version in plan["versions"].items():
+        for p, version in plan.versions.items():
             f = self.fragments[p]
             value = self._share_fragment(p, f.base if self.is_leader else None)
-            if p in plan["overwrite"]:
+            if p in plan.overwrite:
                 f.adopt(value, version)
                 self.write_fragment(p, value)
             else:  # resumed: the checkpoint's base and counters hold
                 f.base, f.version = value, version
-        self.schedule_step = plan["schedule_step"]
+        self.schedule_step = plan.schedule_step
         if self.is_leader:
             self.inbox = Inbox(self.versions, [f.base for f in self.fragments], self.config.codec.block_size)
             self.link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
                                 on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
             self.leader.start_heartbeat()
         log.info("island %d joined at schedule step %d, versions %s (%d fragments from the global model)",
-                 self.island, self.schedule_step, self.versions, len(plan["overwrite"]))
+                 self.island, self.schedule_step, self.versions, len(plan.overwrite))
 
-    def _pull_global(self, resume: dict | None, run_step: int) -> dict:
+    def _pull_global(self, resume: dict | None, run_step: int) -> StartPlan:
         beat = self.link.heartbeat(self.island, self.step, 0.0, self.schedule_step)
         for p, version in sorted(beat.versions.items()):
             if version < 0:
@@ -166,7 +166,7 @@ class IslandLearner:
             overwrite.append(p)
         # the run's clock wins, unless this island's own (resumed) clock is ahead of it
         schedule_step = max(self.schedule_step, run_step, beat.run_step)
-        return {"versions": pulled, "overwrite": overwrite, "schedule_step": schedule_step}
+        return StartPlan(versions=pulled, overwrite=overwrite, schedule_step=schedule_step)
 
     # ---- the inner-step hook ------------------------------------------------------------------
 
@@ -181,21 +181,21 @@ class IslandLearner:
         island_tokens = tokens * self.collective.world_size  # ranks see equal shards
         for f in self.fragments:
             f.stepped(island_tokens)
-        plan = self._share(self._plan() if self.is_leader else None)
-        self.schedule_step = plan["schedule_step"]
-        for p in plan["fail"]:
+        plan: StepPlan = self._share(self._plan() if self.is_leader else None)
+        self.schedule_step = plan.schedule_step
+        for p in plan.fail:
             self.fragments[p].flight = None
-        for p, r in plan["send"]:
+        for p, r in plan.send:
             self._send(p, r)
-        applies = plan["apply"]
-        if self.config.schedule.overlap_steps == 0 and plan["send"]:  # synchronous DiLoCo waits for its rounds
-            applies = applies + self._share(self._await_rounds([p for p, _ in plan["send"]]) if self.is_leader else None)
+        applies = plan.apply
+        if self.config.schedule.overlap_steps == 0 and plan.send:  # synchronous DiLoCo waits for its rounds
+            applies = applies + self._share(self._await_rounds([p for p, _ in plan.send]) if self.is_leader else None)
         for a in applies:
             self._apply(a)
         self._last_step_at = time.perf_counter()
         self.blocked_s += self._last_step_at - started
 
-    def _plan(self) -> dict:
+    def _plan(self) -> StepPlan:
         """The leader's decisions for this step boundary: realign, send, apply, give up."""
         H = self.config.schedule.sync_every
         requests = self.inbox.take_requests()
@@ -228,15 +228,15 @@ class IslandLearner:
                     self._count("failed")
         arrivals = self.inbox.take(lambda a: a.fragment not in in_flight or a.fragment in fail
                                    or self.step >= in_flight[a.fragment].apply_at)
-        return {"schedule_step": self.schedule_step, "fail": fail, "send": send,
-                "apply": [self._decision(a, ends=a.fragment in in_flight and a.fragment not in fail) for a in arrivals]}
+        return StepPlan(schedule_step=self.schedule_step, fail=fail, send=send,
+                        apply=[self._decision(a, ends=a.fragment in in_flight and a.fragment not in fail) for a in arrivals])
 
     def _decision(self, a: Arrival, ends: bool) -> Apply:
         """Decide to apply ``a``; the leader keeps ``a`` itself until applied, because the inbox's
         newest value may be a later version by then (it is still fresh, to be applied next)."""
         ends = ends and self.fragments[a.fragment].flight.ended_by(a)
         self._taken[a.fragment] = a
-        return Apply(a.fragment, a.version, ends, a.included)
+        return Apply(fragment=a.fragment, version=a.version, ends_flight=ends, included=a.included)
 
     def _failed_flights(self) -> list[int]:
         """Flights whose push was refused or unreachable (at their apply step), or that waited too long."""
@@ -276,7 +276,8 @@ class IslandLearner:
             future = self.leader.push(fragment=p, round=r, snapshot=snapshot, base_version=f.version,
                                       base=f.base, tokens=f.tokens, steps=f.steps, seq=self.seq)
             future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
-        f.sent(Flight(p, r, self.step + self.config.schedule.overlap_steps, keep, f.tokens, f.steps, time.monotonic(), future))
+        f.sent(Flight(fragment=p, round=r, apply_at=self.step + self.config.schedule.overlap_steps, snapshot=keep,
+                      tokens_at_send=f.tokens, steps_at_send=f.steps, sent_at=time.monotonic(), future=future))
         self._count("sent")
 
     def _apply(self, a: Apply) -> None:

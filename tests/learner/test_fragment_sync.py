@@ -9,7 +9,7 @@ from lightning_diloco.learner.fragment_sync import FragmentSync, fragments_from_
 
 
 def _sent(f: FragmentSync, snapshot=None) -> Flight:
-    flight = Flight(0, 3, apply_at=5, snapshot=snapshot, tokens_at_send=f.tokens, steps_at_send=f.steps, sent_at=0.0, future=None)
+    flight = Flight(fragment=0, round=3, apply_at=5, snapshot=snapshot, tokens_at_send=f.tokens, steps_at_send=f.steps, sent_at=0.0, future=None)
     f.sent(flight)
     return flight
 
