@@ -1,7 +1,7 @@
 """Protocol records (core/protocol.py) to and from their gRPC messages, field by field by name.
 
 One generic conversion instead of a hand-written copy per field: a field that exists on one side
-only raises here (and in tests/unit/synchronizer/test_status.py) rather than silently reading as 0.
+only raises here (and in tests/unit/transport/test_messages.py) rather than silently reading as 0.
 The join reply carries the run settings as JSON and a version travels as a header and chunks, so
 those two are converted by hand (join_reply, version_header).
 """
