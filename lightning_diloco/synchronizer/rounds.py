@@ -10,9 +10,9 @@ Every contribution is measured against its own base (core/state.py says why) and
 discounted by its age, so it adds its island's progress and never undoes other islands' work. The
 merge never needs the base's value, only its age, so no base is refused for being old: an island
 that was away contributes what it did, weighed down by how far behind it was.
-An island has at most one on-time contribution per round (a newer one supersedes it) and may
-have late ones beside it: each is merged as its own entry, exactly as if it came from another
-island.
+An island has at most one entry in a round, on time or late: a newer one replaces it (its newer
+work, measured from a base that never held the older, contains it), so one island is one vote
+however many pushes it makes.
 
 All methods take ``now`` (monotonic seconds) from the caller; the object holds no clock.
 """
@@ -75,6 +75,8 @@ class Entry:
     norm: float
     digest: bytes = b""
     """Of the payload: a retry must carry the very same bytes."""
+    session: str = ""
+    """The island's session it came in (sequence numbers are ordered within one)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class _Settled:
     round: int
     version: int
     digest: bytes
+    session: str
 
 
 @dataclass
@@ -128,7 +131,7 @@ class FragmentRounds:
         self.frag: FragmentState | None = None  # set once the fragment is seeded
         self.opened_at: float | None = None
         self.quorum_at: float | None = None
-        self.entries: dict[tuple[int, int], Entry] = {}  # (island, seq) -> entry
+        self.entries: dict[int, Entry] = {}  # island -> its one waiting entry
         self.settled: dict[int, _Settled] = {}  # island -> its last merged contribution
         self.merged_in: dict[int, int] = {}  # island -> last version that merged a contribution of it
         self.rounds_of: dict[int, int] = {}  # version -> the round that produced it
@@ -148,7 +151,7 @@ class FragmentRounds:
         return self.frag.next_round if self.frag is not None else -1
 
     def islands(self) -> set[int]:
-        return {e.island for e in self.entries.values()}
+        return set(self.entries)
 
     def add(self, entry: Entry, now: float, clock_round: int = -1) -> Ack:
         """Put a validated contribution into the round it belongs to.
@@ -156,38 +159,37 @@ class FragmentRounds:
         ``clock_round``: the round of this fragment that is due on the run's clock. A contribution
         sent for an earlier one is late even if no round closed since (e.g. retried across a
         synchronizer restart): only a send for a current round opens one.
+
+        Sequence numbers order one session's contributions: a rejoin (a new session) starts
+        afresh, so a client that once held the island's session cannot lock its later sessions
+        out with a huge number. One entry per island waits in a round: a newer one replaces it.
         """
         assert self.frag is not None, "a fragment takes contributions only once seeded"
         frag, island = self.frag, entry.island
         settled = self.settled.get(island)
-        if settled is not None and entry.seq <= settled.seq:
+        if settled is not None and settled.session == entry.session and entry.seq <= settled.seq:
             if entry.seq == settled.seq:
                 self._same_payload(entry, settled.digest)
                 return Ack(self.fragment, settled.round, False, True, frag.version)
             raise SequenceError(f"sequence {entry.seq} of island {island} is older than its last merged one ({settled.seq})")
-        for key, other in self.entries.items():
-            if other.island != island:
-                continue
-            if other.seq == entry.seq:
-                self._same_payload(entry, other.digest)
-                return Ack(self.fragment, self.index, other.sent_for < self.index, True, frag.version)
-            if other.seq > entry.seq:
-                raise SequenceError(f"sequence {entry.seq} of island {island} is older than one already waiting ({other.seq})")
+        waiting = self.entries.get(island)
+        if waiting is not None and waiting.session == entry.session and entry.seq <= waiting.seq:
+            if entry.seq == waiting.seq:
+                self._same_payload(entry, waiting.digest)
+                return Ack(self.fragment, self.index, waiting.sent_for < self.index, True, frag.version)
+            raise SequenceError(f"sequence {entry.seq} of island {island} is older than one already waiting ({waiting.seq})")
         if frag.next_round < 0:
             frag.next_round = entry.sent_for  # a fresh run: the first send names the round
         on_time = entry.sent_for >= max(frag.next_round, clock_round)
         opened = False
-        if on_time:
-            if self.opened_at is None:
-                if entry.sent_for > frag.next_round:
-                    frag.next_round = entry.sent_for  # nobody sent for the rounds in between
-                self.opened_at, opened = now, True
-            # one on-time entry per island and round: a newer send (e.g. after a restart) supersedes
-            for key in [k for k, e in self.entries.items() if e.island == island and e.sent_for >= frag.next_round]:
-                del self.entries[key]
-                self.totals.superseded += 1
-        self.entries[(island, entry.seq)] = entry
-        if self.opened_at is not None and self.quorum_at is None and len(self.islands()) >= self.config.merge.min_quorum:
+        if on_time and self.opened_at is None:
+            if entry.sent_for > frag.next_round:
+                frag.next_round = entry.sent_for  # nobody sent for the rounds in between
+            self.opened_at, opened = now, True
+        if waiting is not None:  # its island's newer work (late or not, from this session or a newer one) replaces it
+            self.totals.superseded += 1
+        self.entries[island] = entry
+        if self.opened_at is not None and self.quorum_at is None and len(self.entries) >= self.config.merge.min_quorum:
             self.quorum_at = now
         self.cond.notify_all()
         return Ack(self.fragment, frag.next_round, not on_time, False, frag.version, opened)
@@ -230,8 +232,9 @@ class FragmentRounds:
                 kept.remove(max(kept, key=lambda i: entries[i].norm))
         dropped = len(entries) - len(kept)
         for e in entries:  # left out or not, each is settled: a retry gets the same answer
-            if e.island not in self.settled or self.settled[e.island].seq < e.seq:
-                self.settled[e.island] = _Settled(e.seq, index, frag.version, e.digest)
+            settled = self.settled.get(e.island)
+            if settled is None or settled.session != e.session or settled.seq < e.seq:
+                self.settled[e.island] = _Settled(e.seq, index, frag.version, e.digest, e.session)
         for i in kept:
             e = entries[i]
             self.merged_in[e.island] = frag.version

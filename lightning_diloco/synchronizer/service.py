@@ -35,6 +35,7 @@ from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_la
 from lightning_diloco.core.schedule import due_step, fragment_offsets, latest_round
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard
 from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer.admission import admitted_round, join_problem
 from lightning_diloco.synchronizer.closers import CLOSER_TICK, Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer
@@ -162,8 +163,9 @@ class Synchronizer:
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> dict:
         """Register an island; returns the run settings, layout hash, versions and run step."""
-        if island < 0 or world_size < 1:
-            raise self.refuse(Reason.BAD_ISLAND, f"island={island} world_size={world_size}: need island >= 0 and world_size >= 1")
+        problem = join_problem(island, world_size)
+        if problem:
+            raise self.refuse(Reason.BAD_ISLAND, problem)
         with self.lock:
             if self.state is None and 0 < len(specs) < self.config.schedule.num_fragments:
                 self._fit_fragments(len(specs))
@@ -181,7 +183,7 @@ class Synchronizer:
         now = self.clock()
         run_step = self.run_step(now)
         try:
-            session = self.membership.join(island, world_size, now)
+            session = self.membership.join(island, world_size, now, at_step=run_step)
         except OverflowError as err:
             raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
         return {
@@ -227,8 +229,9 @@ class Synchronizer:
         return self.membership.live(self.clock() if now is None else now)
 
     def run_step(self, now: float | None = None) -> int:
-        """The run's clock: the fastest live island's schedule step, else the step of the latest
-        round any fragment opened (a restarted synchronizer, or islands that all went away)."""
+        """The run's clock: the live islands' (robust: membership.py), or the step of the latest
+        round any fragment opened if later (a restarted synchronizer, or islands that all went
+        away; rounds are admitted only near the clock: admission.py)."""
         now = self.clock() if now is None else now
         from_rounds = 0
         state = self.state
@@ -316,7 +319,7 @@ class Synchronizer:
         A retry with the same sequence number gets the same answer and is never merged twice.
         """
         rounds = self._rounds(c.fragment)
-        now = self.clock()
+        now, H = self.clock(), self.config.schedule.sync_every
         self._check_session(c.island, c.session, "push")
         self.membership.seen(c.island, now)
         problem = contribution_problem(c, self.state.layout.hash)
@@ -330,15 +333,17 @@ class Synchronizer:
             self._seeded(rounds)
             outer_gradient = FragmentState.outer_gradient(delta)
             norm = float(torch.linalg.vector_norm(outer_gradient, dtype=torch.float64))
-            entry = Entry(c.island, c.seq, c.round, c.base_version, outer_gradient, c.tokens, c.steps, norm, digest)
+            clock, offset = self.membership.run_step(now), self.offsets[c.fragment]
+            sent_for = admitted_round(c.round, next_round=rounds.index, clock_step=clock, offset=offset,
+                                      lead_steps=self.membership.lead_steps, sync_every=H)
+            entry = Entry(c.island, c.seq, sent_for, c.base_version, outer_gradient, c.tokens, c.steps, norm, digest,
+                          c.session or "")
             try:
                 # the latest round due on the live islands' clock
-                due = latest_round(self.membership.run_step(now), self.offsets[c.fragment], self.config.schedule.sync_every)
-                ack = rounds.add(entry, now, due)
+                ack = rounds.add(entry, now, latest_round(clock, offset, H))
             except SequenceError as err:
                 raise self.refuse(Reason.SEQUENCE_REUSED if err.reused else Reason.OLD_SEQUENCE, str(err)) from None
-        H = self.config.schedule.sync_every
-        self.membership.seen(c.island, now, schedule_step=due_step(c.round, self.offsets[c.fragment], H))
+        self.membership.seen(c.island, now, schedule_step=due_step(sent_for, self.offsets[c.fragment], H))
         with self.lock:
             self.accepted["duplicate" if ack.duplicate else "late" if ack.late else "on_time"] += 1
         if ack.opened:  # the round is due: everyone else sends this fragment now, not at its own pace
