@@ -7,7 +7,6 @@ Every refusal becomes a gRPC status whose details start with the reason code.
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 import logging
 import math
@@ -22,6 +21,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer.credentials import Caller, identify
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
 from lightning_diloco.synchronizer.rounds import RoundRequest
 from lightning_diloco.synchronizer.service import Synchronizer
@@ -46,15 +46,16 @@ STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for 
 
 
 def _handler(method):
-    """Authenticate, then turn refusals and timeouts into gRPC statuses."""
+    """Authenticate, then turn refusals and timeouts into gRPC statuses. The method gets the
+    caller its credential proves (credentials.py) and checks the island it acts as."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
-            self.authorize(context)
+            caller = self.authorize(context)
             # Streaming replies are returned as generators built after the work is done, so every
             # refusal is raised here, before the first message goes out.
-            return method(self, request, context)
+            return method(self, request, context, caller)
         except Refusal as refusal:
             _abort(context, refusal)
         except StopIteration:  # a client stream that ended before its first message
@@ -107,13 +108,22 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
                                       "(or start the synchronizer with more --max-workers)")
         return self.long_calls.release
 
-    def authorize(self, context: grpc.ServicerContext) -> None:
+    def authorize(self, context: grpc.ServicerContext) -> Caller:
         if not self.token:
-            return
+            return Caller(None)
         metadata = dict(context.invocation_metadata())
         given = metadata.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-            raise self.service.refuse(Reason.UNAUTHENTICATED, "missing or wrong token; pass the run's token (DILOCO_TOKEN)")
+        caller = identify(self.token, given[len("Bearer "):]) if given.startswith("Bearer ") else None
+        if caller is None:
+            raise self.service.refuse(Reason.UNAUTHENTICATED, "missing or wrong token; pass the run's token or this island's "
+                                      "credential (DILOCO_TOKEN; `lightning-diloco credential --island I` prints it)")
+        return caller
+
+    def acting_as(self, caller: Caller, island: int) -> None:
+        """Refuse a call for ``island`` whose credential is another island's."""
+        if not caller.may_act_as(island):
+            raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot act as island "
+                                      f"{island}; each island presents its own (`lightning-diloco credential --island {island}`)")
 
     def _payload(self, first, rest, expected: int, declared: int, what: str) -> bytearray:
         if declared != expected:
@@ -126,7 +136,8 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             raise self.service.refuse(Reason.BAD_PAYLOAD, str(err)) from None
 
     @_handler
-    def Join(self, request, context):
+    def Join(self, request, context, caller):
+        self.acting_as(caller, request.island)
         try:
             specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
             reply = self.service.join(request.island, request.world_size, specs)
@@ -144,18 +155,20 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         )
 
     @_handler
-    def Seed(self, request_iterator, context):
+    def Seed(self, request_iterator, context, caller):
         first = next(request_iterator)
         h = first.header
+        self.acting_as(caller, h.island)
         expected = self.service.expected_payload_bytes("fp32", h.fragment)
         payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"seed of fragment {h.fragment}")
         seeded = self.service.seed(h.island, h.fragment, payload, session=h.session)
         return pb.SeedReply(seeded=seeded, version=self.service.versions()[h.fragment])
 
     @_handler
-    def Push(self, request_iterator, context):
+    def Push(self, request_iterator, context, caller):
         first = next(request_iterator)
         h = first.header
+        self.acting_as(caller, h.island)
         expected = self.service.expected_payload_bytes(h.codec, h.fragment)
         payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"push of fragment {h.fragment}")
         ack = self.service.push(Contribution(
@@ -165,12 +178,13 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         return pb.PushAck(fragment=ack.fragment, round=ack.round, late=ack.late, duplicate=ack.duplicate, version=ack.version)
 
     @_handler
-    def Subscribe(self, request, context):
+    def Subscribe(self, request, context, caller):
+        self.acting_as(caller, request.island)
         events = self.service.subscribe(request.island, dict(request.versions), active=context.is_active, session=request.session)
         return _events(events, context, self._long_call("subscription"))
 
     @_handler
-    def Pull(self, request, context):
+    def Pull(self, request, context, caller):
         wait = _bounded_wait(request.wait_seconds, context)
         release = self._long_call("waiting pull") if wait > 0 else (lambda: None)
         try:
@@ -182,13 +196,14 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         return iter_chunks(header, payload, pb.FragmentChunk)
 
     @_handler
-    def Heartbeat(self, request, context):
+    def Heartbeat(self, request, context, caller):
+        self.acting_as(caller, request.island)
         run_step = self.service.heartbeat(request.island, request.steps, request.step_time, request.schedule_step,
                                           session=request.session)
         return pb.HeartbeatReply(versions=self.service.versions(), run_step=run_step)
 
     @_handler
-    def Status(self, request, context):
+    def Status(self, request, context, caller):
         return status_to_message(self.service.status())
 
 
