@@ -28,11 +28,18 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
-from lightning_diloco.core.guard import InfluenceGuard
+from lightning_diloco.core.guard import InfluenceGuard, agreeing, capped_weights
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.state import FragmentState
 from lightning_diloco.synchronizer.status import LastClose, RoundStatus
+
+
+MAX_WAITING = 1024  # entries one round holds (one per island): past this a new island's push is refused busy
+
+
+class RoundFull(RuntimeError):
+    """The round already holds ``MAX_WAITING`` entries; a new island's waits for the next."""
 
 
 class SequenceError(ValueError):
@@ -178,6 +185,8 @@ class FragmentRounds:
                 self._same_payload(entry, waiting.digest)
                 return Ack(self.fragment, self.index, waiting.sent_for < self.index, True, frag.version)
             raise SequenceError(f"sequence {entry.seq} of island {island} is older than one already waiting ({waiting.seq})")
+        if waiting is None and len(self.entries) >= MAX_WAITING:
+            raise RoundFull(f"round {self.index} of fragment {self.fragment} already holds {MAX_WAITING} islands' entries")
         if frag.next_round < 0:
             frag.next_round = entry.sent_for  # a fresh run: the first send names the round
         on_time = entry.sent_for >= max(frag.next_round, clock_round)
@@ -265,19 +274,21 @@ class FragmentRounds:
         frag = self.frag
         fragment_norm = float(torch.linalg.vector_norm(frag.value, dtype=torch.float64))
         discount = self.config.merge.staleness_discount
-        weights, clipped = [], 0
+        weights, ages, clipped = [], [], 0
         for e in entries:
             others = [(o.norm, o.tokens / o.steps) for o in entries if o.island != e.island]
             b = self.guard.bound(norm=e.norm, tokens=e.tokens, steps=e.steps, others=others,
-                                 fragment_norm=fragment_norm, numel=frag.value.numel())
+                                 fragment_norm=fragment_norm, numel=frag.value.numel(), island=e.island)
             if b.clipped:
                 e.outer_gradient.mul_(b.scale)
                 clipped += 1
             # a base newer than the current version (kept by an island across a synchronizer
             # restart that lost the last versions) is as fresh as it gets: age 0
-            age = max(0, frag.version - e.base_version)
-            weights.append(contribution_weight(b.tokens, b.steps, age=age, staleness_discount=discount))
-        return weights, clipped
+            ages.append(max(0, frag.version - e.base_version))
+            weights.append(contribution_weight(b.tokens, b.steps))
+        # what the islands claim is capped against each other; the age discount is the synchronizer's own
+        weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=discount) for w, a in zip(capped_weights(weights), ages)]
+        return agreeing(weights, [e.outer_gradient for e in entries]), clipped
 
     def publish(self, island: int, have: int, codec_config) -> VersionUpdate:
         """The current version for an island that holds version ``have``: a delta against it in

@@ -53,6 +53,7 @@ from lightning_diloco.synchronizer.rounds import (
     ClosedRound,
     Entry,
     FragmentRounds,
+    RoundFull,
     RoundRequest,
     SequenceError,
     VersionUpdate,
@@ -343,6 +344,8 @@ class Synchronizer:
                 ack = rounds.add(entry, now, latest_round(clock, offset, H))
             except SequenceError as err:
                 raise self.refuse(Reason.SEQUENCE_REUSED if err.reused else Reason.OLD_SEQUENCE, str(err)) from None
+            except RoundFull as err:
+                raise self.refuse(Reason.BUSY, f"{err}; retry once it closes") from None
         self.membership.seen(c.island, now, schedule_step=due_step(sent_for, self.offsets[c.fragment], H))
         with self.lock:
             self.accepted["duplicate" if ack.duplicate else "late" if ack.late else "on_time"] += 1

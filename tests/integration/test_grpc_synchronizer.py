@@ -13,6 +13,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import split_fragment
+from lightning_diloco.core.guard import agreeing, capped_weights
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.outer import OuterOptimizer
 from lightning_diloco.synchronizer.server import SynchronizerServer
@@ -379,9 +380,10 @@ def test_sixteen_concurrent_learners_merge_exactly_like_the_reference(started):
             reference = initial_fragments(config)[p].clone()
             outer = OuterOptimizer(reference, config.outer)
             for r in range(rounds):
-                merged = merge_outer_gradients(
-                    [split_fragment(-delta_of(i, p, r), specs) for i in range(islands)], weights, [s.role for s in specs], "rda"
-                )
+                outer_gradients = [-delta_of(i, p, r) for i in range(islands)]
+                # the guard's rules (core/guard.py): weights capped at 1.4x the round's lower median, then by agreement
+                merged = merge_outer_gradients([split_fragment(o, specs) for o in outer_gradients],
+                                               agreeing(capped_weights(weights), outer_gradients), [s.role for s in specs], "rda")
                 outer.step(torch.cat([m.reshape(-1) for m in merged]))
             assert torch.allclose(clients[0].pull(p)[1], reference, atol=1e-5)
     finally:
