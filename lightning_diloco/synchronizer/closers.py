@@ -83,7 +83,7 @@ class Closers:
     def _close(self, rounds: FragmentRounds, reason: str, now: float, live: set[int]) -> None:
         service = self.service
         started = time.perf_counter()
-        closed = rounds.close(now, reason, keep_versions=len(service.membership.members) + 1)
+        closed = rounds.close(now, reason)
         if closed.dropped:
             log.warning("fragment %d round %d: %d contribution(s) left out, the step with them was not finite",
                         closed.fragment, closed.round, closed.dropped)

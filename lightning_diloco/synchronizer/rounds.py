@@ -218,7 +218,7 @@ class FragmentRounds:
         return decide(view, now, min_quorum=merge.min_quorum, gamma=merge.grace_gamma,
                       overlap_steps=self.config.schedule.overlap_steps, step_time=step_time, sync_time=sync_time)
 
-    def close(self, now: float, reason: str, keep_versions: int = 0) -> ClosedRound:
+    def close(self, now: float, reason: str) -> ClosedRound:
         """Merge every entry into one outer step and publish the new version.
 
         Each entry is first bounded (core/guard.py). Should the step still not be finite, the
@@ -236,7 +236,7 @@ class FragmentRounds:
             merge_outer_gradients([split_fragment(entries[i].outer_gradient, self.specs) for i in kept],
                                   [weights[i] for i in kept], [s.role for s in self.specs], self.config.merge.method,
                                   out=split_fragment(merged, self.specs))
-            version = frag.apply(merged, keep_versions)
+            version = frag.apply(merged)
             if version is None:
                 kept.remove(max(kept, key=lambda i: entries[i].norm))
         dropped = len(entries) - len(kept)

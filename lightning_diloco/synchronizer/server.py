@@ -6,11 +6,13 @@ Every refusal becomes a gRPC status whose details start with the reason code.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 MAX_PULL_WAIT = 60.0  # seconds a Pull may wait for a newer version, whatever the client asks
 MAX_DETAILS = 1000  # characters of a refusal's message sent back: it may quote client input
 RESERVE = 8  # workers kept free of long calls (subscriptions, waiting pulls) for everything else
+SUBSCRIPTIONS_PER_ISLAND = 2  # open streams of one island: its current one and the one it replaces
 STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for the rest
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.OUT_OF_RANGE,
@@ -95,12 +98,42 @@ def _bounded_wait(seconds: float, context: grpc.ServicerContext) -> float:
     return max(0.0, min(wait, MAX_PULL_WAIT))
 
 
+class IslandStreams:
+    """How many streams of each kind one island holds: each kind has a few slots per island, so
+    a client with one island's credential cannot hold the workers (or the subscription slots)
+    every other island needs (issue 21: 260 subscriptions, or 300 pushes sending a byte every
+    5 s, locked honest islands out)."""
+
+    def __init__(self, service: Synchronizer) -> None:
+        self.service = service
+        self.lock = threading.Lock()
+        self.held: Counter[tuple[int, str]] = Counter()
+
+    def take(self, island: int, kind: str, slots: int):
+        """A slot of ``kind`` for ``island``, or a busy refusal; returns its release."""
+        key = (island, kind)
+        with self.lock:
+            if self.held[key] >= slots:
+                raise self.service.refuse(Reason.BUSY, f"island {island} already holds {slots} {kind} streams; "
+                                          "end one first (a reconnect replaces the old one)")
+            self.held[key] += 1
+
+        def release() -> None:
+            with self.lock:
+                self.held[key] -= 1
+                if not self.held[key]:
+                    del self.held[key]
+
+        return release
+
+
 class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     def __init__(self, service: Synchronizer, token: str | None = None, max_workers: int = 256) -> None:
         self.service, self.token = service, token
         # a call that holds its worker for long takes a slot; when none is left it is refused
         # at once, so Status, joins and pushes always find a worker
         self.long_calls = threading.BoundedSemaphore(max(1, max_workers - RESERVE))
+        self.streams = IslandStreams(service)
 
     def _long_call(self, what: str):
         if not self.long_calls.acquire(blocking=False):
@@ -159,6 +192,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         first = next(request_iterator)
         h = first.header
         self.acting_as(caller, h.island)
+        self.service.admit_seed(h.island, h.fragment, h.session)
         expected = self.service.expected_payload_bytes("fp32", h.fragment)
         payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"seed of fragment {h.fragment}")
         seeded = self.service.seed(h.island, h.fragment, payload, session=h.session)
@@ -169,19 +203,32 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         first = next(request_iterator)
         h = first.header
         self.acting_as(caller, h.island)
+        header = Contribution(island=h.island, fragment=h.fragment, round=h.round, base_version=h.base_version,
+                              tokens=h.tokens, steps=h.steps, codec=h.codec, seq=h.seq, payload=b"",
+                              layout_hash=h.layout_hash, session=h.session)
+        self.service.admit_push(header)  # session, fragment, counters, codec: before a byte of payload is read
         expected = self.service.expected_payload_bytes(h.codec, h.fragment)
-        payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"push of fragment {h.fragment}")
-        ack = self.service.push(Contribution(
-            island=h.island, fragment=h.fragment, round=h.round, base_version=h.base_version, tokens=h.tokens,
-            steps=h.steps, codec=h.codec, seq=h.seq, payload=payload, layout_hash=h.layout_hash, session=h.session,
-        ))
+        release = self.streams.take(h.island, "push", self.service.config.schedule.num_fragments + 2)
+        try:
+            payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"push of fragment {h.fragment}")
+        finally:
+            release()
+        ack = self.service.push(dataclasses.replace(header, payload=payload))
         return pb.PushAck(fragment=ack.fragment, round=ack.round, late=ack.late, duplicate=ack.duplicate, version=ack.version)
 
     @_handler
     def Subscribe(self, request, context, caller):
         self.acting_as(caller, request.island)
         events = self.service.subscribe(request.island, dict(request.versions), active=context.is_active, session=request.session)
-        return _events(events, context, self._long_call("subscription"))
+        # a joined island's own slots first (a reconnect may overlap the old stream's last tick),
+        # so one client's subscriptions never take the workers every other island needs
+        own = self.streams.take(request.island, "subscription", SUBSCRIPTIONS_PER_ISLAND)
+        try:
+            shared = self._long_call("subscription")
+        except Refusal:
+            own()
+            raise
+        return _events(events, context, lambda: (shared(), own()))
 
     @_handler
     def Pull(self, request, context, caller):

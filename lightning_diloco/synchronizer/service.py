@@ -314,18 +314,31 @@ class Synchronizer:
         except ValueError as err:
             raise self.refuse(Reason.NON_FINITE if isinstance(err, NonFiniteError) else Reason.BAD_PAYLOAD, str(err)) from None
 
+    def admit_push(self, c: Contribution) -> FragmentRounds:
+        """Every check a push's header allows, before its payload is read (the server calls it on
+        the first chunk: a stream from no session, or for no fragment, holds no worker while its
+        bytes trickle in); ``c.payload`` is not looked at."""
+        rounds = self._rounds(c.fragment)
+        self._check_session(c.island, c.session, "push")
+        problem = contribution_problem(c, self.state.layout.hash)
+        if problem:
+            raise self.refuse(*problem)
+        self._check_codec(c.codec)
+        return rounds
+
+    def admit_seed(self, island: int, fragment: int, session: str | None) -> None:
+        """A seed's header checks, before its payload is read."""
+        self._rounds(fragment)
+        self._check_session(island, session, "seed")
+
     def push(self, c: Contribution) -> Ack:
         """Put a contribution into its fragment's round; answered at once, merged when it closes.
 
         A retry with the same sequence number gets the same answer and is never merged twice.
         """
-        rounds = self._rounds(c.fragment)
+        rounds = self.admit_push(c)
         now, H = self.clock(), self.config.schedule.sync_every
-        self._check_session(c.island, c.session, "push")
         self.membership.seen(c.island, now)
-        problem = contribution_problem(c, self.state.layout.hash)
-        if problem:
-            raise self.refuse(*problem)
         digest = payload_digest(c.payload)  # before decoding, which may reuse the received buffer
         delta = self._decode(c.codec, c.payload, self.state.layout.fragment_numel(c.fragment))
         with self.lock:

@@ -170,13 +170,13 @@ def test_oversized_or_short_payload_is_refused_before_it_is_merged(started):
     numel = layout(config).fragment_numel(0)
     stub = client.stubs[0]
     header = pb.PushHeader(island=0, fragment=0, base_version=0, tokens=1, steps=1, codec="fp32", seq=0,
-                           layout_hash=layout(config).hash, payload_bytes=numel * 4)
+                           layout_hash=layout(config).hash, payload_bytes=numel * 4, session=client.sessions[0])
     too_much = [pb.PushChunk(header=header, data=b"\0" * (numel * 4)), pb.PushChunk(data=b"\0" * 1000)]
     with pytest.raises(grpc.RpcError) as err:
         stub.Push(iter(too_much), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("bad_payload")
     lying = pb.PushHeader(island=0, fragment=0, base_version=0, tokens=1, steps=1, codec="fp32", seq=0,
-                          layout_hash=layout(config).hash, payload_bytes=10**12)
+                          layout_hash=layout(config).hash, payload_bytes=10**12, session=client.sessions[0])
     with pytest.raises(grpc.RpcError) as err:
         stub.Push(iter([pb.PushChunk(header=lying)]), timeout=5)
     assert err.value.details().startswith("bad_payload")
