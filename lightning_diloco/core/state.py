@@ -111,6 +111,8 @@ class SynchronizerState:
             assert value.numel() == expected, f"fragment {p}: {value.numel()=} != {expected=}"
         self.fragments = {p: FragmentState(value, config) for p, value in sorted(fragments.items())}
         self.outer_steps = 0
+        self.identity: dict = {}
+        """Whose state this is: ``run_id``, ``shard``, ``num_shards`` (checkpoints.py checks them on load)."""
 
     @classmethod
     def from_parameters(
@@ -153,6 +155,7 @@ class SynchronizerState:
             "layout": self.layout.to_dict(),
             "outer_steps": self.outer_steps,
             "fragments": {p: f.state_dict() for p, f in self.fragments.items()},
+            "identity": dict(self.identity),
         }
 
     @classmethod
@@ -166,6 +169,7 @@ class SynchronizerState:
         for p, f in state["fragments"].items():
             out.fragments[int(p)].load_state_dict(f)
         out.outer_steps = int(state["outer_steps"])
+        out.identity = dict(state.get("identity", {}))  # none in checkpoints written before issue 21
         return out
 
     def summary(self) -> dict:
@@ -173,6 +177,7 @@ class SynchronizerState:
             "format": CHECKPOINT_FORMAT,
             "saved_at_unix": time.time(),
             "layout_hash": self.layout.hash,
+            "identity": dict(self.identity),
             "outer_steps": self.outer_steps,
             "versions": {str(p): v for p, v in self.versions().items()},
             "config": self.config.to_dict(),

@@ -63,6 +63,7 @@ class Checkpointer:
         service = self.service
         assert service.state is not None, "no island has joined: nothing to snapshot"
         snapshot = SynchronizerState(service.config, service.state.layout, {})
+        snapshot.identity = dict(service.identity)
         for p, rounds in service.rounds.items():
             with rounds.cond:
                 frag = rounds.frag

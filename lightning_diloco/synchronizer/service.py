@@ -75,8 +75,12 @@ class Synchronizer:
         liveness_timeout: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
         state: SynchronizerState | None = None,
+        run_id: str | None = None,
     ) -> None:
         """``checkpoint_every``: outer steps between checkpoints (0: only on close).
+
+        ``run_id``: the run's name in its checkpoints; a checkpoint of another run, or of another
+        shard, is refused naming both. None: the checkpoint's (or, starting afresh, a new one).
 
         ``liveness_timeout``: seconds without a heartbeat (or any request) after which an island
         is no longer waited for. ``state``: start from this state (e.g. restored from an island's
@@ -101,11 +105,14 @@ class Synchronizer:
             checkpoints.check_writable(self.checkpoint_dir)
             loaded = SynchronizerState.load(self.checkpoint_dir)
         if loaded is not None:
+            self._check_owner(loaded.identity, run_id)
+            run_id = run_id or loaded.identity.get("run_id")
             self.state = loaded
             if loaded.config != config:
                 log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
             self.config = loaded.config
             log.info("resumed from %s at versions %s", self.checkpoint_dir, loaded.versions())
+        self.identity = {"run_id": run_id or uuid.uuid4().hex[:16], "shard": shard, "num_shards": num_shards}
         sched = self.config.schedule
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
@@ -114,6 +121,16 @@ class Synchronizer:
         self.closers = Closers(self)
         if self.state is not None:
             self._make_rounds(self.state.layout)
+
+    def _check_owner(self, identity: dict, run_id: str | None) -> None:
+        """Refuse a checkpoint written by another run or another shard, naming both."""
+        if not identity:
+            return  # written before checkpoints named their owner
+        ours = {"run_id": run_id or identity.get("run_id"), "shard": self.shard, "num_shards": self.num_shards}
+        if any(identity.get(k) != v for k, v in ours.items()):
+            raise ValueError(f"the checkpoint in {self.checkpoint_dir} is {checkpoints.describe_owner(identity)}, but this "
+                             f"synchronizer is {checkpoints.describe_owner(ours)}; give each run and shard its own "
+                             "--checkpoint-dir (or pass the checkpoint's --run-id)")
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
