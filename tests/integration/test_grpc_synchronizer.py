@@ -232,10 +232,19 @@ def test_tls_connection_works(tmp_path):
             assert _push(client, config, 0, 0, torch.zeros(layout(config).fragment_numel(0))).round == 0
             assert client.pull(0, newer_than=0, wait=10)[0] == 1
         with SynchronizerClient(server.address, max_retries=0) as plaintext:
-            with pytest.raises(SynchronizerError):
+            with pytest.raises(SynchronizerError) as err:
                 plaintext.join(0, 1, SPECS)
+            assert "serves TLS and this client connected in plaintext" in str(err.value)  # not only "Socket closed"
     finally:
         server.stop(grace=0)
+    plain = SynchronizerServer(Synchronizer(config)).start()
+    try:
+        with SynchronizerClient(plain.address, tls_root_cert=cert, max_retries=0) as tls:
+            with pytest.raises(SynchronizerError) as err:
+                tls.join(0, 1, SPECS)
+            assert "serves plaintext and this client connected with TLS" in str(err.value)
+    finally:
+        plain.stop(grace=0)
 
 
 def test_shards_own_their_fragments_and_the_client_routes_by_fragment():
