@@ -85,7 +85,7 @@ def capped_weights(weights: list[float], ratio: float = WEIGHT_RATIO) -> list[fl
     return [min(w, ratio * reference) for w in weights]
 
 
-def agreeing(weights: list[float], gradients: list[torch.Tensor]) -> list[float]:
+def agreeing(weights: list[float], gradients: list[torch.Tensor], norms: list[float] | None = None) -> list[float]:
     """``weights`` scaled by how well each entry agrees with the others, in a round of three or more.
 
     An entry's agreement is the sum of its cosines with the other entries' outer gradients. One at
@@ -93,11 +93,13 @@ def agreeing(weights: list[float], gradients: list[torch.Tensor]) -> list[float]
     the median, and one pointing against the others (negative) gets none. A sign-flipped or noise
     entry agrees with nobody, so it cannot pull the merged direction however it is sized; honest
     islands, which head the same way, keep about their weights. Costs two passes over the entries
-    (the sum of their directions, then one dot product each), no copy of them.
+    (the sum of their directions, then one dot product each), no copy of them; ``norms``: the
+    gradients' norms if known (else computed).
     """
     if len(gradients) < 3:
         return list(weights)
-    norms = [float(torch.linalg.vector_norm(g, dtype=torch.float64)) for g in gradients]
+    if norms is None:
+        norms = [float(torch.linalg.vector_norm(g, dtype=torch.float64)) for g in gradients]
     directions = torch.zeros_like(gradients[0], dtype=torch.float32)
     for g, n in zip(gradients, norms):
         if n > 0:

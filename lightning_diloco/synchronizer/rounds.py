@@ -274,7 +274,7 @@ class FragmentRounds:
         frag = self.frag
         fragment_norm = float(torch.linalg.vector_norm(frag.value, dtype=torch.float64))
         discount = self.config.merge.staleness_discount
-        weights, ages, clipped = [], [], 0
+        weights, ages, norms, clipped = [], [], [], 0
         for e in entries:
             others = [(o.norm, o.tokens / o.steps) for o in entries if o.island != e.island]
             b = self.guard.bound(norm=e.norm, tokens=e.tokens, steps=e.steps, others=others,
@@ -282,13 +282,14 @@ class FragmentRounds:
             if b.clipped:
                 e.outer_gradient.mul_(b.scale)
                 clipped += 1
+            norms.append(e.norm * b.scale)
             # a base newer than the current version (kept by an island across a synchronizer
             # restart that lost the last versions) is as fresh as it gets: age 0
             ages.append(max(0, frag.version - e.base_version))
             weights.append(contribution_weight(b.tokens, b.steps))
         # what the islands claim is capped against each other; the age discount is the synchronizer's own
         weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=discount) for w, a in zip(capped_weights(weights), ages)]
-        return agreeing(weights, [e.outer_gradient for e in entries]), clipped
+        return agreeing(weights, [e.outer_gradient for e in entries], norms), clipped
 
     def publish(self, island: int, have: int, codec_config) -> VersionUpdate:
         """The current version for an island that holds version ``have``: a delta against it in

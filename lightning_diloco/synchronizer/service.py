@@ -38,7 +38,7 @@ from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.admission import admitted_round, join_problem
 from lightning_diloco.synchronizer.closers import CLOSER_TICK, Closers
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer
+from lightning_diloco.synchronizer.durability import Checkpointer, check_owner
 from lightning_diloco.synchronizer.membership import Membership, SessionError
 from lightning_diloco.synchronizer.requests import (
     Contribution,
@@ -105,7 +105,7 @@ class Synchronizer:
             checkpoints.check_writable(self.checkpoint_dir)
             loaded = SynchronizerState.load(self.checkpoint_dir)
         if loaded is not None:
-            self._check_owner(loaded.identity, run_id)
+            check_owner(self.checkpoint_dir, loaded.identity, run_id, shard, num_shards)
             run_id = run_id or loaded.identity.get("run_id")
             self.state = loaded
             if loaded.config != config:
@@ -121,16 +121,6 @@ class Synchronizer:
         self.closers = Closers(self)
         if self.state is not None:
             self._make_rounds(self.state.layout)
-
-    def _check_owner(self, identity: dict, run_id: str | None) -> None:
-        """Refuse a checkpoint written by another run or another shard, naming both."""
-        if not identity:
-            return  # written before checkpoints named their owner
-        ours = {"run_id": run_id or identity.get("run_id"), "shard": self.shard, "num_shards": self.num_shards}
-        if any(identity.get(k) != v for k, v in ours.items()):
-            raise ValueError(f"the checkpoint in {self.checkpoint_dir} is {checkpoints.describe_owner(identity)}, but this "
-                             f"synchronizer is {checkpoints.describe_owner(ours)}; give each run and shard its own "
-                             "--checkpoint-dir (or pass the checkpoint's --run-id)")
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
