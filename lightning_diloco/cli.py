@@ -26,6 +26,17 @@ def _status(args: argparse.Namespace) -> int:
     return run_status(args)
 
 
+def _credential(args: argparse.Namespace) -> int:
+    from lightning_diloco.synchronizer.credentials import island_credential
+    from lightning_diloco.core.token_options import resolve_token
+
+    token = resolve_token(args)
+    if not token:
+        raise ValueError("no run token: pass --token-file (or set $DILOCO_TOKEN) to the synchronizer's token")
+    print(island_credential(token, args.island))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-diloco",
@@ -52,11 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="print a synchronizer's status as a table")
     status.add_argument("address", help="host:port, comma-separated for every shard")
-    from lightning_diloco.core.credentials import add_token_arguments
+    from lightning_diloco.core.token_options import add_token_arguments
 
     add_token_arguments(status, "run's token")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(run=_status)
+
+    credential = commands.add_parser(
+        "credential", help="print the credential of one island, derived from the run's token",
+        description="Print island I's credential: it authenticates as island I only (give it to that island as "
+                    "DILOCO_TOKEN); the run's token itself acts as every island, keep it to the operator.")
+    credential.add_argument("--island", type=int, required=True, help="the island's index I (>= 0)")
+    add_token_arguments(credential, "run's token")
+    credential.set_defaults(run=_credential)
     return parser
 
 

@@ -7,7 +7,11 @@ summary carrying the SHA-256 of the ``.pt``). ``synchronizer.json`` repeats the 
 
 Loading tries the checkpoints newest first. One that fails its checksum, does not load, or holds
 a non-finite value is reported by path and skipped; if every one fails, or a summary has lost its
-``.pt``, loading raises instead of starting afresh: a run's progress is never silently dropped.
+``.pt`` (``synchronizer.json`` included), loading raises instead of starting afresh: a run's
+progress is never silently dropped. Summaries name whose state they hold (run id, shard and
+shard count, layout hash): checkpoints of two runs or two shards in one directory are refused,
+naming both, rather than one resumed with the other's values. Temporary files a killed write
+left behind are removed at load.
 """
 
 from __future__ import annotations
@@ -73,10 +77,16 @@ def load(directory: str | os.PathLike, restore: Callable[[dict], object]) -> obj
     directory = Path(directory)
     if not directory.exists():
         return None
+    for leftover in directory.glob(".synchronizer*.tmp"):  # a write killed before its rename
+        log.warning("removing %s, left by a checkpoint write that did not finish", leftover)
+        leftover.unlink(missing_ok=True)
     orphans = [p.name for p in directory.glob("synchronizer-*.json") if _NAME.match(p.name) and not p.with_suffix(".pt").exists()]
+    if (directory / LATEST).exists() and not _checkpoints(directory):
+        orphans.append(LATEST)
     if orphans:
         raise ValueError(f"checkpoint summaries {sorted(orphans)} in {directory} have lost their .pt files; restore them, "
                          "or move the folder away to start the run afresh")
+    _check_one_owner(directory)
     skipped = []
     for path in _checkpoints(directory):
         try:
@@ -89,6 +99,35 @@ def load(directory: str | os.PathLike, restore: Callable[[dict], object]) -> obj
         raise ValueError(f"no valid checkpoint in {directory}: " + "; ".join(skipped)
                          + ". Move the folder away to start the run afresh.")
     return None
+
+
+def _owner(summary: dict) -> tuple:
+    identity = summary.get("identity") or {}
+    return identity.get("run_id"), identity.get("shard"), identity.get("num_shards"), summary.get("layout_hash")
+
+
+def describe_owner(identity: dict, layout_hash: str | None = None) -> str:
+    text = f"run {identity.get('run_id')!r}, shard {identity.get('shard')} of {identity.get('num_shards')}"
+    return text + (f", layout {layout_hash}" if layout_hash else "")
+
+
+def _check_one_owner(directory: Path) -> None:
+    """Every checkpoint in ``directory`` belongs to one run, shard and layout (older ones, which
+    name no owner, excepted)."""
+    owners: dict[tuple, str] = {}
+    for path in sorted(directory.glob("synchronizer-*.json")):
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a damaged summary: its checkpoint is skipped by path when loaded
+        if (summary.get("identity") or {}).get("run_id") is not None:
+            owners.setdefault(_owner(summary), path.name)
+    if len(owners) > 1:
+        (a, first), (b, second) = list(owners.items())[:2]
+        raise ValueError(f"{directory} holds checkpoints of two owners: {first} is "
+                         f"{describe_owner(dict(zip(('run_id', 'shard', 'num_shards'), a)), a[3])} and {second} is "
+                         f"{describe_owner(dict(zip(('run_id', 'shard', 'num_shards'), b)), b[3])}; give each run and "
+                         "shard its own --checkpoint-dir and move the stray files away")
 
 
 def _verified(path: Path) -> dict:

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.credentials import add_token_arguments, resolve_token
+from lightning_diloco.core.token_options import add_token_arguments, resolve_token
 
 
 @dataclass(kw_only=True)

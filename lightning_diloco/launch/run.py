@@ -27,6 +27,7 @@ from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
 from lightning_diloco.launch.supervisor import Supervised, UnitState, clean_environment, read_progress
+from lightning_diloco.synchronizer.credentials import island_credential
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY = 0.25
@@ -108,8 +109,8 @@ class Run:
             extra["DILOCO_STRATEGY"] = "ddp"
         else:
             extra.update(DILOCO_STRATEGY="decoupled_diloco", DILOCO_ISLAND=str(i), DILOCO_SYNCHRONIZER=self.address)
-            if self.token:
-                extra["DILOCO_TOKEN"] = self.token
+            if self.token:  # each island its own credential: it can act only as itself
+                extra["DILOCO_TOKEN"] = island_credential(self.token, i)
         return clean_environment(extra)
 
     def start(self) -> None:

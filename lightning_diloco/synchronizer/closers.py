@@ -82,8 +82,7 @@ class Closers:
 
     def _close(self, rounds: FragmentRounds, reason: str, now: float) -> None:
         started = time.perf_counter()
-        # one version per island that may still hold one, so each gets a delta and not a full value
-        closed = rounds.close(now, reason, keep_versions=len(self.membership.members) + 1)
+        closed = rounds.close(now, reason)
         elapsed = time.perf_counter() - started
         self.sync_time = elapsed if not self.sync_time else 0.8 * self.sync_time + 0.2 * elapsed
         if closed.dropped:

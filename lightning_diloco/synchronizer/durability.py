@@ -13,10 +13,22 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from lightning_diloco.core.checkpoints import describe_owner
 from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.core.threads import single_threaded_torch
 
 log = logging.getLogger(__name__)
+
+
+def check_owner(directory: Path | None, identity: dict, run_id: str | None, shard: int, num_shards: int) -> None:
+    """Refuse a checkpoint written by another run (``run_id`` None: any) or another shard, naming both."""
+    if not identity:
+        return  # written before checkpoints named their owner
+    ours = {"run_id": run_id or identity.get("run_id"), "shard": shard, "num_shards": num_shards}
+    if any(identity.get(k) != v for k, v in ours.items()):
+        raise ValueError(f"the checkpoint in {directory} is {describe_owner(identity)}, but this synchronizer is "
+                         f"{describe_owner(ours)}; give each run and shard its own --checkpoint-dir (or pass the "
+                         "checkpoint's --run-id)")
 
 
 class Checkpointer:

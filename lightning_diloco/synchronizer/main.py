@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.credentials import add_token_arguments, resolve_token
+from lightning_diloco.core.token_options import add_token_arguments, resolve_token
 from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings, load_run_config
 
@@ -41,6 +41,8 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-shards", type=int, default=1, help="shards in the run; shard i owns fragments p %% S == i")
     parser.add_argument("--checkpoint-dir", help="resume from and write checkpoints here")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="outer steps between checkpoints (default %(default)s)")
+    parser.add_argument("--run-id", help="the run's name, written into its checkpoints: a checkpoint of another run "
+                        "is refused (default: the checkpoint's, or a new one)")
     parser.add_argument("--liveness-timeout", type=float, default=15.0, help="seconds of silence before an island is not waited for")
     add_token_arguments(parser, "shared secret islands must present")
     parser.add_argument("--tls-cert", help="PEM certificate file: serve TLS")
@@ -84,6 +86,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         liveness_timeout=args.liveness_timeout,
+        run_id=args.run_id,
     )
     server = SynchronizerServer(
         service, host=args.host, port=args.port, token=resolve_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,

@@ -1,11 +1,19 @@
 """Who is in the run: joined islands, their liveness, step times and place on the run's clock.
 
-The run's clock is the furthest schedule step a live island has reported (with every
-contribution and every heartbeat). It is not extrapolated between reports: an island that was
-just killed or paused still looks live for a while, and extrapolating it would put the clock, and
-every island that joins, ahead of the run. An island joining or rejoining starts at that step, so
-it sends each fragment in the same round as everyone else; an island that falls behind is asked
-for each round as it opens (its requests wait here until its subscription picks them up).
+The run's clock is the lower median of the schedule steps the live islands reported (with every
+contribution and every heartbeat): a place at least half of them have reached, so no one island
+can move it, however far ahead it claims to be (issue 21: one island reporting 2**62 used to
+carry the clock, and make every honest push late). Islands stay in phase because one that falls
+behind is asked for each round as it opens and skips to it (its requests wait here until its
+subscription picks them up), so the median sits within a round of the fastest. The clock is not
+extrapolated between reports: an island that was just killed or paused still looks live for a
+while. An island joining or rejoining starts at the clock.
+
+An island's own reported place is bounded too: it may lead the clock by ``lead_steps`` and
+beyond that advance no faster than the live islands' step rate allows (``RATE_SLACK`` x the
+lower median of their step times), so a report of 2**62 moves it a few steps, not to 2**62.
+Step times are a lower median as well: one island reporting 1e9 s cannot stretch the grace
+window, and one reporting 1e-9 s only shortens it (rounds then close at quorum, no stall).
 
 All methods take ``now`` (monotonic seconds) from the caller.
 """
@@ -13,16 +21,17 @@ All methods take ``now`` (monotonic seconds) from the caller.
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 import uuid
 from dataclasses import dataclass, field
 
+from lightning_diloco.core.guard import lower_median
 from lightning_diloco.core.protocol import IslandStatus, RoundRequest
 
 MAX_ISLANDS = 10_000
 MAX_STEP_TIME = 3600.0  # seconds: a reported step time beyond this is not a step time
-MAX_STEPS_PER_SECOND = 1000  # how fast an island's reported place on the clock may advance
+MAX_STEPS_PER_SECOND = 1000  # how fast an island's reported place on the clock may advance, at most
+RATE_SLACK = 4.0  # x the run's step rate: how much faster than the typical island one may advance
 FORGET_AFTER = 600.0  # seconds of silence after which an island leaves Status (it may rejoin)
 
 
@@ -41,7 +50,9 @@ class Member:
     steps: int = 0
     """Inner steps the island reported."""
     schedule_step: int = 0
-    """The furthest place on the run's clock it reported."""
+    """The furthest place on the run's clock it reported (bounded: see the module's text)."""
+    placed_at: float = 0.0
+    """When ``schedule_step`` was last considered: its advance is bounded by the time since."""
     step_time: float = 0.0
     accepted: int = 0
     """Contributions merged in this synchronizer's lifetime."""
@@ -59,8 +70,9 @@ class Membership:
         self.changed = threading.Condition(self.lock)  # a request or a new version for subscribers
         self.members: dict[int, Member] = {}
 
-    def join(self, island: int, world_size: int, now: float) -> str:
-        """Register (or re-register) an island; returns its new session. The old one ends."""
+    def join(self, island: int, world_size: int, now: float, at_step: int = 0) -> str:
+        """Register (or re-register) an island starting at schedule step ``at_step`` (the run's
+        step it is told); returns its new session. The old one ends."""
         with self.lock:
             self._forget_silent(now)
             old = self.members.get(island)
@@ -68,6 +80,7 @@ class Membership:
                 raise OverflowError(f"the run already has {MAX_ISLANDS} islands; island ids must be reused, not invented")
             session = uuid.uuid4().hex
             self.members[island] = Member(world_size=world_size, last_seen=now, session=session,
+                                          schedule_step=max(at_step, old.schedule_step if old else 0), placed_at=now,
                                           accepted=old.accepted if old else 0,
                                           subscription=old.subscription + 1 if old else 0)
             self.changed.notify_all()  # ends the old session's subscription
@@ -98,31 +111,45 @@ class Membership:
                 return False
             if steps is not None:
                 m.steps = max(0, min(int(steps), 10**12))
-            if schedule_step is not None:  # a retried old push must not move an island back
-                clock = max((o.schedule_step for o in self.members.values() if now - o.last_seen <= self.liveness_timeout),
-                            default=0)
-                lead = max(clock, m.schedule_step) + self.lead_steps + int(max(0.0, now - m.last_seen) * MAX_STEPS_PER_SECOND)
-                m.schedule_step = max(m.schedule_step, min(int(schedule_step), lead))
             if step_time is not None and math.isfinite(step_time) and step_time > 0:
                 m.step_time = min(float(step_time), MAX_STEP_TIME)
+            if schedule_step is not None:  # a retried old push must not move an island back
+                live = self._live(now)
+                ceiling = max(self._clock(live) + self.lead_steps,
+                              m.schedule_step + int(max(0.0, now - m.placed_at) * self._max_rate(live)))
+                m.schedule_step = max(m.schedule_step, min(int(schedule_step), ceiling))
+                m.placed_at = now
             m.last_seen = now
             return True
 
     def live(self, now: float) -> set[int]:
         with self.lock:
-            return {i for i, m in self.members.items() if now - m.last_seen <= self.liveness_timeout}
+            return self._live(now)
+
+    def _live(self, now: float) -> set[int]:
+        return {i for i, m in self.members.items() if now - m.last_seen <= self.liveness_timeout}
 
     def step_time(self, live: set[int]) -> float:
-        """The median inner-step time of the live islands (0 when none reported one)."""
+        """The lower median inner-step time of the live islands (0 when none reported one)."""
         with self.lock:
-            times = [self.members[i].step_time for i in live if i in self.members and self.members[i].step_time > 0]
-        return statistics.median(times) if times else 0.0
+            return self._step_time(live)
+
+    def _step_time(self, live: set[int]) -> float:
+        times = [self.members[i].step_time for i in live if i in self.members and self.members[i].step_time > 0]
+        return lower_median(times) if times else 0.0
+
+    def _max_rate(self, live: set[int]) -> float:
+        """Steps per second an island's place may advance by (beyond its lead on the clock)."""
+        step_time = self._step_time(live)
+        return MAX_STEPS_PER_SECOND if step_time <= 0 else min(MAX_STEPS_PER_SECOND, RATE_SLACK / step_time)
+
+    def _clock(self, live: set[int]) -> int:
+        return lower_median([self.members[i].schedule_step for i in live if i in self.members]) if live else 0
 
     def run_step(self, now: float) -> int:
-        """The run's clock: the furthest schedule step a live island reported (0: none)."""
-        live = self.live(now)
+        """The run's clock: the lower median of the live islands' schedule steps (0: none live)."""
         with self.lock:
-            return max((self.members[i].schedule_step for i in live), default=0)
+            return self._clock(self._live(now))
 
     def ask(self, request: RoundRequest, islands: set[int]) -> None:
         """Ask ``islands`` to send ``request.fragment`` now; wakes their subscriptions."""

@@ -10,9 +10,9 @@ Every contribution is measured against its own base (core/state.py says why) and
 discounted by its age, so it adds its island's progress and never undoes other islands' work. The
 merge never needs the base's value, only its age, so no base is refused for being old: an island
 that was away contributes what it did, weighed down by how far behind it was.
-An island has at most one on-time contribution per round (a newer one supersedes it) and may
-have late ones beside it: each is merged as its own entry, exactly as if it came from another
-island.
+An island has at most one entry in a round, on time or late: a newer one replaces it (its newer
+work, measured from a base that never held the older, contains it), so one island is one vote
+however many pushes it makes.
 
 All methods take ``now`` (monotonic seconds) from the caller; the object holds no clock.
 """
@@ -28,11 +28,18 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
-from lightning_diloco.core.guard import InfluenceGuard
+from lightning_diloco.core.guard import InfluenceGuard, agreeing, capped_weights
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.state import FragmentState
 from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
+
+
+MAX_WAITING = 1024  # entries one round holds (one per island): past this a new island's push is refused busy
+
+
+class RoundFull(RuntimeError):
+    """The round already holds ``MAX_WAITING`` entries; a new island's waits for the next."""
 
 
 class SequenceError(ValueError):
@@ -58,6 +65,8 @@ class Entry:
     norm: float
     digest: bytes = b""
     """Of the payload: a retry must carry the very same bytes."""
+    session: str = ""
+    """The island's session it came in (sequence numbers are ordered within one)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -88,6 +97,7 @@ class _Settled:
     round: int
     version: int
     digest: bytes
+    session: str
 
 
 @dataclass
@@ -111,7 +121,7 @@ class FragmentRounds:
         self.frag: FragmentState | None = None  # set once the fragment is seeded
         self.opened_at: float | None = None
         self.quorum_at: float | None = None
-        self.entries: dict[tuple[int, int], Entry] = {}  # (island, seq) -> entry
+        self.entries: dict[int, Entry] = {}  # island -> its one waiting entry
         self.settled: dict[int, _Settled] = {}  # island -> its last merged contribution
         self.merged_in: dict[int, int] = {}  # island -> last version that merged a contribution of it
         self.rounds_of: dict[int, int] = {}  # version -> the round that produced it
@@ -131,7 +141,7 @@ class FragmentRounds:
         return self.frag.next_round if self.frag is not None else -1
 
     def islands(self) -> set[int]:
-        return {e.island for e in self.entries.values()}
+        return set(self.entries)
 
     def add(self, entry: Entry, now: float, clock_round: int = -1) -> tuple[PushAck, bool]:
         """Put a validated contribution into the round it belongs to; returns the push's answer
@@ -140,40 +150,41 @@ class FragmentRounds:
         ``clock_round``: the round of this fragment that is due on the run's clock. A contribution
         sent for an earlier one is late even if no round closed since (e.g. retried across a
         synchronizer restart): only a send for a current round opens one.
+
+        Sequence numbers order one session's contributions: a rejoin (a new session) starts
+        afresh, so a client that once held the island's session cannot lock its later sessions
+        out with a huge number. One entry per island waits in a round: a newer one replaces it.
         """
         assert self.frag is not None, "a fragment takes contributions only once seeded"
         frag, island = self.frag, entry.island
         settled = self.settled.get(island)
-        if settled is not None and entry.seq <= settled.seq:
+        if settled is not None and settled.session == entry.session and entry.seq <= settled.seq:
             if entry.seq == settled.seq:
                 self._same_payload(entry, settled.digest)
                 return PushAck(fragment=self.fragment, round=settled.round, late=False, duplicate=True,
                                version=frag.version), False
             raise SequenceError(f"sequence {entry.seq} of island {island} is older than its last merged one ({settled.seq})")
-        for key, other in self.entries.items():
-            if other.island != island:
-                continue
-            if other.seq == entry.seq:
-                self._same_payload(entry, other.digest)
-                return PushAck(fragment=self.fragment, round=self.index, late=other.sent_for < self.index, duplicate=True,
+        waiting = self.entries.get(island)
+        if waiting is not None and waiting.session == entry.session and entry.seq <= waiting.seq:
+            if entry.seq == waiting.seq:
+                self._same_payload(entry, waiting.digest)
+                return PushAck(fragment=self.fragment, round=self.index, late=waiting.sent_for < self.index, duplicate=True,
                                version=frag.version), False
-            if other.seq > entry.seq:
-                raise SequenceError(f"sequence {entry.seq} of island {island} is older than one already waiting ({other.seq})")
+            raise SequenceError(f"sequence {entry.seq} of island {island} is older than one already waiting ({waiting.seq})")
+        if waiting is None and len(self.entries) >= MAX_WAITING:
+            raise RoundFull(f"round {self.index} of fragment {self.fragment} already holds {MAX_WAITING} islands' entries")
         if frag.next_round < 0:
             frag.next_round = entry.sent_for  # a fresh run: the first send names the round
         on_time = entry.sent_for >= max(frag.next_round, clock_round)
         opened = False
-        if on_time:
-            if self.opened_at is None:
-                if entry.sent_for > frag.next_round:
-                    frag.next_round = entry.sent_for  # nobody sent for the rounds in between
-                self.opened_at, opened = now, True
-            # one on-time entry per island and round: a newer send (e.g. after a restart) supersedes
-            for key in [k for k, e in self.entries.items() if e.island == island and e.sent_for >= frag.next_round]:
-                del self.entries[key]
-                self.totals.superseded += 1
-        self.entries[(island, entry.seq)] = entry
-        if self.opened_at is not None and self.quorum_at is None and len(self.islands()) >= self.config.merge.min_quorum:
+        if on_time and self.opened_at is None:
+            if entry.sent_for > frag.next_round:
+                frag.next_round = entry.sent_for  # nobody sent for the rounds in between
+            self.opened_at, opened = now, True
+        if waiting is not None:  # its island's newer work (late or not, from this session or a newer one) replaces it
+            self.totals.superseded += 1
+        self.entries[island] = entry
+        if self.opened_at is not None and self.quorum_at is None and len(self.entries) >= self.config.merge.min_quorum:
             self.quorum_at = now
         self.cond.notify_all()
         return PushAck(fragment=self.fragment, round=frag.next_round, late=not on_time, duplicate=False,
@@ -194,7 +205,7 @@ class FragmentRounds:
         return decide(view, now, min_quorum=merge.min_quorum, gamma=merge.grace_gamma,
                       overlap_steps=self.config.schedule.overlap_steps, step_time=step_time, sync_time=sync_time)
 
-    def close(self, now: float, reason: str, keep_versions: int = 0) -> ClosedRound:
+    def close(self, now: float, reason: str) -> ClosedRound:
         """Merge every entry into one outer step and publish the new version.
 
         Each entry is first bounded (core/guard.py). Should the step still not be finite, the
@@ -212,13 +223,15 @@ class FragmentRounds:
             merge_outer_gradients([split_fragment(entries[i].outer_gradient, self.specs) for i in kept],
                                   [weights[i] for i in kept], [s.role for s in self.specs], self.config.merge.method,
                                   out=split_fragment(merged, self.specs))
-            version = frag.apply(merged, keep_versions)
+            version = frag.apply(merged)
             if version is None:
                 kept.remove(max(kept, key=lambda i: entries[i].norm))
         dropped = len(entries) - len(kept)
         for e in entries:  # left out or not, each is settled: a retry gets the same answer
-            if e.island not in self.settled or self.settled[e.island].seq < e.seq:
-                self.settled[e.island] = _Settled(seq=e.seq, round=index, version=frag.version, digest=e.digest)
+            settled = self.settled.get(e.island)
+            if settled is None or settled.session != e.session or settled.seq < e.seq:
+                self.settled[e.island] = _Settled(seq=e.seq, round=index, version=frag.version, digest=e.digest,
+                                                  session=e.session)
         for i in kept:
             e = entries[i]
             self.merged_in[e.island] = frag.version
@@ -250,19 +263,22 @@ class FragmentRounds:
         frag = self.frag
         fragment_norm = float(torch.linalg.vector_norm(frag.value, dtype=torch.float64))
         discount = self.config.merge.staleness_discount
-        weights, clipped = [], 0
+        weights, ages, norms, clipped = [], [], [], 0
         for e in entries:
             others = [(o.norm, o.tokens / o.steps) for o in entries if o.island != e.island]
             b = self.guard.bound(norm=e.norm, tokens=e.tokens, steps=e.steps, others=others,
-                                 fragment_norm=fragment_norm, numel=frag.value.numel())
+                                 fragment_norm=fragment_norm, numel=frag.value.numel(), island=e.island)
             if b.clipped:
                 e.outer_gradient.mul_(b.scale)
                 clipped += 1
+            norms.append(e.norm * b.scale)
             # a base newer than the current version (kept by an island across a synchronizer
             # restart that lost the last versions) is as fresh as it gets: age 0
-            age = max(0, frag.version - e.base_version)
-            weights.append(contribution_weight(b.tokens, b.steps, age=age, staleness_discount=discount))
-        return weights, clipped
+            ages.append(max(0, frag.version - e.base_version))
+            weights.append(contribution_weight(b.tokens, b.steps))
+        # what the islands claim is capped against each other; the age discount is the synchronizer's own
+        weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=discount) for w, a in zip(capped_weights(weights), ages)]
+        return agreeing(weights, [e.outer_gradient for e in entries], norms), clipped
 
     def publish(self, island: int, have: int, codec_config) -> VersionUpdate:
         """The current version for an island that holds version ``have``: a delta against it in

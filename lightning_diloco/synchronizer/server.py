@@ -6,10 +6,11 @@ Every refusal becomes a gRPC status whose details start with the reason code.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import hmac
 import logging
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -18,10 +19,11 @@ import grpc
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.core.protocol import RoundRequest
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer.credentials import Caller, identify
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
-from lightning_diloco.core.protocol import RoundRequest
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MAX_DETAILS = 1000  # characters of a refusal's message sent back: it may quote client input
 RESERVE = 8  # workers kept free of long calls (subscriptions) for everything else
+SUBSCRIPTIONS_PER_ISLAND = 2  # open streams of one island: its current one and the one it replaces
 STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for the rest
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.OUT_OF_RANGE,
@@ -43,15 +46,16 @@ STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for 
 
 
 def _handler(method):
-    """Authenticate, then turn refusals and timeouts into gRPC statuses."""
+    """Authenticate, then turn refusals and timeouts into gRPC statuses. The method gets the
+    caller its credential proves (credentials.py) and checks the island it acts as."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
-            self.authorize(context)
+            caller = self.authorize(context)
             # Streaming replies are returned as generators built after the work is done, so every
             # refusal is raised here, before the first message goes out.
-            return method(self, request, context)
+            return method(self, request, context, caller)
         except Refusal as refusal:
             _abort(context, refusal)
         except StopIteration:  # a client stream that ended before its first message
@@ -80,12 +84,42 @@ def _events(events: Iterator, context: grpc.ServicerContext, release) -> Iterato
         release()
 
 
+class IslandStreams:
+    """How many streams of each kind one island holds: each kind has a few slots per island, so
+    a client with one island's credential cannot hold the workers (or the subscription slots)
+    every other island needs (issue 21: 260 subscriptions, or 300 pushes sending a byte every
+    5 s, locked honest islands out)."""
+
+    def __init__(self, service: Synchronizer) -> None:
+        self.service = service
+        self.lock = threading.Lock()
+        self.held: Counter[tuple[int, str]] = Counter()
+
+    def take(self, island: int, kind: str, slots: int):
+        """A slot of ``kind`` for ``island``, or a busy refusal; returns its release."""
+        key = (island, kind)
+        with self.lock:
+            if self.held[key] >= slots:
+                raise self.service.refuse(Reason.BUSY, f"island {island} already holds {slots} {kind} streams; "
+                                          "end one first (a reconnect replaces the old one)")
+            self.held[key] += 1
+
+        def release() -> None:
+            with self.lock:
+                self.held[key] -= 1
+                if not self.held[key]:
+                    del self.held[key]
+
+        return release
+
+
 class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     def __init__(self, service: Synchronizer, token: str | None = None, max_workers: int = 256) -> None:
         self.service, self.token = service, token
         # a call that holds its worker for long takes a slot; when none is left it is refused
         # at once, so Status, joins and pushes always find a worker
         self.long_calls = threading.BoundedSemaphore(max(1, max_workers - RESERVE))
+        self.streams = IslandStreams(service)
 
     def _long_call(self, what: str):
         if not self.long_calls.acquire(blocking=False):
@@ -93,13 +127,22 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
                                       "(or start the synchronizer with more --max-workers)")
         return self.long_calls.release
 
-    def authorize(self, context: grpc.ServicerContext) -> None:
+    def authorize(self, context: grpc.ServicerContext) -> Caller:
         if not self.token:
-            return
+            return Caller(None)
         metadata = dict(context.invocation_metadata())
         given = metadata.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-            raise self.service.refuse(Reason.UNAUTHENTICATED, "missing or wrong token; pass the run's token (DILOCO_TOKEN)")
+        caller = identify(self.token, given[len("Bearer "):]) if given.startswith("Bearer ") else None
+        if caller is None:
+            raise self.service.refuse(Reason.UNAUTHENTICATED, "missing or wrong token; pass the run's token or this island's "
+                                      "credential (DILOCO_TOKEN; `lightning-diloco credential --island I` prints it)")
+        return caller
+
+    def acting_as(self, caller: Caller, island: int) -> None:
+        """Refuse a call for ``island`` whose credential is another island's."""
+        if not caller.may_act_as(island):
+            raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot act as island "
+                                      f"{island}; each island presents its own (`lightning-diloco credential --island {island}`)")
 
     def _payload(self, first, rest, expected: int, declared: int, what: str) -> bytearray:
         if declared != expected:
@@ -112,7 +155,8 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             raise self.service.refuse(Reason.BAD_PAYLOAD, str(err)) from None
 
     @_handler
-    def Join(self, request, context):
+    def Join(self, request, context, caller):
+        self.acting_as(caller, request.island)
         try:
             specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
             reply = self.service.join(request.island, request.world_size, specs)
@@ -121,46 +165,64 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         return join_reply(reply, shard=self.service.shard, num_shards=self.service.num_shards)
 
     @_handler
-    def Seed(self, request_iterator, context):
+    def Seed(self, request_iterator, context, caller):
         first = next(request_iterator)
         h = first.header
+        self.acting_as(caller, h.island)
+        self.service.admit_seed(h.island, h.fragment, h.session)
         expected = self.service.expected_payload_bytes("fp32", h.fragment)
         payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"seed of fragment {h.fragment}")
         seeded = self.service.seed(h.island, h.fragment, payload, session=h.session)
         return pb.SeedReply(seeded=seeded, version=self.service.versions()[h.fragment])
 
     @_handler
-    def Push(self, request_iterator, context):
+    def Push(self, request_iterator, context, caller):
         first = next(request_iterator)
         h = first.header
+        self.acting_as(caller, h.island)
+        header = Contribution(island=h.island, fragment=h.fragment, round=h.round, base_version=h.base_version,
+                              tokens=h.tokens, steps=h.steps, codec=h.codec, seq=h.seq, payload=b"",
+                              layout_hash=h.layout_hash, session=h.session)
+        self.service.admit_push(header)  # session, fragment, counters, codec: before a byte of payload is read
         expected = self.service.expected_payload_bytes(h.codec, h.fragment)
-        payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"push of fragment {h.fragment}")
-        ack = self.service.push(Contribution(
-            island=h.island, fragment=h.fragment, round=h.round, base_version=h.base_version, tokens=h.tokens,
-            steps=h.steps, codec=h.codec, seq=h.seq, payload=payload, layout_hash=h.layout_hash, session=h.session,
-        ))
+        release = self.streams.take(h.island, "push", self.service.config.schedule.num_fragments + 2)
+        try:
+            payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"push of fragment {h.fragment}")
+        finally:
+            release()
+        ack = self.service.push(dataclasses.replace(header, payload=payload))
         return to_message(ack, pb.PushAck())
 
     @_handler
-    def Subscribe(self, request, context):
+    def Subscribe(self, request, context, caller):
+        self.acting_as(caller, request.island)
         events = self.service.subscribe(request.island, dict(request.versions), active=context.is_active, session=request.session)
-        return _events(events, context, self._long_call("subscription"))
+        # a joined island's own slots first (a reconnect may overlap the old stream's last tick),
+        # so one client's subscriptions never take the workers every other island needs
+        own = self.streams.take(request.island, "subscription", SUBSCRIPTIONS_PER_ISLAND)
+        try:
+            shared = self._long_call("subscription")
+        except Refusal:
+            own()
+            raise
+        return _events(events, context, lambda: (shared(), own()))
 
     @_handler
-    def Pull(self, request, context):
+    def Pull(self, request, context, caller):
         version, value = self.service.pull(request.fragment)
         payload = get_codec("fp32").encode(value)
         header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec="fp32", payload_bytes=payload.numel())
         return iter_chunks(header, payload, pb.FragmentChunk)
 
     @_handler
-    def Heartbeat(self, request, context):
+    def Heartbeat(self, request, context, caller):
+        self.acting_as(caller, request.island)
         beat = self.service.heartbeat(request.island, request.steps, request.step_time, request.schedule_step,
                                       session=request.session)
         return to_message(beat, pb.HeartbeatReply())
 
     @_handler
-    def Status(self, request, context):
+    def Status(self, request, context, caller):
         return to_message(self.service.status(), pb.StatusReply())
 
 

@@ -37,9 +37,10 @@ from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest
 from lightning_diloco.core.schedule import due_step, fragment_offsets, latest_round
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer.admission import admitted_round, join_problem
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer
+from lightning_diloco.synchronizer.durability import Checkpointer, check_owner
 from lightning_diloco.synchronizer.membership import Membership, SessionError
 from lightning_diloco.synchronizer.requests import (
     Contribution,
@@ -49,7 +50,7 @@ from lightning_diloco.synchronizer.requests import (
     payload_digest,
     payload_size,
 )
-from lightning_diloco.synchronizer.rounds import ClosedRound, Entry, FragmentRounds, SequenceError
+from lightning_diloco.synchronizer.rounds import ClosedRound, Entry, FragmentRounds, RoundFull, SequenceError
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,12 @@ class Synchronizer:
         liveness_timeout: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
         state: SynchronizerState | None = None,
+        run_id: str | None = None,
     ) -> None:
         """``checkpoint_every``: outer steps between checkpoints (0: only on close).
+
+        ``run_id``: the run's name in its checkpoints; a checkpoint of another run, or of another
+        shard, is refused naming both. None: the checkpoint's (or, starting afresh, a new one).
 
         ``liveness_timeout``: seconds without a heartbeat (or any request) after which an island
         is no longer waited for. ``state``: start from this state (e.g. restored from an island's
@@ -92,11 +97,14 @@ class Synchronizer:
             checkpoints.check_writable(self.checkpoint_dir)
             loaded = SynchronizerState.load(self.checkpoint_dir)
         if loaded is not None:
+            check_owner(self.checkpoint_dir, loaded.identity, run_id, shard, num_shards)
+            run_id = run_id or loaded.identity.get("run_id")
             self.state = loaded
             if loaded.config != config:
                 log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
             self.config = loaded.config
             log.info("resumed from %s at versions %s", self.checkpoint_dir, loaded.versions())
+        self.identity = {"run_id": run_id or uuid.uuid4().hex[:16], "shard": shard, "num_shards": num_shards}
         sched = self.config.schedule
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
@@ -157,8 +165,9 @@ class Synchronizer:
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> JoinInfo:
         """Register an island; returns the run settings, layout hash, versions, run step and session."""
-        if island < 0 or world_size < 1:
-            raise self.refuse(Reason.BAD_ISLAND, f"island={island} world_size={world_size}: need island >= 0 and world_size >= 1")
+        problem = join_problem(island, world_size)
+        if problem:
+            raise self.refuse(Reason.BAD_ISLAND, problem)
         with self.lock:
             if self.state is None and 0 < len(specs) < self.config.schedule.num_fragments:
                 self._fit_fragments(len(specs))
@@ -176,7 +185,7 @@ class Synchronizer:
         now = self.clock()
         run_step = self.run_step(now)
         try:
-            session = self.membership.join(island, world_size, now)
+            session = self.membership.join(island, world_size, now, at_step=run_step)
         except OverflowError as err:
             raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
         return JoinInfo(config=self.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
@@ -217,8 +226,9 @@ class Synchronizer:
         return self.membership.live(self.clock() if now is None else now)
 
     def run_step(self, now: float | None = None) -> int:
-        """The run's clock: the fastest live island's schedule step, else the step of the latest
-        round any fragment opened (a restarted synchronizer, or islands that all went away)."""
+        """The run's clock: the live islands' (robust: membership.py), or the step of the latest
+        round any fragment opened if later (a restarted synchronizer, or islands that all went
+        away; rounds are admitted only near the clock: admission.py)."""
         now = self.clock() if now is None else now
         from_rounds = 0
         state = self.state
@@ -292,18 +302,31 @@ class Synchronizer:
         except ValueError as err:
             raise self.refuse(Reason.NON_FINITE if isinstance(err, NonFiniteError) else Reason.BAD_PAYLOAD, str(err)) from None
 
+    def admit_push(self, c: Contribution) -> FragmentRounds:
+        """Every check a push's header allows, before its payload is read (the server calls it on
+        the first chunk: a stream from no session, or for no fragment, holds no worker while its
+        bytes trickle in); ``c.payload`` is not looked at."""
+        rounds = self._rounds(c.fragment)
+        self._check_session(c.island, c.session, "push")
+        problem = contribution_problem(c, self.state.layout.hash)
+        if problem:
+            raise self.refuse(*problem)
+        self._check_codec(c.codec)
+        return rounds
+
+    def admit_seed(self, island: int, fragment: int, session: str | None) -> None:
+        """A seed's header checks, before its payload is read."""
+        self._rounds(fragment)
+        self._check_session(island, session, "seed")
+
     def push(self, c: Contribution) -> PushAck:
         """Put a contribution into its fragment's round; answered at once, merged when it closes.
 
         A retry with the same sequence number gets the same answer and is never merged twice.
         """
-        rounds = self._rounds(c.fragment)
-        now = self.clock()
-        self._check_session(c.island, c.session, "push")
+        rounds = self.admit_push(c)
+        now, H = self.clock(), self.config.schedule.sync_every
         self.membership.seen(c.island, now)
-        problem = contribution_problem(c, self.state.layout.hash)
-        if problem:
-            raise self.refuse(*problem)
         digest = payload_digest(c.payload)  # before decoding, which may reuse the received buffer
         delta = self._decode(c.codec, c.payload, self.state.layout.fragment_numel(c.fragment))
         with self.lock:
@@ -312,16 +335,19 @@ class Synchronizer:
             self._seeded(rounds)
             gradient = outer_gradient(delta)
             norm = float(torch.linalg.vector_norm(gradient, dtype=torch.float64))
-            entry = Entry(island=c.island, seq=c.seq, sent_for=c.round, base_version=c.base_version, outer_gradient=gradient,
-                          tokens=c.tokens, steps=c.steps, norm=norm, digest=digest)
+            clock, offset = self.membership.run_step(now), self.offsets[c.fragment]
+            sent_for = admitted_round(c.round, next_round=rounds.index, clock_step=clock, offset=offset,
+                                      lead_steps=self.membership.lead_steps, sync_every=H)
+            entry = Entry(island=c.island, seq=c.seq, sent_for=sent_for, base_version=c.base_version, outer_gradient=gradient,
+                          tokens=c.tokens, steps=c.steps, norm=norm, digest=digest, session=c.session or "")
             try:
                 # the latest round due on the live islands' clock
-                due = latest_round(self.membership.run_step(now), self.offsets[c.fragment], self.config.schedule.sync_every)
-                ack, opened = rounds.add(entry, now, due)
+                ack, opened = rounds.add(entry, now, latest_round(clock, offset, H))
             except SequenceError as err:
                 raise self.refuse(Reason.SEQUENCE_REUSED if err.reused else Reason.OLD_SEQUENCE, str(err)) from None
-        H = self.config.schedule.sync_every
-        self.membership.seen(c.island, now, schedule_step=due_step(c.round, self.offsets[c.fragment], H))
+            except RoundFull as err:
+                raise self.refuse(Reason.BUSY, f"{err}; retry once it closes") from None
+        self.membership.seen(c.island, now, schedule_step=due_step(sent_for, self.offsets[c.fragment], H))
         with self.lock:
             self.accepted["duplicate" if ack.duplicate else "late" if ack.late else "on_time"] += 1
         if opened:  # the round is due: everyone else sends this fragment now, not at its own pace
@@ -388,6 +414,7 @@ class Synchronizer:
         if state is None:
             return None
         snapshot = SynchronizerState(self.config, state.layout, {})
+        snapshot.identity = dict(self.identity)
         for p, rounds in self.rounds.items():
             with rounds.cond:
                 frag = rounds.frag

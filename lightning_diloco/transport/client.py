@@ -33,6 +33,7 @@ from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
 from lightning_diloco.transport.messages import from_message, join_info
 from lightning_diloco.transport.subscription import Subscription
+from lightning_diloco.transport.tls_hint import tls_mismatch_hint
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,6 +89,7 @@ class SynchronizerClient:
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         root = Path(tls_root_cert).read_bytes() if tls_root_cert else None
+        self.uses_tls = root is not None
         self.channels = [
             grpc.secure_channel(a, grpc.ssl_channel_credentials(root), options) if root else grpc.insecure_channel(a, options)
             for a in self.addresses
@@ -154,7 +156,9 @@ class SynchronizerClient:
                 if attempt >= self.max_retries:
                     left = keep_trying_until - time.monotonic()
                     if left <= 0:
-                        raise SynchronizerError(code, Reason.UNREACHABLE, f"{what}: gave up after {attempt + 1} attempts: {details}") from None
+                        hint = tls_mismatch_hint(self.addresses[shard or 0], self.uses_tls, details)
+                        raise SynchronizerError(code, Reason.UNREACHABLE,
+                                                f"{what}: gave up after {attempt + 1} attempts: {details}{hint}") from None
                     if attempt == self.max_retries:  # say once why the caller is waiting
                         log.warning("%s: no synchronizer reachable at %s yet; trying for %.0f s more", what, ",".join(self.addresses), left)
                 delay = min(self.max_backoff, self.backoff * 2 ** min(attempt, 30)) * (0.5 + self.rng.random() / 2)

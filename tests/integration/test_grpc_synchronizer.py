@@ -14,6 +14,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import split_fragment
+from lightning_diloco.core.guard import agreeing, capped_weights
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.outer import OuterOptimizer
 from lightning_diloco.synchronizer.server import SynchronizerServer
@@ -170,13 +171,13 @@ def test_oversized_or_short_payload_is_refused_before_it_is_merged(started):
     numel = layout(config).fragment_numel(0)
     stub = client.stubs[0]
     header = pb.PushHeader(island=0, fragment=0, base_version=0, tokens=1, steps=1, codec="fp32", seq=0,
-                           layout_hash=layout(config).hash, payload_bytes=numel * 4)
+                           layout_hash=layout(config).hash, payload_bytes=numel * 4, session=client.sessions[0])
     too_much = [pb.PushChunk(header=header, data=b"\0" * (numel * 4)), pb.PushChunk(data=b"\0" * 1000)]
     with pytest.raises(grpc.RpcError) as err:
         stub.Push(iter(too_much), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("bad_payload")
     lying = pb.PushHeader(island=0, fragment=0, base_version=0, tokens=1, steps=1, codec="fp32", seq=0,
-                          layout_hash=layout(config).hash, payload_bytes=10**12)
+                          layout_hash=layout(config).hash, payload_bytes=10**12, session=client.sessions[0])
     with pytest.raises(grpc.RpcError) as err:
         stub.Push(iter([pb.PushChunk(header=lying)]), timeout=5)
     assert err.value.details().startswith("bad_payload")
@@ -232,10 +233,19 @@ def test_tls_connection_works(tmp_path):
             assert _push(client, config, 0, 0, torch.zeros(layout(config).fragment_numel(0))).round == 0
             assert wait_for_version(client.pull, 0, 1)[0] == 1
         with SynchronizerClient(server.address, max_retries=0) as plaintext:
-            with pytest.raises(SynchronizerError):
+            with pytest.raises(SynchronizerError) as err:
                 plaintext.join(0, 1, SPECS)
+            assert "serves TLS and this client connected in plaintext" in str(err.value)  # not only "Socket closed"
     finally:
         server.stop(grace=0)
+    plain = SynchronizerServer(Synchronizer(config)).start()
+    try:
+        with SynchronizerClient(plain.address, tls_root_cert=cert, max_retries=0) as tls:
+            with pytest.raises(SynchronizerError) as err:
+                tls.join(0, 1, SPECS)
+            assert "serves plaintext and this client connected with TLS" in str(err.value)
+    finally:
+        plain.stop(grace=0)
 
 
 def test_shards_own_their_fragments_and_the_client_routes_by_fragment():
@@ -424,9 +434,10 @@ def test_sixteen_concurrent_learners_merge_exactly_like_the_reference(started):
             reference = initial_fragments(config)[p].clone()
             outer = OuterOptimizer(reference, config.outer)
             for r in range(rounds):
-                merged = merge_outer_gradients(
-                    [split_fragment(-delta_of(i, p, r), specs) for i in range(islands)], weights, [s.role for s in specs], "rda"
-                )
+                outer_gradients = [-delta_of(i, p, r) for i in range(islands)]
+                # the guard's rules (core/guard.py): weights capped at 1.4x the round's lower median, then by agreement
+                merged = merge_outer_gradients([split_fragment(o, specs) for o in outer_gradients],
+                                               agreeing(capped_weights(weights), outer_gradients), [s.role for s in specs], "rda")
                 outer.step(torch.cat([m.reshape(-1) for m in merged]))
             assert torch.allclose(clients[0].pull(p)[1], reference, atol=1e-5)
     finally:

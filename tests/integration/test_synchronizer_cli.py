@@ -105,3 +105,19 @@ def test_status_without_the_token_says_so_without_a_traceback(synchronizer_proce
     assert table.returncode == 2 and "Traceback" not in table.stderr and "--token-file" in table.stderr
     ok = subprocess.run([*CLI, "status", address, "--token-file", str(token_file)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_an_island_credential_printed_by_the_cli_acts_as_that_island_only(synchronizer_process, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("run-secret\n")
+    proc, address = synchronizer_process("--num-fragments", "2", "--sync-every", "4", "--token-file", str(token_file))
+    printed = subprocess.run([*CLI, "credential", "--island", "2", "--token-file", str(token_file)], capture_output=True,
+                             text=True, timeout=60, check=True).stdout.strip()
+    assert printed.startswith("island-2.") and "run-secret" not in printed
+    from lightning_diloco.transport.client import SynchronizerError
+
+    with SynchronizerClient(address, token=printed, max_retries=0) as client:
+        assert client.join(2, 1, SPECS).layout_hash
+        with pytest.raises(SynchronizerError) as err:
+            client.join(3, 1, SPECS)
+        assert err.value.reason == "unauthenticated" and "credential --island 3" in str(err.value)

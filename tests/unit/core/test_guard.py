@@ -53,3 +53,25 @@ def test_a_reference_pushed_to_zero_stays_above_a_floor_of_the_fragments_norm():
     guard = _guard()
     b = guard.bound(norm=1.0, tokens=100.0, steps=4, others=[(0.0, 25.0)], fragment_norm=50.0, numel=100)
     assert b.scale * 1.0 == pytest.approx(10.0 * 1e-3 * 50.0)
+
+
+def test_no_entry_weighs_more_than_1_4x_the_rounds_lower_median():
+    from lightning_diloco.core.guard import capped_weights
+
+    assert capped_weights([1.0, 1.0, 1.0, 64.0]) == [1.0, 1.0, 1.0, 1.4]
+    assert capped_weights([5.0]) == [5.0]  # alone, nothing to compare with
+    assert capped_weights([1.0, 1.2]) == [1.0, 1.2]  # within the cap: untouched
+
+
+def test_an_entry_against_the_others_gets_no_weight_and_agreeing_ones_keep_theirs():
+    import torch
+
+    from lightning_diloco.core.guard import agreeing
+
+    g = torch.Generator().manual_seed(0)
+    way = torch.randn(100, generator=g)
+    honest = [way + 0.1 * torch.randn(100, generator=g) for _ in range(3)]
+    assert agreeing([1.0] * 4, [*honest, -50 * way])[3] == 0.0  # a sign flip, however long
+    kept = agreeing([1.0] * 4, [*honest, 50 * torch.randn(100, generator=g)])
+    assert kept[3] < 0.3 and min(kept[:3]) > 0.9  # noise agrees with nobody
+    assert agreeing([1.0, 2.0], [way, -way]) == [1.0, 2.0]  # two entries: no majority to follow

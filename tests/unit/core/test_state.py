@@ -47,11 +47,11 @@ def test_outer_gradient_is_measured_against_the_islands_own_base_even_when_stale
     assert torch.allclose(outer_gradient(island_delta(local, base)), torch.full_like(base, -0.25))
 
 
-def test_history_keeps_at_least_the_depth_asked_for_by_the_caller():
+def test_history_keeps_the_setting_s_depth_however_many_islands_joined():
     state = _state(history=2)
     for _ in range(5):
-        state.fragments[0].apply(torch.zeros_like(state.fragments[0].value), keep=4)
-    assert sorted(state.fragments[0].history) == [2, 3, 4, 5]
+        state.fragments[0].apply(torch.zeros_like(state.fragments[0].value))
+    assert sorted(state.fragments[0].history) == [4, 5]
 
 
 def test_checkpoint_round_trip_is_bit_exact(tmp_path):

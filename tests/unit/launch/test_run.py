@@ -146,3 +146,12 @@ def _wait_for(condition, what, timeout=30.0):
     while not condition():
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
         time.sleep(0.02)
+
+
+def test_each_island_is_given_its_own_credential_not_the_run_token(tmp_path):
+    from lightning_diloco.synchronizer.credentials import identify, island_credential
+
+    run = _run(tmp_path, "--islands", "3", "--synchronizer", "127.0.0.1:1", "--token", "s3cret")
+    for i in range(3):
+        given = run._island_env(i)["DILOCO_TOKEN"]
+        assert given == island_credential("s3cret", i) and identify("s3cret", given).island == i

@@ -22,6 +22,14 @@ def _started(config, islands, clock=None, **kwargs):
     return sync, clock
 
 
+def _place(sync, clock, step, islands):
+    """Put ``islands`` at schedule step ``step`` of the run's clock, as their heartbeats would
+    (a place is reached at a bounded rate: give it the time)."""
+    clock.advance(step / 1000 + 1)
+    for i in islands:
+        sync.heartbeat(i, 0, 0.0, schedule_step=step)
+
+
 def _available(sync, island, versions):
     """The events a subscription has for ``island`` right now."""
     calls = iter([True, True])
@@ -35,6 +43,7 @@ def _numel(config, p=0):
 def test_a_round_closes_once_and_a_contribution_after_it_goes_into_the_next_round():
     config = run_config(min_quorum=1, gamma=0.0)
     sync, clock = _started(config, 2)
+    _place(sync, clock, 5 * 4, [0, 1])
     first = sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=5, seq=1))
     assert (first.round, first.late) == (5, False) and sync.rounds[0].opened_at is not None  # it opened round 5
     [closed] = sync.poll()
@@ -137,9 +146,10 @@ def test_a_late_contribution_is_measured_against_its_own_base_and_discounted_by_
 
 def test_rounds_nobody_sent_for_are_skipped_not_stepped():
     config = run_config(min_quorum=1, gamma=0.0)
-    sync, _ = _started(config, 1)
+    sync, clock = _started(config, 1)
     sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=2, seq=0))
     sync.poll()
+    _place(sync, clock, 9 * 4, [0])
     ack = sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=9, base_version=1, seq=1))
     assert (ack.round, ack.late) == (9, False)
     [closed] = sync.poll()
@@ -176,7 +186,8 @@ def test_a_non_contributor_receives_every_new_version_as_a_delta_against_what_it
 
 def test_a_round_opening_asks_every_other_live_island_to_send_now():
     config = run_config(min_quorum=1, gamma=0.5, overlap=2)  # H = 4; fragment 1 is due at offset 0
-    sync, _ = _started(config, 3)
+    sync, clock = _started(config, 3)
+    _place(sync, clock, 6 * 4, [0, 1, 2])
     sync.push(contribution(config, 2, 1, torch.zeros(_numel(config, 1)), round=6))
     assert _available(sync, 0, {0: 0, 1: 0}) == [RoundRequest(fragment=1, round=6, due_step=24)]
     assert _available(sync, 2, {0: 0, 1: 0}) == []  # the island that opened it sent already
@@ -188,20 +199,23 @@ def test_a_round_opening_asks_every_other_live_island_to_send_now():
 def test_a_late_joiner_starts_at_the_runs_step_never_ahead_of_it():
     config = run_config()
     sync, clock = _started(config, 2, liveness_timeout=5.0)
-    sync.heartbeat(0, 500, 0.1, schedule_step=1200)
-    sync.heartbeat(1, 700, 0.1, schedule_step=1190)
+    clock.advance(4.0)
+    sync.heartbeat(0, 500, 0.01, schedule_step=1200)
+    sync.heartbeat(1, 700, 0.01, schedule_step=1190)
+    assert sync.run_step() == 1190  # the lower median: a place both islands reached
     clock.advance(3.0)  # island 1 was killed: still live, but it must not drag the clock ahead
-    sync.heartbeat(0, 530, 0.1, schedule_step=1230)
-    assert sync.join(2, 1, SPECS).run_step == 1230
-    sync.heartbeat(0, 531, 0.1, schedule_step=1000)  # a report older than one already made
+    sync.heartbeat(0, 530, 0.01, schedule_step=1230)
+    assert sync.join(2, 1, SPECS).run_step == 1190
+    sync.heartbeat(0, 531, 0.01, schedule_step=1000)  # a report older than one already made
+    clock.advance(3.0)  # island 1 is gone: the two live islands are at 1230 and 1190 (the joiner)
+    sync.heartbeat(2, 0, 0.01, schedule_step=1231)
     assert sync.run_step() == 1230
 
 
 def test_a_send_for_a_round_the_run_has_passed_is_late_even_after_a_restart():
     config = run_config(min_quorum=1, gamma=0.0)  # H = 4, fragment 0 due at offset 2
     sync, clock = _started(config, 2)
-    clock.advance(10.0)
-    sync.heartbeat(0, 100, 0.1, schedule_step=4 * 40 + 2)  # the run is at round 40 of fragment 0
+    _place(sync, clock, 4 * 40 + 2, [0, 1])  # the run is at round 40 of fragment 0
     retried = sync.push(contribution(config, 1, 0, torch.zeros(_numel(config)), round=31))  # sent before a restart
     assert retried.late and sync.rounds[0].opened_at is None and sync.poll() == []
     sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=40))
@@ -211,7 +225,8 @@ def test_a_send_for_a_round_the_run_has_passed_is_late_even_after_a_restart():
 
 def test_a_restarted_synchronizer_knows_the_runs_step_from_its_rounds(tmp_path):
     config = run_config(min_quorum=1, gamma=0.0)  # H = 4, P = 2: fragment 0 due at offset 2
-    sync, _ = _started(config, 1, checkpoint_dir=tmp_path, checkpoint_every=1)
+    sync, clock = _started(config, 1, checkpoint_dir=tmp_path, checkpoint_every=1)
+    _place(sync, clock, 30 * 4 + 2, [0])
     sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=30))
     sync.poll()
     restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())

@@ -53,10 +53,10 @@ def test_merge_weights_contributions_by_tokens_squared_over_steps():
     g = torch.Generator().manual_seed(3)
     deltas = [torch.randn(numel, generator=g) * 0.01 for _ in range(2)]
     for i in range(2):
-        sync.push(contribution(config, i, 0, deltas[i], tokens=100.0 * (i + 1), steps=4 + i))
+        sync.push(contribution(config, i, 0, deltas[i], tokens=100.0 + 30 * i, steps=4 + i))  # within the 1.4x weight cap
     sync.poll()
     specs = layout(config).fragment_specs(0)
-    weights = [contribution_weight(100.0, 4), contribution_weight(200.0, 5)]
+    weights = [contribution_weight(100.0, 4), contribution_weight(130.0, 5)]
     merged = merge_outer_gradients([split_fragment(-d, specs) for d in deltas], weights, [s.role for s in specs], "rda")
     outer = torch.cat([m.reshape(-1) for m in merged])
     expected = initial_fragments(config)[0] - 0.7 * 1.9 * outer

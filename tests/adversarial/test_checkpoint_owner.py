@@ -1,0 +1,68 @@
+"""Checkpoints know whose they are (issue 21): another run's or another shard's checkpoint is
+refused naming both, a summary without its data refuses to start, and a killed write's
+temporary files are cleaned at start."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.synchronizer.service import Synchronizer
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
+
+
+def _run(directory, *, run_id=None, shard=0, num_shards=1, rounds=1):
+    """A synchronizer that merged ``rounds`` rounds of its first owned fragment and checkpointed."""
+    config = run_config(num_fragments=2)
+    sync = Synchronizer(config, checkpoint_dir=directory, run_id=run_id, shard=shard, num_shards=num_shards, clock=FakeClock())
+    sync.join(0, 1, SPECS)
+    p = shard
+    sync.seed(0, p, get_codec("fp32").encode(initial_fragments(config)[p]))
+    for r in range(rounds):
+        sync.push(contribution(config, 0, p, torch.full((layout(config).fragment_numel(p),), 0.01), round=r, base_version=r, seq=r))
+        sync.poll()
+    sync.checkpoint()
+    return sync
+
+
+def test_another_runs_checkpoint_copied_in_is_refused_naming_both(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(a, run_id="run-a", rounds=1)
+    _run(b, run_id="run-b", rounds=3)  # more outer steps: it would be the newest in a's folder
+    for f in b.glob("synchronizer-*"):
+        shutil.copy(f, a)
+    with pytest.raises(ValueError) as err:
+        Synchronizer(run_config(num_fragments=2), checkpoint_dir=a)
+    assert "'run-a'" in str(err.value) and "'run-b'" in str(err.value)
+    with pytest.raises(ValueError) as err:  # and a run id that is not the checkpoint's
+        Synchronizer(run_config(num_fragments=2), checkpoint_dir=b, run_id="run-a")
+    assert "'run-a'" in str(err.value) and "'run-b'" in str(err.value)
+    assert Synchronizer(run_config(num_fragments=2), checkpoint_dir=b).identity["run_id"] == "run-b"  # its own: resumed
+
+
+def test_another_shards_checkpoint_is_refused_naming_both(tmp_path):
+    _run(tmp_path, run_id="r", shard=0, num_shards=2)
+    with pytest.raises(ValueError) as err:
+        Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path, shard=1, num_shards=2)
+    assert "shard 0 of 2" in str(err.value) and "shard 1 of 2" in str(err.value)
+
+
+def test_a_summary_without_its_checkpoint_refuses_to_start(tmp_path):
+    _run(tmp_path, rounds=2)
+    for f in tmp_path.glob("synchronizer-*"):
+        f.unlink()  # the pairs deleted, synchronizer.json kept
+    with pytest.raises(ValueError) as err:
+        Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path)
+    assert "synchronizer.json" in str(err.value) and "lost their .pt" in str(err.value)
+
+
+def test_a_killed_writes_temporary_files_are_removed_at_start(tmp_path):
+    sync = _run(tmp_path, rounds=2)
+    (tmp_path / ".synchronizer-000000000003.pt.abc123.tmp").write_bytes(b"\0" * 1000)
+    (tmp_path / ".synchronizer.json.def456.tmp").write_text("{")
+    restarted = Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path)
+    assert restarted.state.outer_steps == sync.state.outer_steps
+    assert not list(tmp_path.glob("*.tmp"))

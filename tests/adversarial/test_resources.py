@@ -1,0 +1,75 @@
+"""Resources are bounded before anything is trusted (issue 21): a push's header is checked before
+its payload is read, one island's streams take only that island's slots, and the version history
+does not grow with the islands that ever joined."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import torch
+
+from lightning_diloco.transport import synchronizer_pb2 as pb
+from lightning_diloco.transport.client import SynchronizerClient
+from tests.adversarial.conftest import header
+from tests.helpers import SPECS, layout
+
+
+def test_slow_push_streams_from_no_session_hold_no_worker(target):
+    """More trickling pushes than the server has workers: each is refused on its header."""
+    stub = target.stub()
+    hung = threading.Event()
+
+    def header_then_trickle():
+        yield pb.PushChunk(header=header(target.config, island=0, session=""), data=b"\0")
+        hung.wait(10)  # a byte every few seconds, as the attack of issue 21 sent
+        yield pb.PushChunk(data=b"\0")
+
+    calls = [stub.Push.future(header_then_trickle(), timeout=20) for _ in range(40)]  # the server has 24 workers
+    try:
+        for c in calls:  # refused on the header, while the client still holds its stream open
+            assert c.exception(timeout=10).details().startswith("wrong_session")
+        numel = layout(target.config).fragment_numel(0)
+        target.answers_status_promptly()
+        target.honest.heartbeat(0, 1, 0.1)
+        target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), seq=1)
+        target.settle(0, 1)
+        newcomer = SynchronizerClient(target.server.address, max_retries=0)
+        assert newcomer.join(5, 1, SPECS).layout_hash
+        newcomer.close()
+    finally:
+        hung.set()
+
+
+def test_one_islands_subscriptions_cannot_take_the_slots_of_the_others(target):
+    attacker = SynchronizerClient(target.server.address, max_retries=0)
+    attacker.join(1, 1, SPECS)
+    stub = attacker.stubs[0]
+    request = pb.SubscribeRequest(island=1, session=attacker.sessions[0])
+    calls = [stub.Subscribe(request, timeout=20) for _ in range(40)]  # never read; the long-call slots are 16
+    try:
+        time.sleep(0.5)
+        refused = [c for c in calls if c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert len(refused) >= 20  # two slots of its own; the rest refused, or ended by a newer one
+        events = target.honest.stubs[0].Subscribe(pb.SubscribeRequest(island=0, session=target.honest.sessions[0]), timeout=5)
+        assert next(events).chunk.header.version == 0  # the honest island is served its fragments
+        events.cancel()
+        target.answers_status_promptly()
+    finally:
+        for c in calls:
+            c.cancel()
+        attacker.close()
+
+
+def test_version_history_is_bounded_by_the_setting_not_by_islands_that_joined(target):
+    stub = target.stub()
+    specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in SPECS]
+    for i in range(200):  # made-up islands (no token on this run: anyone may join)
+        stub.Join(pb.JoinRequest(island=1000 + i, world_size=1, tensors=specs), timeout=5)
+    numel = layout(target.config).fragment_numel(0)
+    for r in range(12):
+        target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), round=r, base_version=r, seq=r + 1)
+        target.settle(0, r + 1)
+    assert len(target.service.state.fragments[0].history) <= target.config.merge.history
+    assert len(target.service.snapshot().fragments[0].history) <= target.config.merge.history  # and in checkpoints

@@ -1,0 +1,181 @@
+"""Every number of every RPC at its extremes, over the real gRPC server: each is refused with a
+reason or bounded, and afterwards join, heartbeat, status, push and a restart from the checkpoint
+still work (issue 21: one push naming round 2**61 made every later call, and every restart, fail)."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+import torch
+from google.protobuf.descriptor import FieldDescriptor as FD
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer.server import SynchronizerServer
+from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.transport import synchronizer_pb2 as pb
+from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
+from lightning_diloco.transport.client import SynchronizerClient
+from tests.helpers import SPECS, initial_fragments, layout, run_config, wait_for_version
+
+INT32 = [0, -1, 2**31 - 1, -(2**31)]
+INT64 = [0, -1, 2**31, 2**53, 2**62, 2**63 - 1, -(2**63)]
+DOUBLE = [0.0, -1.0, 2.0**63, 1e308, -1e308, 5e-324, math.nan, math.inf, -math.inf]
+PROBER = 7  # the island that sends the extremes: joined, with a valid session, as an insider would be
+
+
+def _extremes(message_type, field: str) -> list:
+    kind = message_type.DESCRIPTOR.fields_by_name[field].type
+    if kind == FD.TYPE_DOUBLE:
+        return DOUBLE
+    if kind == FD.TYPE_INT32:
+        return INT32
+    assert kind == FD.TYPE_INT64, (message_type, field)
+    return INT64
+
+
+def _numeric_fields(message_type) -> list[str]:
+    numeric = (FD.TYPE_DOUBLE, FD.TYPE_INT32, FD.TYPE_INT64)
+    return [f.name for f in message_type.DESCRIPTOR.fields if f.type in numeric and not f.is_repeated]
+
+
+class Prober:
+    def __init__(self, address: str, config) -> None:
+        self.config = config
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.SynchronizerStub(self.channel)
+        self.specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in SPECS]
+        self.numel = layout(config).fragment_numel(0)
+        self.seq = 10
+
+    def session(self) -> str:
+        return self.stub.Join(pb.JoinRequest(island=PROBER, world_size=1, tensors=self.specs), timeout=5).session
+
+    def call(self, rpc: str, field: str, value) -> grpc.StatusCode:
+        """One call with ``field`` set to ``value`` and every other field valid; the status code."""
+        session = self.session()
+        self.seq += 1
+        try:
+            if rpc == "Join" and field == "shape":
+                specs = [pb.TensorSpec(name=s.name, shape=[value, *s.shape[1:]], dtype=s.dtype, role=s.role) for s in SPECS]
+                self.stub.Join(pb.JoinRequest(island=PROBER, world_size=1, tensors=specs), timeout=5)
+            elif rpc == "Join":
+                self.stub.Join(pb.JoinRequest(**{"island": PROBER, "world_size": 1, "tensors": self.specs, field: value}), timeout=5)
+            elif rpc == "Heartbeat":
+                fields = dict(island=PROBER, steps=10, step_time=0.1, schedule_step=10, session=session)
+                self.stub.Heartbeat(pb.HeartbeatRequest(**{**fields, field: value}), timeout=5)
+            elif rpc == "Push":
+                fields = dict(island=PROBER, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32",
+                              seq=self.seq, layout_hash=layout(self.config).hash, payload_bytes=self.numel * 4, session=session)
+                header = pb.PushHeader(**{**fields, field: value})
+                data = get_codec("fp32").encode(torch.full((self.numel,), 1e-3)).numpy().tobytes()
+                self.stub.Push(iter([pb.PushChunk(header=header, data=data)]), timeout=5)
+            elif rpc == "Seed":
+                fields = dict(island=PROBER, fragment=0, payload_bytes=self.numel * 4, session=session)
+                header = pb.FragmentHeader(**{**fields, field: value})
+                self.stub.Seed(iter([pb.FragmentChunk(header=header, data=b"\0" * (self.numel * 4))]), timeout=5)
+            elif rpc == "Pull":
+                for _ in self.stub.Pull(pb.PullRequest(**{"fragment": 0, field: value}), timeout=5):
+                    pass
+            elif rpc == "Subscribe":
+                request = pb.SubscribeRequest(island=PROBER, session=session)
+                if field == "versions":
+                    request.versions[int(value[0])] = int(value[1])
+                else:
+                    setattr(request, field, value)
+                call = self.stub.Subscribe(request, timeout=5)
+                next(call)  # the first event (the fragments' versions): the subscription is served
+                call.cancel()
+            return grpc.StatusCode.OK
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED:
+                return grpc.StatusCode.OK
+            # a refusal names its reason; an unhandled exception (UNKNOWN) or a reply that does
+            # not fit its message (the round 2**61 attack) would not
+            assert err.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), (rpc, field, value, err.details())
+            assert Reason.parse(err.details() or "") != Reason.UNKNOWN, (rpc, field, value, err.details())
+            return err.code()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _serve(config, directory):
+    return SynchronizerServer(Synchronizer(config, checkpoint_dir=directory, checkpoint_every=1), max_workers=32).start()
+
+
+def _honest_round_trip(address, config, island: int) -> None:
+    """Join, heartbeat, push (for the round the fragment collects), status and a pull of the
+    merged version all work."""
+    with SynchronizerClient(address, max_retries=2, backoff=0.05) as client:
+        client.join(island, 1, SPECS)
+        beat = client.heartbeat(island, 1, 0.1, schedule_step=0)
+        assert 0 <= beat.run_step < 2**40
+        version, round = beat.versions[0], client.status().rounds[0].round
+        numel = layout(config).fragment_numel(0)
+        ack = client.push(island=island, fragment=0, round=round, base_version=version, tokens=100.0, steps=4,
+                          codec="fp32", seq=1, payload=get_codec("fp32").encode(torch.full((numel,), 1e-3)),
+                          layout_hash=layout(config).hash)
+        assert wait_for_version(client.pull, 0, version + 1, timeout=10)[0] > version
+        status = client.status()
+        assert 0 <= status.run_step < 2**40 and all(-1 <= r.round < 2**40 for r in status.rounds.values())
+
+
+@pytest.mark.timeout(120)
+def test_every_number_of_every_rpc_at_its_extremes_leaves_the_run_working(tmp_path):
+    config = run_config(num_fragments=2, min_quorum=1)
+    server = _serve(config, tmp_path)
+    prober = Prober(server.address, config)
+    try:
+        with SynchronizerClient(server.address, max_retries=1) as founder:
+            founder.join(0, 1, SPECS)
+            for p, value in initial_fragments(config).items():
+                founder.seed(0, p, value)
+        probes = [("Join", pb.JoinRequest), ("Heartbeat", pb.HeartbeatRequest), ("Push", pb.PushHeader),
+                  ("Seed", pb.FragmentHeader), ("Pull", pb.PullRequest), ("Subscribe", pb.SubscribeRequest)]
+        outcomes = {}
+        for rpc, message_type in probes:
+            for field in _numeric_fields(message_type):
+                for value in _extremes(message_type, field):
+                    outcomes[rpc, field, repr(value)] = prober.call(rpc, field, value)
+        for key, value in [(0, 2**63 - 1), (0, -(2**63)), (2**31 - 1, 0), (-(2**31), 5)]:
+            outcomes["Subscribe", "versions", repr((key, value))] = prober.call("Subscribe", "versions", (key, value))
+        for value in INT64:
+            outcomes["Join", "shape", repr(value)] = prober.call("Join", "shape", value)
+        assert len(outcomes) > 130  # every numeric field of the six requests, at every extreme
+        assert outcomes["Push", "round", repr(2**63 - 1)] == grpc.StatusCode.OK  # taken, for the latest round the run admits
+        state = server.service.snapshot()
+        assert all(bool(torch.isfinite(f.value).all()) for f in state.fragments.values())
+        _honest_round_trip(server.address, config, island=1)
+    finally:
+        prober.close()
+        server.stop(grace=0)
+    restarted = _serve(config, tmp_path)  # from the checkpoint the extremes were written into
+    try:
+        assert restarted.service.state is not None and restarted.service.state.outer_steps > 0
+        _honest_round_trip(restarted.address, config, island=2)
+    finally:
+        restarted.stop(grace=0)
+
+
+@pytest.mark.parametrize("field", ["round", "seq", "base_version", "steps"])
+def test_a_huge_number_in_one_push_does_not_reach_any_reply(target, field):
+    """The attack of issue 21 itself: one push with a value of 2**61, then every call of every kind."""
+    stub = target.stub()
+    numel = layout(target.config).fragment_numel(0)
+    fields = dict(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
+                  layout_hash=layout(target.config).hash, payload_bytes=numel * 4, session=target.honest.sessions[0])
+    header = pb.PushHeader(**{**fields, field: 2**61})
+    try:
+        stub.Push(iter([pb.PushChunk(header=header, data=b"\0" * (numel * 4))]), timeout=5)
+    except grpc.RpcError as err:
+        assert Reason.parse(err.details()) != Reason.UNKNOWN
+    target.service.poll()
+    assert target.honest.heartbeat(0, 1, 0.1, schedule_step=2).run_step < 2**40
+    assert target.honest.status().run_step < 2**40
+    target.honest.join(0, 1, SPECS)
+    round_now = max(0, target.service.status().rounds[0].round)
+    ack = target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), round=round_now, base_version=0, seq=2)
+    assert not ack.late
