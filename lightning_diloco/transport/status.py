@@ -1,7 +1,7 @@
 """The synchronizer's status dataclasses to and from their gRPC message, field by field by name.
 
 One generic conversion instead of a hand-written copy per field: a field that exists on one side
-only raises here (and in tests/unit/transport/test_status.py) rather than silently reading as 0.
+only raises here (and in tests/unit/synchronizer/test_status.py) rather than silently reading as 0.
 """
 
 from __future__ import annotations
