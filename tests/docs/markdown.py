@@ -11,15 +11,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 FENCE = re.compile(r"^```(\w*)\s*$")
-MARKER = re.compile(r"^<!--\s*docs-test:\s*(skip|background)\b(.*?)-->\s*$")
+MARKER = re.compile(r"^<!--\s*docs-test:\s*(skip|background|needs)\b(.*?)-->\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
 @dataclass(frozen=True)
 class Block:
-    """A fenced code block. ``marker``: ``skip`` or ``background`` from a
-    ``<!-- docs-test: ... -->`` comment on the line before it, else ``""`` (run it)."""
+    """A fenced code block. ``marker``: ``skip``, ``background`` or ``needs`` from a
+    ``<!-- docs-test: ... -->`` comment on the line before it, else ``""`` (run it); ``argument``:
+    what follows the marker."""
 
     page: Path
     line: int

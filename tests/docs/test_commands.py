@@ -9,6 +9,9 @@ its fence, with
   <!-- docs-test: background "TEXT" -->            started in the background; the next blocks run
                                                     once its output shows TEXT, and it is stopped
                                                     with SIGTERM (and must exit 0) when the page ends
+  <!-- docs-test: needs PROGRAM -->                 run if PROGRAM (not part of a clone, e.g. openssl)
+                                                    is installed; else the rest of the page is not
+                                                    run and the test says so as a skip
 The documented ports (7470, 7471, 8080, 9090) are replaced with free ones, so two runs of this
 test on one machine do not collide. Every block runs in a process group of its own that is killed
 when the block ends or times out.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,6 +53,8 @@ def test_every_block_is_run_or_says_why_not():
                 problems.append(f"{block.where}: a skipped block must say why")
             if block.marker == "background" and not re.fullmatch(r'"[^"]+"', block.argument):
                 problems.append(f'{block.where}: a background block names the output it waits for in quotes')
+            if block.marker == "needs" and not re.fullmatch(r"[\w.-]+", block.argument):
+                problems.append(f"{block.where}: a block that needs a program names it")
     assert problems == [], "\n".join(problems)
 
 
@@ -103,10 +109,14 @@ def test_the_commands_of_a_page_run_as_written(page, tmp_path):
     cwd, env = _scratch(tmp_path), _environment()
     ports = {port: str(_free_port()) for port in DOC_PORTS}
     background: list[tuple[Block, subprocess.Popen, Path]] = []
+    missing = None
     try:
         for n, block in enumerate(_runnable(page)):
             if block.marker == "skip":
                 continue
+            if block.marker == "needs" and shutil.which(block.argument) is None:
+                missing = f"{block.where} and the rest of the page need {block.argument}, which this machine lacks"
+                break
             code = block.code
             for documented, free in ports.items():
                 code = re.sub(rf"\b{documented}\b", free, code)
@@ -143,3 +153,5 @@ def test_the_commands_of_a_page_run_as_written(page, tmp_path):
             _kill_group(proc)
     for block, code_, log in stopped:
         assert code_ == 0, f"{block.where} did not stop cleanly on SIGTERM ({code_}):\n{_tail(log)}"
+    if missing:
+        pytest.skip(missing)
