@@ -23,7 +23,7 @@ from recipes.common import Preset, Recipe, cosine_with_warmup, main as run_recip
 
 TINY_VIT = dict(arch="vit", hidden=64, layers=2, heads=4, intermediate=128, patch=7, image=28)
 PRESETS = {
-    # the text sweep's best setting (README, "Choosing the settings"); the ViT has 40 tensors
+    # the text sweep's best setting (docs/recipes.md#choosing-the-settings-the-sweep-text-dense-cpu-tiny); the ViT has 40 tensors
     "cpu-tiny": Preset(model=TINY_VIT, batch=32, steps=600, lr=2e-3, run_config=small_model(8), reference={"accuracy": 0.8325}),
     "cpu-tiny-cnn": Preset(model={**TINY_VIT, "arch": "cnn", "hidden": 32}, batch=32, steps=600, lr=2e-3,
                            run_config=small_model(4)),  # 8 tensors

@@ -1,4 +1,4 @@
-"""How an island takes a new global fragment into its local one (DESIGN.md s2, learner step 3).
+"""How an island takes a new global fragment into its local one (docs/algorithm.md#applying-a-global-fragment).
 
 Pure functions over flat fp32 fragments. ``reference`` is the point the island's local progress
 is measured from: the snapshot it sent when the new version closes the round of that send, else

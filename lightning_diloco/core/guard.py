@@ -1,4 +1,4 @@
-"""Bounds on how far any one contribution can move a merge (DESIGN.md s5, bad input).
+"""Bounds on how far any one contribution can move a merge (docs/algorithm.md#bounds-on-one-contribution).
 
 Two things decide a contribution's pull on a round: the norm of its outer gradient and its weight
 (tokens x tokens per step). Each is bounded against a *reference* that one island cannot move:

@@ -1,4 +1,4 @@
-"""Token-weighted merging of outer gradients (DESIGN.md section 2, synchronizer steps 4-5).
+"""Token-weighted merging of outer gradients (docs/algorithm.md#merging).
 
 Each contribution m brings an outer gradient Delta_m = Theta_p - theta_m (one tensor per
 parameter in the fragment) and a weight w_m = c_tok**2 / c_steps.

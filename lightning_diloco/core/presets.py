@@ -18,7 +18,7 @@ def paper() -> RunConfig:
 def small_model(num_fragments: int = 8) -> RunConfig:
     """Models of a few tensors on CPU (the recipes' cpu-tiny presets): the paper's settings with
     fewer fragments (P cannot exceed the model's tensors) and islands mixing the global fragment
-    into their own, the best arm of ``benchmarks.rounds`` at this size (README)."""
+    into their own, the best arm of ``benchmarks.rounds`` at this size (benchmarks/RESULTS.md)."""
     return config_with({"num_fragments": num_fragments, "apply": "mix"})
 
 

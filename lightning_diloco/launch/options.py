@@ -66,6 +66,6 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                         help="synchronizer: outer steps between checkpoints; a killed synchronizer loses at most this many - 1")
     parser.add_argument("--baseline", choices=["ddp"], help="run COMMAND as one DDP job with checkpoint-restart instead")
-    parser.add_argument("--workdir", help="progress files, checkpoints and synchronizer state (default: a temporary folder)")
+    parser.add_argument("--workdir", help="progress files, checkpoints and synchronizer state (default: a temporary folder, removed when the run ends)")
     parser.add_argument("--sync", dest="synchronizer_args", action="append", default=[], metavar="ARG",
                         help="pass ARG to the synchronizer, e.g. --sync=--min-quorum=2 or --sync=--config=run.json (repeatable)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -43,6 +44,7 @@ class Run:
     def __init__(self, options: RunOptions, command: list[str], observers: Sequence[Callable[[SynchronizerStatus], None]] = ()) -> None:
         self.options, self.command = options, command
         self.observers = list(observers)  # called with each synchronizer status the launcher samples
+        self.temporary = options.workdir is None  # a folder nobody else knows of: removed when the run ends
         self.workdir = Path(options.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ddp = options.baseline == "ddp"
@@ -349,7 +351,10 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
     report (and write it to ``options.report``). ``observers`` are called with each synchronizer
     status the launcher samples. Returns the exit code: 0 when every island finished."""
     if not command:
-        raise ValueError("give the training command after --, e.g. lightning-diloco run --islands 2 -- python train.py")
+        raise ValueError("give the training command after --, e.g. "
+                         "lightning-diloco run --islands 2 -- python examples/train_lm.py --steps 48")
+    if options.report:  # its folder now, not after the whole run
+        Path(options.report).parent.mkdir(parents=True, exist_ok=True)
     launcher = Run(options, command, observers)
     previous = {sig: signal.signal(sig, lambda *_: launcher._stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 1
@@ -366,4 +371,6 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
         print("run failed: " + "; ".join(launcher.failures), flush=True)
     if options.report:
         Path(options.report).write_text(json.dumps(report.to_dict(), indent=2, default=sorted))
+    if launcher.temporary:  # its checkpoints and progress files: keep them with --workdir
+        shutil.rmtree(launcher.workdir, ignore_errors=True)
     return code

@@ -1,4 +1,4 @@
-"""What one learner island does around its inner steps: snapshot, send, apply (DESIGN.md s2).
+"""What one learner island does around its inner steps: snapshot, send, apply (docs/algorithm.md#the-learner).
 
 Framework-free: the Lightning strategy feeds it the model's parameters, calls :meth:`after_step`
 after every inner optimizer step, and provides the island's collectives. Only the leader (rank 0

@@ -1,4 +1,4 @@
-"""Merging, written from the formulas of DESIGN.md section 2."""
+"""Merging, written from the formulas of docs/algorithm.md#merging."""
 
 import math
 

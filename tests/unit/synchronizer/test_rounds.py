@@ -1,4 +1,4 @@
-"""Rounds on the synchronizer's clock (DESIGN.md s2), driven by a fake clock: no sleeps, no threads."""
+"""Rounds on the synchronizer's clock (docs/algorithm.md#rounds), driven by a fake clock: no sleeps, no threads."""
 
 import pytest
 import torch
