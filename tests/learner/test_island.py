@@ -219,7 +219,8 @@ def test_a_version_arriving_between_decision_and_apply_is_applied_next_not_in_pl
     second.inbox.take = take
     _step(second, params1)
     assert second.versions == [newer.version] and torch.equal(flatten_fragment(params1), newer.value)
-    assert second.counters["received"] == 2
+    # two applies (whether the second ends a send that island 1 made meanwhile, asked for the round, or not)
+    assert second.counters["received"] + second.counters["applied"] == 2
 
 
 def test_a_late_joiner_starts_in_phase_with_the_run(islands):
