@@ -284,7 +284,8 @@ class SynchronizerServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_SynchronizerServicer_to_server(SynchronizerServicer(service, token, max_workers), self.server)
+        self.servicer = SynchronizerServicer(service, token, max_workers)
+        pb_grpc.add_SynchronizerServicer_to_server(self.servicer, self.server)
         address = f"{host}:{port}"
         if tls_cert or tls_key:
             if not (tls_cert and tls_key):
