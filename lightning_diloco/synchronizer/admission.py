@@ -10,15 +10,22 @@ anything is bounded by what the run itself makes plausible, not only by its sign
   schedule: islands in phase are within a round of each other), or the fragment's next round if
   that is later (the run after a restart). A send for a round further ahead is taken for the
   latest admitted one: its work is kept, and it cannot open a round the run has not reached.
+- First contact: the first layout can be pinned by the operator (``--layout-hash``) instead of
+  adopted from whoever joins first, and a seed (version 0, the first offer wins) must look like a
+  model's weights: finite (codecs.py) and below ``MAX_SEED_ABS`` in magnitude (issue 21: a first
+  seed of 3e38 became the global model).
 - Counters (tokens, steps) and sequence numbers: requests.py; schedule steps and step times:
   membership.py (a robust clock and a rate bound); wait times: server.py.
 """
 
 from __future__ import annotations
 
+import torch
+
 from lightning_diloco.core.schedule import latest_round
 
 MAX_WORLD_SIZE = 1 << 20  # processes per island: past this it is not a world size
+MAX_SEED_ABS = 1e6  # no model starts with a weight this large; a seed beyond it is not one
 
 
 def admitted_round(sent_for: int, *, next_round: int, clock_step: int, lead_steps: int, offset: int, sync_every: int) -> int:
@@ -30,4 +37,19 @@ def admitted_round(sent_for: int, *, next_round: int, clock_step: int, lead_step
 def join_problem(island: int, world_size: int) -> str | None:
     if island < 0 or not 1 <= world_size <= MAX_WORLD_SIZE:
         return f"island={island} world_size={world_size}: need island >= 0 and 1 <= world_size <= {MAX_WORLD_SIZE}"
+    return None
+
+
+def seed_problem(fragment: int, value: torch.Tensor) -> str | None:
+    largest = float(value.abs().max()) if value.numel() else 0.0
+    if largest > MAX_SEED_ABS:
+        return (f"seed of fragment {fragment} holds a value of magnitude {largest:.3g}; a model's weights are below "
+                f"{MAX_SEED_ABS:g}: seed the fragment from the model's initial weights")
+    return None
+
+
+def layout_pin_problem(expected_hash: str | None, offered_hash: str) -> str | None:
+    if expected_hash and offered_hash != expected_hash:
+        return (f"the model's layout hash is {offered_hash}, but this synchronizer was started with --layout-hash "
+                f"{expected_hash}; join with the run's model (and its --num-fragments)")
     return None

@@ -13,22 +13,39 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from lightning_diloco.core import checkpoints
 from lightning_diloco.core.checkpoints import describe_owner
 from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.synchronizer.admission import layout_pin_problem
 
 log = logging.getLogger(__name__)
 
 
-def check_owner(directory: Path | None, identity: dict, run_id: str | None, shard: int, num_shards: int) -> None:
-    """Refuse a checkpoint written by another run (``run_id`` None: any) or another shard, naming both."""
-    if not identity:
-        return  # written before checkpoints named their owner
-    ours = {"run_id": run_id or identity.get("run_id"), "shard": shard, "num_shards": num_shards}
-    if any(identity.get(k) != v for k, v in ours.items()):
-        raise ValueError(f"the checkpoint in {directory} is {describe_owner(identity)}, but this synchronizer is "
-                         f"{describe_owner(ours)}; give each run and shard its own --checkpoint-dir (or pass the "
-                         "checkpoint's --run-id)")
+def resume(directory: Path | None, identity: dict, layout_hash: str | None) -> SynchronizerState | None:
+    """The newest valid checkpoint in ``directory`` (None: none, or no directory), after checking
+    the directory is writable and the checkpoint is this synchronizer's: its shard and shard count,
+    its run (``identity['run_id']``; None: any, then set to the checkpoint's) and its layout
+    (``layout_hash``; None: any). Anything else is refused naming both."""
+    if directory is None:
+        return None
+    checkpoints.check_writable(directory)
+    loaded = SynchronizerState.load(directory)
+    if loaded is None:
+        return None
+    theirs = loaded.identity
+    if theirs:  # checkpoints written before issue 21 name no owner
+        ours = {**identity, "run_id": identity["run_id"] or theirs.get("run_id")}
+        if any(theirs.get(k) != v for k, v in ours.items()):
+            raise ValueError(f"the checkpoint in {directory} is {describe_owner(theirs)}, but this synchronizer is "
+                             f"{describe_owner(ours)}; give each run and shard its own --checkpoint-dir (or pass the "
+                             "checkpoint's --run-id)")
+        identity["run_id"] = ours["run_id"]
+    problem = layout_pin_problem(layout_hash, loaded.layout.hash)
+    if problem:
+        raise ValueError(f"the checkpoint in {directory}: {problem}")
+    log.info("resumed from %s at versions %s", directory, loaded.versions())
+    return loaded
 
 
 class Checkpointer:

@@ -43,6 +43,8 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=50, help="outer steps between checkpoints (default %(default)s)")
     parser.add_argument("--run-id", help="the run's name, written into its checkpoints: a checkpoint of another run "
                         "is refused (default: the checkpoint's, or a new one)")
+    parser.add_argument("--layout-hash", help="the run's model layout (its hash, as Status and the islands' logs show it): "
+                        "a first island with another model is refused instead of adopted")
     parser.add_argument("--liveness-timeout", type=float, default=15.0, help="seconds of silence before an island is not waited for")
     add_token_arguments(parser, "shared secret islands must present")
     parser.add_argument("--tls-cert", help="PEM certificate file: serve TLS")
@@ -87,6 +89,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         liveness_timeout=args.liveness_timeout,
         run_id=args.run_id,
+        layout_hash=args.layout_hash,
     )
     server = SynchronizerServer(
         service, host=args.host, port=args.port, token=resolve_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,

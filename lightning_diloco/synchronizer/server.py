@@ -196,11 +196,12 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     @_handler
     def Subscribe(self, request, context, caller):
         self.acting_as(caller, request.island)
-        events = self.service.subscribe(request.island, dict(request.versions), active=context.is_active, session=request.session)
         # a joined island's own slots first (a reconnect may overlap the old stream's last tick),
         # so one client's subscriptions never take the workers every other island needs
         own = self.streams.take(request.island, "subscription", SUBSCRIPTIONS_PER_ISLAND)
         try:
+            events = self.service.subscribe(request.island, dict(request.versions), active=context.is_active,
+                                            session=request.session)
             shared = self._long_call("subscription")
         except Refusal:
             own()
@@ -255,7 +256,8 @@ class SynchronizerServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_SynchronizerServicer_to_server(SynchronizerServicer(service, token, max_workers), self.server)
+        self.servicer = SynchronizerServicer(service, token, max_workers)
+        pb_grpc.add_SynchronizerServicer_to_server(self.servicer, self.server)
         address = f"{host}:{port}"
         if tls_cert or tls_key:
             if not (tls_cert and tls_key):

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from lightning_diloco.core import checkpoints
 from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec
 from lightning_diloco.core.config import CODECS, RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
@@ -37,10 +36,10 @@ from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest
 from lightning_diloco.core.schedule import due_step, fragment_offsets, latest_round
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.admission import admitted_round, join_problem
+from lightning_diloco.synchronizer.admission import admitted_round, join_problem, layout_pin_problem, seed_problem
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer, check_owner
+from lightning_diloco.synchronizer.durability import Checkpointer, resume
 from lightning_diloco.synchronizer.membership import Membership, SessionError
 from lightning_diloco.synchronizer.requests import (
     Contribution,
@@ -68,11 +67,14 @@ class Synchronizer:
         clock: Callable[[], float] = time.monotonic,
         state: SynchronizerState | None = None,
         run_id: str | None = None,
+        layout_hash: str | None = None,
     ) -> None:
         """``checkpoint_every``: outer steps between checkpoints (0: only on close).
 
         ``run_id``: the run's name in its checkpoints; a checkpoint of another run, or of another
         shard, is refused naming both. None: the checkpoint's (or, starting afresh, a new one).
+        ``layout_hash``: the run's layout, pinned: a first joiner (or a checkpoint) with another
+        is refused instead of adopted. None: the first joiner's is adopted.
 
         ``liveness_timeout``: seconds without a heartbeat (or any request) after which an island
         is no longer waited for. ``state``: start from this state (e.g. restored from an island's
@@ -92,19 +94,15 @@ class Synchronizer:
         self.bytes_in = self.bytes_out = 0
         self.state: SynchronizerState | None = state
         self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
-        loaded = None
-        if self.checkpoint_dir is not None:  # refused at start, not after the first merges
-            checkpoints.check_writable(self.checkpoint_dir)
-            loaded = SynchronizerState.load(self.checkpoint_dir)
+        self.identity = {"run_id": run_id, "shard": shard, "num_shards": num_shards}
+        loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
         if loaded is not None:
-            check_owner(self.checkpoint_dir, loaded.identity, run_id, shard, num_shards)
-            run_id = run_id or loaded.identity.get("run_id")
             self.state = loaded
             if loaded.config != config:
                 log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
             self.config = loaded.config
-            log.info("resumed from %s at versions %s", self.checkpoint_dir, loaded.versions())
-        self.identity = {"run_id": run_id or uuid.uuid4().hex[:16], "shard": shard, "num_shards": num_shards}
+        self.identity["run_id"] = self.identity["run_id"] or uuid.uuid4().hex[:16]
+        self.layout_hash = layout_hash
         sched = self.config.schedule
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
@@ -177,6 +175,9 @@ class Synchronizer:
             raise self.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         with self.lock:
             if self.state is None:
+                problem = layout_pin_problem(self.layout_hash, layout.hash)
+                if problem:
+                    raise self.refuse(Reason.LAYOUT_MISMATCH, problem)
                 self.state = SynchronizerState(self.config, layout, {})
                 self._make_rounds(layout)
                 log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
@@ -271,6 +272,9 @@ class Synchronizer:
         self._check_session(island, session, "seed")
         numel = self.state.layout.fragment_numel(fragment)
         value = self._decode("fp32", payload, numel)
+        problem = seed_problem(fragment, value)
+        if problem:
+            raise self.refuse(Reason.BAD_PAYLOAD, problem)
         with rounds.cond:
             seeded = self.state.seed(fragment, value)
             rounds.frag = self.state.fragments[fragment]

@@ -32,6 +32,7 @@ from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
 from lightning_diloco.transport.messages import from_message, join_info
+from lightning_diloco.transport.shard_check import shard_mismatch
 from lightning_diloco.transport.subscription import Subscription
 from lightning_diloco.transport.tls_hint import tls_mismatch_hint
 
@@ -221,9 +222,9 @@ class SynchronizerClient:
             self._count(request.ByteSize(), reply.ByteSize())
             replies.append(reply)
             self.sessions[shard], self.incarnations[shard] = reply.session, reply.incarnation
-        configs = {r.config_json for r in replies}
-        if len(configs) != 1 or {r.num_shards for r in replies} != {self.num_shards}:
-            raise SynchronizerError(None, Reason.SHARD_MISMATCH, f"the {self.num_shards} addresses are not the shards of one run")
+        mismatch = shard_mismatch(self.addresses, replies)
+        if mismatch:
+            raise SynchronizerError(None, Reason.SHARD_MISMATCH, f"the {self.num_shards} addresses are not the shards of one run: {mismatch}")
         versions: dict[int, int] = {}
         for r in replies:
             versions.update(r.versions)

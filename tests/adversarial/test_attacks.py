@@ -115,10 +115,12 @@ def test_header_only_streams_allocate_nothing(target):
 
     def header_then_wait():
         yield pb.PushChunk(header=header(target.config, session=target.honest.sessions[0], seq=7))
-        hung.wait(3)
+        hung.wait(9)
 
     calls = [stub.Push.future(header_then_wait(), timeout=10) for _ in range(16)]
-    time.sleep(0.5)
+    deadline = time.monotonic() + 8
+    while sum(c.done() for c in calls) < 16 - 4 and time.monotonic() < deadline:  # the server saw them all
+        time.sleep(0.05)
     target.answers_status_promptly()
     hung.set()
     refusals = []

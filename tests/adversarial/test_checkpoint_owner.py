@@ -66,3 +66,35 @@ def test_a_killed_writes_temporary_files_are_removed_at_start(tmp_path):
     restarted = Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path)
     assert restarted.state.outer_steps == sync.state.outer_steps
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_pinned_layout_refuses_another_first_joiner_and_checkpoint(tmp_path):
+    """The first joiner no longer decides the run's model when the operator pinned it (issue 21:
+    a first joiner with a 1-tensor model locked every honest island out, also after restarts)."""
+    from lightning_diloco.core.fragments import TensorSpec
+    from lightning_diloco.synchronizer.requests import Refusal
+
+    config = run_config(num_fragments=2)
+    pinned = layout(config).hash
+    sync = Synchronizer(config, checkpoint_dir=tmp_path, layout_hash=pinned, clock=FakeClock())
+    with pytest.raises(Refusal) as err:
+        sync.join(9, 1, [TensorSpec(name=n, shape=(4,), dtype="float32", role="dense") for n in "ab"])
+    assert err.value.reason == "layout_mismatch" and pinned in str(err.value) and sync.state is None
+    assert sync.join(0, 1, SPECS).layout_hash == pinned  # the honest island starts the run
+    sync.seed(0, 0, get_codec("fp32").encode(initial_fragments(config)[0]))
+    sync.checkpoint()
+    with pytest.raises(ValueError, match="--layout-hash 0123"):
+        Synchronizer(config, checkpoint_dir=tmp_path, layout_hash="0123")
+
+
+def test_a_seed_no_model_starts_with_is_refused_and_an_honest_one_wins(tmp_path):
+    from lightning_diloco.synchronizer.requests import Refusal
+
+    config = run_config(num_fragments=2)
+    sync = Synchronizer(config, clock=FakeClock())
+    sync.join(9, 1, SPECS)
+    numel = layout(config).fragment_numel(0)
+    with pytest.raises(Refusal) as err:
+        sync.seed(9, 0, get_codec("fp32").encode(torch.full((numel,), 3e38)))
+    assert err.value.reason == "bad_payload" and "3e+38" in str(err.value)
+    assert sync.seed(9, 0, get_codec("fp32").encode(initial_fragments(config)[0]))  # still unseeded: this one wins
