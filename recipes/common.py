@@ -66,7 +66,10 @@ def build_parser(recipe: Recipe, description: str | None) -> argparse.ArgumentPa
     p.add_argument("--eval-every", type=int, help="steps between evaluation points of the curve (default: steps / 10)")
     p.add_argument("--eval-batches", type=int, default=8, help="batches per curve point (default %(default)s)")
     p.add_argument("--final-eval-batches", type=int, default=64, help="batches of the final evaluation (default %(default)s)")
-    p.add_argument("--out", default=None, help="results, curves and CSV logs (default runs/<recipe>-<strategy>)")
+    p.add_argument("--out", default=None, help="results, curves and CSV logs (default runs/<recipe>-<strategy>); an "
+                   "earlier run there is moved aside to OUT.prev-<time>")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out (its synchronizer checkpoint; islands "
+                   "resume from their last checkpoint when one was saved) instead of moving it aside")
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline unless logged in)")
     p.add_argument("--wandb-project", default="lightning-diloco")
     p.add_argument("--wandb-group", default=None, help="W&B group (default: the output folder's name)")
@@ -118,19 +121,30 @@ def main(recipe: Recipe, argv: list[str] | None, description: str | None) -> int
 # ---- the launcher -----------------------------------------------------------------------------------
 
 
+# What a recipe run writes into its --out (compare.py adds output.log and command.txt).
+RUN_FILES = ("run", "result*.json", "curve-*.csv", "*.tmp", "logs", "run-report.json", "wandb", "output.log", "command.txt")
+
+
 def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
     from lightning_diloco.launch.run import RunOptions, run
+    from lightning_diloco.launch.workdir import FolderInUse, set_aside
 
     out = Path(args.out)
+    try:
+        note = set_aside(out, resume=args.resume, run_files=RUN_FILES, flag="--out")
+    except FolderInUse as err:
+        raise SystemExit(f"{recipe.module}: {err}") from None
+    if note:
+        print(note, end="", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("result*.json"), *out.glob("curve-*.csv")]:  # a previous run's
+    for stale in [*out.glob("result*.json"), *out.glob("curve-*.csv")]:  # a continued run's results are its own
         stale.unlink()
     t0 = time.time()
     command = [sys.executable, "-m", recipe.module, *argv, "--out", str(out), "--run-t0", repr(t0)]
     ddp = args.strategy == "ddp"
     options = RunOptions(
         islands=args.islands, devices_per_island=args.devices, workdir=str(out / "run"), report=str(out / "run-report.json"),
-        restart_backoff=0.5, baseline="ddp" if ddp else None, chaos=args.chaos, stagger=args.stagger,
+        restart_backoff=0.5, baseline="ddp" if ddp else None, chaos=args.chaos, stagger=args.stagger, resume=args.resume,
         run_config=None if ddp else config_with(given_settings(args)),  # the islands' strategy gets the same settings
     )
     observer = SynchronizerObserver(args, out) if not ddp else None
@@ -306,8 +320,9 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
     ckpt_dir = os.environ.get("DILOCO_CHECKPOINT_DIR")
     if args.chaos and ckpt_dir:  # checkpoint-restart: the DDP baseline's, and a killed island's resume
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=max(1, args.steps // 20)))
-        last = Path(ckpt_dir) / "last.ckpt"
-        ckpt_path = str(last) if last.exists() else None
+    last = Path(ckpt_dir) / "last.ckpt" if ckpt_dir else None
+    if last is not None and last.exists() and (args.chaos or args.resume):
+        ckpt_path = str(last)
     if strategy_name == "ddp":
         strategy: Any = "ddp"
     else:

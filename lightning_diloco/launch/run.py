@@ -25,6 +25,7 @@ from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
 from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, UnitState, clean_environment, read_progress
+from lightning_diloco.launch.workdir import set_aside
 from lightning_diloco.synchronizer.status import SynchronizerStatus
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class Run:
         self.options, self.command = options, command
         self.observers = list(observers)  # called with each synchronizer status the launcher samples
         self.workdir = Path(options.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
+        note = set_aside(self.workdir, resume=options.resume) if options.workdir else None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ddp = options.baseline == "ddp"
         self.units = 1 if self.ddp else options.islands  # supervised process trees
@@ -63,6 +65,8 @@ class Run:
         self.client = None
         self._write = threading.Lock()
         self.failures: list[str] = []  # why units failed, for the run's last line
+        if note:
+            self.echo(note)
 
     def echo(self, line: str) -> None:
         with self._write:
