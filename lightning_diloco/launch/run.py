@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.options import RunOptions
+from lightning_diloco.launch.preflight import check_command, import_failure
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
 from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, UnitState, clean_environment, read_progress
 from lightning_diloco.launch.workdir import set_aside
@@ -65,6 +66,7 @@ class Run:
         self.client = None
         self._write = threading.Lock()
         self.failures: list[str] = []  # why units failed, for the run's last line
+        self._world_size_said: set[int] = set()  # islands whose wrong process count was said
         if note:
             self.echo(note)
 
@@ -213,11 +215,22 @@ class Run:
                     if not f.exists() and i in status.islands:
                         steps[i] = status.islands[i].steps
                 self.recovery.observe(status, now)
+                self._check_world_sizes(status)
                 self._sync_reachable = True
             self.samples.append(Sample(now - self.t0, progress, steps, alive))
         if status is not None:
             for observe in self.observers:
                 observe(status)
+
+    def _check_world_sizes(self, status: SynchronizerStatus) -> None:
+        """An island that joined with another process count than --devices-per-island: its script
+        does not pass DILOCO_DEVICES to the Trainer. Said once per island."""
+        for i, island in status.islands.items():
+            if island.world_size != self.options.devices_per_island and i not in self._world_size_said:
+                self._world_size_said.add(i)
+                self.echo(f"[launcher] island {i} joined with {island.world_size} process(es), not --devices-per-island="
+                          f"{self.options.devices_per_island}: its script ignores DILOCO_DEVICES; pass "
+                          "devices=int(os.environ['DILOCO_DEVICES']) to its Trainer\n")
 
     def _synchronizer_went_down(self, now: float) -> None:
         """Called with ``_lock`` held."""
@@ -263,6 +276,12 @@ class Run:
             self.failures.append(f"{island.name} was refused by the synchronizer: {why}")
             self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
             self._stop.set()  # every island runs the same command: the others would be refused too
+        elif (missing := import_failure(island.last_lines)) is not None:  # a restart would crash the same way
+            island.fail()
+            self.failures.append(f"{island.name} cannot start: {missing}; install it into the Python the command runs "
+                                 f"(this launcher's is {sys.executable})")
+            self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
+            self._stop.set()
         elif island.restarts >= self.options.max_restarts:
             island.fail()
             self.failures.append(f"{island.name} exited with {code} and used up its {self.options.max_restarts} restarts")
@@ -352,6 +371,7 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
     status the launcher samples. Returns the exit code: 0 when every island finished."""
     if not command:
         raise ValueError("give the training command after --, e.g. lightning-diloco run --islands 2 -- python train.py")
+    check_command(command, clean_environment({}))
     launcher = Run(options, command, observers)
     previous = {sig: signal.signal(sig, lambda *_: launcher._stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 1

@@ -125,7 +125,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         Args:
             synchronizer: The synchronizer's address, ``host:port``, comma-separated for shards
                 (``DILOCO_SYNCHRONIZER``). None starts an embedded synchronizer on loopback for
-                a one-island run.
+                a one-island run (refused when num_islands > 1).
             island: This island's index i in [0, num_islands) (``DILOCO_ISLAND``, default 0); it
                 trains on shard i of the data.
             num_islands: M, the islands in the run (``DILOCO_NUM_ISLANDS``, default 1).
@@ -174,6 +174,14 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         self.num_islands = _env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
         if not 0 <= self.island < self.num_islands:
             raise ValueError(f"island={self.island} must be in [0, num_islands={self.num_islands}); set DILOCO_ISLAND below DILOCO_NUM_ISLANDS")
+        if self.num_islands > 1 and self.address is None:
+            # an embedded synchronizer serves this process only: the island would train alone, on
+            # 1/M of the data, and no other island could ever reach it
+            raise ValueError(
+                f"island {self.island} of num_islands={self.num_islands} has no synchronizer to share its work with: "
+                "set DILOCO_SYNCHRONIZER=host:port (or synchronizer=...) to one started with `lightning-diloco "
+                "synchronizer`, let `lightning-diloco run --islands M -- COMMAND` start every island and the "
+                "synchronizer, or train one island alone with num_islands=1 (DILOCO_NUM_ISLANDS unset)")
         self.token = token if token is not None else (os.environ.get("DILOCO_TOKEN") or None)
         given = dict(
             sync_every=sync_every, num_fragments=num_fragments, overlap_steps=overlap_steps, outer_lr=outer_lr,

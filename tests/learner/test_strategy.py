@@ -10,7 +10,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_diloco  # noqa: F401  registers the strategy names
 from lightning_diloco import DecoupledDiLoCoStrategy
-from lightning_diloco.core.settings import load_run_config, run_settings, setting, value_of
+from lightning_diloco.core.settings import config_with, load_run_config, run_settings, setting, value_of
+from lightning_diloco.synchronizer.server import SynchronizerServer
+from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import sample_setting_value
 from tests.learner.models import TinyRegressor, loader, regression_data, trainer
 
@@ -51,8 +53,12 @@ def test_a_one_process_island_runs_without_a_process_group_or_ddp_wrapper():
             return super().training_step(batch, batch_idx)
 
     model = Probe()
-    t = trainer(DecoupledDiLoCoStrategy(num_islands=2, sync_every=8), max_epochs=1)
-    t.fit(model, loader(regression_data()))
+    server = SynchronizerServer(Synchronizer(config_with({"sync_every": 8, "num_fragments": 4})), host="127.0.0.1", port=0).start()
+    try:
+        t = trainer(DecoupledDiLoCoStrategy(synchronizer=server.address, num_islands=2, sync_every=8), max_epochs=1)
+        t.fit(model, loader(regression_data()))
+    finally:
+        server.stop(grace=0)
     assert seen["process group"] is False and seen["model"] == "Probe"
     assert t.strategy.launcher is None  # DDP's would reset the script's torch thread count
     assert (seen["sampler"].num_replicas, seen["sampler"].rank) == (2, 0)
@@ -89,7 +95,7 @@ def test_bad_arguments_are_refused_at_construction():
     with pytest.raises(ValueError, match="overlap_steps=30"):
         DecoupledDiLoCoStrategy(overlap_steps=30)
     with pytest.raises(ValueError, match="island=2 must be in"):
-        DecoupledDiLoCoStrategy(island=2, num_islands=2)
+        DecoupledDiLoCoStrategy(island=2, num_islands=2, synchronizer="127.0.0.1:1")
 
 
 @pytest.mark.parametrize("name", [s.name for s in run_settings()])
@@ -120,6 +126,17 @@ def test_a_misspelt_argument_is_refused_with_the_name_it_meant():
         DecoupledDiLoCoStrategy(find_unused_params=True)
     # Lightning's own DDPStrategy arguments and DDP's still pass
     assert DecoupledDiLoCoStrategy(process_group_backend="gloo", static_graph=True)._ddp_kwargs == {"static_graph": True}
+
+
+def test_an_island_of_several_without_a_synchronizer_is_refused_with_the_fix(monkeypatch):
+    """An embedded synchronizer would let it train alone on 1/M of the data, without a word."""
+    with pytest.raises(ValueError, match="num_islands=2 has no synchronizer.*DILOCO_SYNCHRONIZER=host:port.*lightning-diloco run"):
+        DecoupledDiLoCoStrategy(island=1, num_islands=2)
+    monkeypatch.setenv("DILOCO_ISLAND", "1")
+    monkeypatch.setenv("DILOCO_NUM_ISLANDS", "2")
+    with pytest.raises(ValueError, match="island 1 of num_islands=2 has no synchronizer"):
+        DecoupledDiLoCoStrategy()
+    assert DecoupledDiLoCoStrategy(synchronizer="127.0.0.1:1").num_islands == 2
 
 
 def test_environment_supplies_island_settings(monkeypatch):
