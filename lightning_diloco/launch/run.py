@@ -56,6 +56,7 @@ class Run:
         self._timers: list[threading.Timer] = []
         self.samples: list[Sample] = []
         self.recovery = RecoveryClock()
+        self.last_status: SynchronizerStatus | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # samples, synchronizer_downs and recovery: the loop and the sampler share them
         self._sampling_done = threading.Event()
@@ -215,6 +216,7 @@ class Run:
                     if not f.exists() and i in status.islands:
                         steps[i] = status.islands[i].steps
                 self.recovery.observe(status, now)
+                self.last_status = status
                 self._check_world_sizes(status)
                 self._sync_reachable = True
             self.samples.append(Sample(now - self.t0, progress, steps, alive))
@@ -253,7 +255,7 @@ class Run:
                 self.echo(f"[launcher] restarted {island.name} (restart {island.restarts})\n")
                 if not self.ddp:  # a recovery counts from the moment the island went down
                     with self._lock:
-                        self.recovery.island_restarted(index, island.lifetimes[-2][1] or now)
+                        self.recovery.island_restarted(index, island.lifetimes[-2][1] or now, now)
                     note = without_checkpoint(island.name, self.workdir / f"checkpoints-{index}")
                     if note:
                         self.echo(note)
@@ -268,7 +270,7 @@ class Run:
         """What follows an island's exit: finished, failed for good, or a restart after a delay."""
         killed = island.state is UnitState.KILLED
         if code == 0 and not killed:
-            island.finish(now - self.t0)
+            island.finish()
             self.echo(f"[launcher] {island.name} finished\n")
         elif code == EXIT_REFUSED:  # a restart would be refused the same way
             island.fail()
@@ -284,7 +286,9 @@ class Run:
             self._stop.set()
         elif island.restarts >= self.options.max_restarts:
             island.fail()
-            self.failures.append(f"{island.name} exited with {code} and used up its {self.options.max_restarts} restarts")
+            last = next((line for line in reversed(island.last_lines) if line.strip()), None)
+            self.failures.append(f"{island.name} exited with {code} and used up its {self.options.max_restarts} restarts"
+                                 + (f"; its last output: {last.strip()}" if last else ""))
             self.echo(f"[launcher] {self.failures[-1]}\n")
         else:
             delay = island.hold_s if killed else min(self.options.restart_backoff * 2 ** island.restarts, 30.0)
@@ -321,21 +325,25 @@ class Run:
         if self.synchronizer is not None:
             self.synchronizer.stop()
 
-    def _finished_at(self) -> dict[int, float]:
-        units = {i: self._unit(i) for i in range(self.options.islands)}
-        return {i: unit.finished_at for i, unit in units.items() if unit.finished_at is not None}
-
     def report(self) -> RunReport:
         now = time.monotonic()
         method = "ddp checkpoint-restart" if self.ddp else "decoupled diloco"
         alive = {i: self._unit(i).alive_seconds(now) for i in range(self.options.islands)}
-        rep = build_report(method, self.options.islands, self.samples, alive, rollback_steps=self.ddp,
-                           synchronizer_restarts=self.synchronizer_downs,
-                           finished_at=self._finished_at())
+        finished = [i for i in range(self.options.islands) if self._unit(i).state is UnitState.FINISHED]
+        failures = list(self.failures)
+        if self._stop.is_set() and not failures and not all(island.done for island in self.islands):
+            failures.append("stopped before every island finished (interrupted)")
+        with self._lock:
+            rep = build_report(method, self.options.islands, self.samples, alive, rollback_steps=self.ddp,
+                               synchronizer_restarts=self.synchronizer_downs, finished=finished,
+                               ended_at=now - self.t0, failures=failures)
+            rep.recoveries_s = list(self.recovery.recoveries)
+            rep.unrecovered = self.recovery.unrecovered
+            rep.accepted = dict(self.recovery.accepted)
+            if self.last_status is not None:
+                rep.unmerged_at_end = sum(r.open_contributors for r in self.last_status.rounds.values())
         rep.faults = self.fired
         rep.restarts = {i: self._unit(i).restarts for i in range(self.options.islands)}
-        rep.recoveries_s = self.recovery.recoveries
-        rep.accepted = dict(self.recovery.accepted)
         return rep
 
 
@@ -384,8 +392,8 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
             signal.signal(sig, handler)
     report = launcher.report()
     print("\n" + report.summary(), flush=True)
-    if launcher.failures:
-        print("run failed: " + "; ".join(launcher.failures), flush=True)
+    if report.failed:
+        print("run failed: " + "; ".join(report.failures), flush=True)
     if options.report:
         Path(options.report).write_text(json.dumps(report.to_dict(), indent=2, default=sorted))
     return code

@@ -68,7 +68,6 @@ class Supervised:
         self.state = UnitState.WAITING
         self.due: float | None = None  # WAITING: when to start it; PAUSED: when to resume it
         self.hold_s = 0.0  # KILLED: how long it stays down after its exit
-        self.finished_at: float | None = None  # run time at which it completed its work
         self._reader: threading.Thread | None = None
         self.last_lines: deque[str] = deque(maxlen=20)  # its latest output, to say why it failed
 
@@ -107,9 +106,8 @@ class Supervised:
         self.signal(signal.SIGKILL)
         return True
 
-    def finish(self, at: float) -> None:
+    def finish(self) -> None:
         self._move(UnitState.FINISHED)
-        self.finished_at = at
 
     def fail(self) -> None:
         self._move(UnitState.FAILED)
