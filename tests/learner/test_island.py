@@ -217,8 +217,10 @@ def test_finish_loads_the_global_model_once_its_work_is_in(islands):
     learner, _, params, service = islands(config)
     for _ in range(3):
         _step(learner, params)
+    assert service.status().islands[0].steps == 0  # heartbeats every 60 s here: none since the join
     assert learner.finish(timeout=10) is True
     assert torch.equal(flatten_fragment(params), service.pull(0)[1])
+    assert service.status().islands[0].steps == 3  # the end says the steps as trained (the run's report reads them)
 
 
 def test_finish_does_not_wait_for_a_late_contribution_whose_round_may_never_open(islands):
