@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from lightning_diloco.core import presets
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.settings import add_setting_arguments, changed_settings, config_with, given_settings
 from lightning_diloco.synchronizer.status import SynchronizerStatus
+
+PROGRESS_EVERY_S = 5.0  # a progress line this often; each process's output in OUT/run/*.log (--verbose: all of it)
 
 
 @dataclass
@@ -36,8 +39,27 @@ class Preset:
     lr: float
     run_config: RunConfig = field(default_factory=presets.paper)
     """Decoupled DiLoCo's settings for this size; the command line's win."""
-    reference: dict[str, float] = field(default_factory=dict)  # DDP's final figures at equal tokens (README)
+    reference: Reference | None = None
+    """DDP's figure at this preset's steps, batch and lr (README's results table)."""
     note: str = ""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """DDP over ``processes`` processes at a preset's own model, steps, batch and lr: the mean and
+    standard deviation of its final metric over ``seeds`` seeds, as the README's results table gives it."""
+
+    processes: int
+    mean: float
+    std: float
+    seeds: int = 3
+
+    def applies(self, recipe: Recipe, args: argparse.Namespace) -> bool:
+        """Whether ``args`` train what the reference trained: the preset as it is, on as many processes."""
+        preset = recipe.presets[args.preset]
+        same_model = all(getattr(args, k, v) == v for k, v in preset.model.items()) and getattr(args, "dataset", None) is None
+        return (args.islands * args.devices == self.processes and (args.steps, args.batch, args.lr) ==
+                (preset.steps, preset.batch, preset.lr) and same_model)
 
 
 @dataclass
@@ -70,6 +92,8 @@ def build_parser(recipe: Recipe, description: str | None) -> argparse.ArgumentPa
                    "earlier run there is moved aside to OUT.prev-<time>")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (its synchronizer checkpoint; islands "
                    "resume from their last checkpoint when one was saved) instead of moving it aside")
+    p.add_argument("--verbose", action="store_true", help="print every line the islands and the synchronizer print "
+                   f"(default: a progress line every {PROGRESS_EVERY_S:g} s, their output in OUT/run/*.log)")
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline unless logged in)")
     p.add_argument("--wandb-project", default="lightning-diloco")
     p.add_argument("--wandb-group", default=None, help="W&B group (default: the output folder's name)")
@@ -146,6 +170,7 @@ def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
         islands=args.islands, devices_per_island=args.devices, workdir=str(out / "run"), report=str(out / "run-report.json"),
         restart_backoff=0.5, baseline="ddp" if ddp else None, chaos=args.chaos, stagger=args.stagger, resume=args.resume,
         run_config=None if ddp else config_with(given_settings(args)),  # the islands' strategy gets the same settings
+        progress_every=0.0 if args.verbose else PROGRESS_EVERY_S,
     )
     observer = SynchronizerObserver(args, out) if not ddp else None
     code = run(options, command, observers=[observer] if observer else [])
@@ -154,7 +179,7 @@ def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
         observer.close()
     summary = summarize(recipe, args, out, wall, observer.last if observer else None)
     (out / "result.json").write_text(json.dumps(summary, indent=2))
-    print(format_summary(recipe, args, summary), flush=True)
+    print(format_summary(recipe, args, summary, argv), flush=True)
     return code
 
 
@@ -207,18 +232,41 @@ def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, 
     }
 
 
-def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict) -> str:
+def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict, argv: list[str] = ()) -> str:
     final = s["final"]
     lines = [f"{recipe.name} ({s['preset']}, {s['strategy']}, M={s['islands']}): "
              + ", ".join(f"{k} {v:.4f}" for k, v in final.items())]
-    ref = recipe.presets[args.preset].reference.get(recipe.metric)
-    if ref is not None and args.strategy != "ddp":
-        value = final[recipe.metric]
-        gap = f"{(value - ref) * 100:+.2f} points" if recipe.metric == "accuracy" else f"{(value - ref) / ref * 100:+.1f}%"
-        lines.append(f"  DDP at equal tokens (README, M=4): {recipe.metric} {ref:.4f}; this run {gap}")
+    if args.strategy != "ddp":
+        lines.append("  " + reference_line(recipe, args, final[recipe.metric], argv))
     lines.append(f"  tokens {s['tokens']:,.0f}, wall-clock {s['wall_s']:.0f} s, outer steps {s['outer_steps']}, "
                  f"bytes across islands {s['bytes_across'] / 1e6:.2f} MB ({s['bytes_across_how']})")
+    unmerged = sum(r["diloco"].get("diloco/syncs_unmerged", 0) for r in s["islands_results"])
+    if unmerged:
+        lines.append(f"  {unmerged:.0f} contribution(s) sent in the islands' last steps were not merged before they ended")
     return "\n".join(lines)
+
+
+def reference_line(recipe: Recipe, args: argparse.Namespace, value: float, argv: Sequence[str] = ()) -> str:
+    """DDP's figure for this very setting and this run's gap to it, or how to measure one."""
+    ref = recipe.presets[args.preset].reference
+    if ref is not None and ref.applies(recipe, args):
+        gap = (f"{(value - ref.mean) * 100:+.2f} points" if recipe.metric == "accuracy"
+               else f"{(value - ref.mean) / ref.mean * 100:+.1f}%")
+        return (f"DDP, {ref.processes} processes, same preset, steps, batch and lr: {recipe.metric} {ref.mean:.4f} "
+                f"+- {ref.std:.4f} over {ref.seeds} seeds (README's results table); this run {gap}")
+    dropped = {"--strategy", "--chaos", "--stagger", "--slow-island", "--slowdown", "--resume", "--verbose", "--out", "--wandb"}
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in dropped:
+            skip = "=" not in a and name not in ("--resume", "--verbose", "--wandb")
+            continue
+        kept.append(a)
+    command = " ".join(["python -m", recipe.module, "--strategy ddp", *kept, f"--out {args.out}-ddp"])
+    return f"no DDP reference for this setting in the README; measure one with the same arguments: {command}"
 
 
 # ---- one island (or one DDP job) ------------------------------------------------------------------

@@ -30,6 +30,8 @@ class RunOptions:
     liveness_timeout: float = 5.0
     checkpoint_every: int = 1
     baseline: str | None = None
+    progress_every: float = 0.0
+    """Seconds between progress lines, each process's output going to WORKDIR/NAME.log; 0: print all output."""
     workdir: str | None = None
     resume: bool = False
     """Continue the run whose state ``workdir`` holds; without it an earlier run there is moved aside."""
@@ -67,6 +69,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--liveness-timeout", type=float, default=d.liveness_timeout, help="synchronizer: seconds of silence before an island is not waited for")
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                         help="synchronizer: outer steps between checkpoints; a killed synchronizer loses at most this many - 1")
+    parser.add_argument("--progress-every", type=float, default=d.progress_every, metavar="S",
+                        help="print a progress line (steps, loss, outer steps) every S seconds and send each process's "
+                        "output to WORKDIR/NAME.log, showing only warnings and errors; 0 (default): print all output")
     parser.add_argument("--baseline", choices=["ddp"], help="run COMMAND as one DDP job with checkpoint-restart instead")
     parser.add_argument("--workdir", help="progress files, checkpoints and synchronizer state (default: a temporary folder); "
                         "an earlier run found there is moved aside to WORKDIR.prev-<time>")

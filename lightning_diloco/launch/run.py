@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
+from lightning_diloco.launch.console import Console, progress_line
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.preflight import check_command, import_failure
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
-from lightning_diloco.launch.supervisor import EXIT_REFUSED, Supervised, UnitState, clean_environment, read_progress
+from lightning_diloco.launch.supervisor import (EXIT_REFUSED, Supervised, UnitState, clean_environment, read_progress,
+                                                read_progress_line)
 from lightning_diloco.launch.workdir import set_aside
 from lightning_diloco.synchronizer.status import SynchronizerStatus
 
@@ -68,6 +70,8 @@ class Run:
         self._write = threading.Lock()
         self.failures: list[str] = []  # why units failed, for the run's last line
         self._world_size_said: set[int] = set()  # islands whose wrong process count was said
+        self.console = Console(self.echo, self.workdir, options.progress_every)
+        self._next_progress = float("inf")
         if note:
             self.echo(note)
 
@@ -91,7 +95,7 @@ class Run:
         cmd += self.options.synchronizer_args
         # the token goes by environment, never on a command line (the process list shows those)
         env = {"OMP_NUM_THREADS": "1", **({"DILOCO_TOKEN": self.token} if self.token else {})}
-        self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment(env), self.echo)
+        self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment(env), self.console.output_of("synchronizer"))
         self.synchronizer.start()
 
     def _island_env(self, i: int) -> dict[str, str]:
@@ -126,7 +130,12 @@ class Run:
 
             self.client = SynchronizerClient(self.address, token=self.token, max_retries=0, timeout=2.0)
         names = ["ddp-job"] if self.ddp else [f"island {i}" for i in range(self.units)]
-        self.islands = [Supervised(names[i], self.command, lambda i=i: self._island_env(i), self.echo) for i in range(self.units)]
+        self.islands = [Supervised(names[i], self.command, lambda i=i: self._island_env(i), self.console.output_of(names[i]))
+                        for i in range(self.units)]
+        if self.console.quiet:
+            self.echo(f"[launcher] {len(names)} {'DDP job' if self.ddp else 'islands'}: each one's output in "
+                      f"{self.console.log_path('island 0').parent}/*.log; progress every {self.options.progress_every:g}s\n")
+            self._next_progress = time.monotonic() + self.options.progress_every
         self.t0 = time.monotonic()
         for i, island in enumerate(self.islands):
             if self.ddp or not self.options.stagger or i == 0:
@@ -269,6 +278,9 @@ class Run:
     def _exited(self, island: Supervised, code: int, now: float) -> None:
         """What follows an island's exit: finished, failed for good, or a restart after a delay."""
         killed = island.state is UnitState.KILLED
+        if code != 0 and not killed and self.console.quiet:  # its output went to its log: show how it ended
+            tail = "".join(f"[{island.name}] {line}\n" for line in list(island.last_lines)[-5:])
+            self.echo(f"[launcher] {island.name} exited with {code}; the end of {self.console.log_path(island.name)}:\n{tail}")
         if code == 0 and not killed:
             island.finish()
             self.echo(f"[launcher] {island.name} finished\n")
@@ -309,8 +321,17 @@ class Run:
             self._handle_exits(now)
             if all(i.done for i in self.islands):
                 break
+            if now >= self._next_progress:
+                self._next_progress = now + self.options.progress_every
+                self._print_progress(now)
             self._stop.wait(0.05)
         return 1 if any(i.state is UnitState.FAILED for i in self.islands) or self._stop.is_set() else 0
+
+    def _print_progress(self, now: float) -> None:
+        progress = {i: read_progress_line(self.workdir / f"progress-{i}.txt") for i in range(self.units)}
+        running = sum(unit.alive for unit in self.islands)
+        self.echo(progress_line(now - self.t0, progress, running, self.units, self.last_status,
+                                "DDP job" if self.ddp else "island"))
 
     def shutdown(self) -> None:
         self._sampling_done.set()
@@ -324,6 +345,7 @@ class Run:
             self.client.close()
         if self.synchronizer is not None:
             self.synchronizer.stop()
+        self.console.close()
 
     def report(self) -> RunReport:
         now = time.monotonic()

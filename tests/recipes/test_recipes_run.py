@@ -34,6 +34,9 @@ def test_moe_recipe_two_islands_write_the_summary_curves_and_logs(tmp_path):
     assert [int(r["step"]) for r in rows] == [4, 8]
     assert list((out / "logs").glob("island0/*/metrics.csv")), "the CSV logger always logs"
     assert "outer steps" in stdout and "bytes across islands" in stdout
+    # one progress display, not each island's Lightning banners: those are in the islands' logs
+    assert "[progress]" in stdout and "GPU available" not in stdout
+    assert "GPU available" in (out / "run" / "island-0.log").read_text()
 
 
 @pytest.mark.skipif(not FASHION_MNIST_DIR.exists(), reason="Debian's dataset-fashion-mnist is not installed")
