@@ -61,11 +61,12 @@ def test_compare_runs_ddp_and_diloco_and_writes_the_table_and_plots(tmp_path, ca
 def test_a_second_run_into_the_same_folder_starts_fresh_and_resume_continues(tmp_path):
     """The README's two commands in a row: the second must not continue the first (its
     synchronizer checkpoint and progress files) unless asked to with --resume."""
-    _run("recipes.text_lm", tmp_path, "--islands", "2", "--batch", "4")
-    _, out, stdout = _run("recipes.text_lm", tmp_path, "--islands", "2", "--batch", "4", "--chaos", "kill 1 at step 6")
+    two = ["--islands", "2", "--batch", "4", "--verbose"]  # every island line: what step each started at
+    _run("recipes.text_lm", tmp_path, *two)
+    _, out, stdout = _run("recipes.text_lm", tmp_path, *two, "--chaos", "kill 1 at step 6")
     assert "held an earlier run: moved it to" in stdout and len(list(tmp_path.glob("out.prev-*"))) == 1
     assert "starting at the run's step 0" in stdout  # not at the earlier run's last step
     assert "(fired at 0." not in stdout  # the kill waited for this run's island 1 to reach step 6
-    _, _, stdout = _run("recipes.text_lm", tmp_path, "--islands", "2", "--batch", "4", "--resume")
+    _, _, stdout = _run("recipes.text_lm", tmp_path, *two, "--resume")
     assert "continuing the run in" in stdout and "starting at the run's step 0" not in stdout
     assert len(list(tmp_path.glob("out.prev-*"))) == 1
