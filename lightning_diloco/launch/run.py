@@ -26,8 +26,8 @@ from lightning_diloco.launch.console import Console, progress_line
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.preflight import check_command, import_failure
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
-from lightning_diloco.launch.supervisor import (EXIT_REFUSED, Supervised, UnitState, clean_environment, read_progress,
-                                                read_progress_line)
+from lightning_diloco.launch.supervisor import (EXIT_REFUSED, Supervised, UnitState, children, clean_environment,
+                                                read_progress, read_progress_line, safe_kill)
 from lightning_diloco.launch.workdir import set_aside
 from lightning_diloco.synchronizer.status import SynchronizerStatus
 
@@ -150,7 +150,7 @@ class Run:
         top = self.islands[0].proc
         if rank == 0:
             return top.pid
-        for child in _children(top.pid):
+        for child in children(top.pid):
             try:
                 env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
             except OSError:
@@ -174,11 +174,11 @@ class Run:
             if fault.kind == "kill":
                 # The surviving ranks would block in their next collective until the process
                 # group times out; a job with checkpoint-restart is torn down and restarted whole.
-                _safe_kill(pid, signal.SIGKILL)
+                safe_kill(pid, signal.SIGKILL)
                 self.islands[0].kill()
             else:
-                _safe_kill(pid, signal.SIGSTOP)
-                self._timers.append(threading.Timer(fault.duration_s, _safe_kill, args=(pid, signal.SIGCONT)))
+                safe_kill(pid, signal.SIGSTOP)
+                self._timers.append(threading.Timer(fault.duration_s, safe_kill, args=(pid, signal.SIGCONT)))
                 self._timers[-1].start()
             return
         island = self.islands[fault.island]
@@ -376,23 +376,6 @@ def without_checkpoint(name: str, folder: Path) -> str | None:
     return (f"[launcher] {name} left no checkpoint in $DILOCO_CHECKPOINT_DIR ({folder}): it rejoins from the global "
             "model but trains its whole step count again; save Lightning checkpoints there to resume "
             "(examples/train_lm.py shows how)\n")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _safe_kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[SynchronizerStatus], None]] = ()) -> int:

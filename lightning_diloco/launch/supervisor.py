@@ -201,3 +201,21 @@ def read_progress_line(path: Path) -> Progress:
 
 def read_progress(path: Path) -> int:
     return read_progress_line(path).step
+
+
+def children(pid: int) -> list[int]:
+    """The PIDs of ``pid``'s child processes."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def safe_kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
