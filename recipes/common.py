@@ -242,7 +242,7 @@ def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict, argv: list
                  f"bytes across islands {s['bytes_across'] / 1e6:.2f} MB ({s['bytes_across_how']})")
     unmerged = sum(r["diloco"].get("diloco/syncs_unmerged", 0) for r in s["islands_results"])
     if unmerged:
-        lines.append(f"  {unmerged:.0f} contribution(s) sent in the islands' last steps were not merged before they ended")
+        lines.append(f"  {unmerged:.0f} contribution(s) from the islands' last steps were not in the global model they ended with")
     return "\n".join(lines)
 
 
