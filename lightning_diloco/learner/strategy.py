@@ -261,6 +261,8 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         self.learner = IslandLearner(params, layout, config, island=self.island, link=link, collective=collective, push_wait=self.push_wait)
         self.learner.start(resume=(self._resume or {}).get("learner"), run_step=run_step)
         if self.global_rank == 0:
+            for logger in trainer.loggers:  # the run's settings beside the module's hyperparameters
+                logger.log_hyperparams(self._hyperparameters(config))
             sched, merge = config.schedule, config.merge
             rank_zero_info(
                 f"Decoupled DiLoCo: island {self.island} of {self.num_islands} ({self.world_size} process(es)), "
@@ -269,6 +271,23 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
                 f"uplink {config.codec.uplink}, downlink {config.codec.downlink}; starting at the run's step "
                 f"{self.learner.schedule_step}"
             )
+
+    def _hyperparameters(self, config: RunConfig) -> dict[str, Any]:
+        """Every run setting as the synchronizer has it, and where this island stands in the run."""
+        where = {"island": self.island, "num_islands": self.num_islands, "island_processes": self.world_size,
+                 "synchronizer": self.address or "embedded"}
+        return {f"diloco/{name}": value for name, value in
+                {**where, **{s.name: value_of(config, s.name) for s in run_settings()}}.items()}
+
+    def _summary(self) -> str:
+        """What the island's part in the run came to, said once when fit ends."""
+        m = self.final_metrics
+        return (f"Decoupled DiLoCo, island {self.island}: {m['diloco/syncs_sent']:.0f} contributions sent, "
+                f"{m['diloco/syncs_applied']:.0f} of their rounds' global fragments applied and "
+                f"{m['diloco/syncs_received']:.0f} other new versions taken, {m['diloco/syncs_failed']:.0f} failed, "
+                f"{m['diloco/syncs_unmerged']:.0f} not merged by the end; {m['diloco/bytes_up'] / 1e6:.2f} MB up, "
+                f"{m['diloco/bytes_down'] / 1e6:.2f} MB down; last staleness {m['diloco/staleness']:.0f} versions; "
+                f"ended on global versions from {m['diloco/min_version']:.0f}")
 
     def _uses_nccl(self) -> bool:
         return torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
@@ -373,6 +392,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             self.final_metrics = self.learner.metrics()
             self.learner.close()
             self.learner = None
+            rank_zero_info(self._summary())
         if self.embedded is not None:
             self.embedded.stop(grace=0)
             self.embedded = None

@@ -249,3 +249,22 @@ def test_the_best_checkpoint_holds_the_weights_that_earned_its_score(tmp_path):
     with torch.no_grad():
         loss = torch.nn.functional.mse_loss(best.net(x), y)
     assert float(loss) == pytest.approx(float(ckpt.best_model_score), rel=1e-5)
+
+
+def test_run_settings_reach_the_loggers_and_fit_ends_with_a_summary(tmp_path, caplog):
+    """A logger's hyperparameters say which run produced the curves; the end of fit says what the
+    island's syncs came to."""
+    import re
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    caplog.set_level("INFO", logger="lightning.pytorch")
+    logger = CSVLogger(tmp_path)
+    t = trainer("decoupled_diloco", max_epochs=1, logger=logger)
+    t.fit(TinyRegressor(), loader(regression_data()))
+    hparams = logger.experiment.hparams
+    assert (hparams["diloco/island"], hparams["diloco/num_islands"], hparams["diloco/synchronizer"]) == (0, 1, "embedded")
+    assert hparams["diloco/num_fragments"] == 4  # as the synchronizer has it: lowered to the model's 4 tensors
+    assert hparams["diloco/sync_every"] == 24 and hparams["diloco/uplink_codec"] == "int4" and "diloco/outer_lr" in hparams
+    assert "diloco/sync_every: 24" in (tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text()
+    assert re.search(r"Decoupled DiLoCo, island 0: [1-9]\d* contributions sent, .* MB up", caplog.text), caplog.text[-2000:]
