@@ -389,6 +389,7 @@ class IslandLearner:
             "step": self.step,
             "schedule_step": self.schedule_step,
             "seq": self.seq,
+            "counters": dict(self.counters),  # diloco/syncs_* go on from where they were
             **fragments_state_dict(self.fragments),
         }
 
@@ -403,6 +404,9 @@ class IslandLearner:
         self.schedule_step = int(state["schedule_step"])
         self.fragments = fragments_from_state_dict(state)
         self.seq = max(self.seq, int(state["seq"]))
+        saved = state.get("counters", {})  # absent from checkpoints written before they were saved
+        with self._lock:
+            self.counters = {name: int(saved.get(name, 0)) for name in COUNTERS}
 
     def metrics(self) -> dict[str, float]:
         with self._lock:

@@ -205,7 +205,8 @@ def test_checkpoint_resume_continues_counters_and_matches_an_uninterrupted_run(t
     settings = dict(sync_every=4, num_fragments=2, overlap_steps=0, end_with_global_model=False, **FP32)
 
     straight = TinyRegressor()
-    trainer(DecoupledDiLoCoStrategy(**settings), max_epochs=2).fit(straight, loader(data))
+    uninterrupted = DecoupledDiLoCoStrategy(**settings)
+    trainer(uninterrupted, max_epochs=2).fit(straight, loader(data))
 
     first = TinyRegressor()
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
@@ -217,6 +218,8 @@ def test_checkpoint_resume_continues_counters_and_matches_an_uninterrupted_run(t
     t = trainer(DecoupledDiLoCoStrategy(**settings), max_epochs=2)
     t.fit(resumed, loader(data), ckpt_path=tmp_path / "last.ckpt")
     assert t.strategy.final_metrics["diloco/min_version"] == 8  # 32 steps / H=4 per fragment
+    # the counters go on from the checkpoint's, not from 0: 32 steps sent 16 times either way
+    assert t.strategy.final_metrics["diloco/syncs_sent"] == uninterrupted.final_metrics["diloco/syncs_sent"] == 16
     for a, b in zip(_weights(straight), _weights(resumed)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -268,3 +271,18 @@ def test_run_settings_reach_the_loggers_and_fit_ends_with_a_summary(tmp_path, ca
     assert hparams["diloco/sync_every"] == 24 and hparams["diloco/uplink_codec"] == "int4" and "diloco/outer_lr" in hparams
     assert "diloco/sync_every: 24" in (tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text()
     assert re.search(r"Decoupled DiLoCo, island 0: [1-9]\d* contributions sent, .* MB up", caplog.text), caplog.text[-2000:]
+
+
+def test_each_metric_has_one_name_in_the_logs_and_the_progress_bar(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_diloco import DiLoCoMonitor
+
+    t = trainer("decoupled_diloco", max_epochs=1, logger=CSVLogger(tmp_path), log_every_n_steps=4, callbacks=[DiLoCoMonitor()])
+    t.fit(TinyRegressor(), loader(regression_data()))
+    columns = set(next(csv.reader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv"))))
+    assert {"diloco/syncs_applied", "diloco/min_version", "diloco/synchronizer_reachable"} <= columns
+    assert not columns & {"diloco/applied", "diloco/version", "diloco/reachable"}  # once named two ways
+    assert {"diloco/syncs_applied", "diloco/min_version"} <= set(t.progress_bar_metrics)
