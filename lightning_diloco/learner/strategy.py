@@ -131,7 +131,9 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             num_islands: M, the islands in the run (``DILOCO_NUM_ISLANDS``, default 1).
             token: The run's shared secret if the synchronizer requires one (``DILOCO_TOKEN``).
             sync_every: H, inner steps between two sends of one fragment (run setting, default
-                24). Given alone, num_fragments becomes min(24, H).
+                24). Given alone, num_fragments becomes min(24, H). A module with several
+                optimizers (a GAN) counts an inner step per step of its first optimizer; the
+                outer step covers the parameters of all of them.
             num_fragments: P, fragments the parameters are packed into, at most H (run setting,
                 default 24; lowered to the model's tensor count on an embedded synchronizer).
             overlap_steps: tau, steps after a send at which its round's global fragment is
@@ -360,12 +362,11 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         return output
 
     def _log_metrics(self) -> None:
+        # Through the module's own logging, on the steps the trainer writes its logs: the island's
+        # metrics land in the module's rows (a logger call of our own made a second row per step)
         trainer = self.lightning_module.trainer
-        if self.learner.step % max(1, trainer.log_every_n_steps) != 0:
-            return
-        metrics = self.learner.metrics()
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        if trainer.loggers and trainer._logger_connector.should_update_logs:
+            self.lightning_module.log_dict(self.learner.metrics(), on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_end(self) -> None:
         if self.learner is not None and self.end_with_global_model:

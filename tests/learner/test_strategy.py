@@ -286,3 +286,23 @@ def test_each_metric_has_one_name_in_the_logs_and_the_progress_bar(tmp_path):
     assert {"diloco/syncs_applied", "diloco/min_version", "diloco/synchronizer_reachable"} <= columns
     assert not columns & {"diloco/applied", "diloco/version", "diloco/reachable"}  # once named two ways
     assert {"diloco/syncs_applied", "diloco/min_version"} <= set(t.progress_bar_metrics)
+
+
+def test_the_islands_metrics_land_in_the_modules_rows(tmp_path):
+    """One row per logged step in a CSV log (W&B's step count is not doubled either)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Logged(TinyRegressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss)
+            return loss
+
+    t = trainer("decoupled_diloco", max_epochs=1, logger=CSVLogger(tmp_path), log_every_n_steps=4)
+    t.fit(Logged(), loader(regression_data()))
+    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
+    steps = [row["step"] for row in rows]
+    assert len(steps) == len(set(steps)) == 4  # 16 steps logged every 4
+    assert all(row["train_loss"] and row["diloco/syncs_sent"] for row in rows)
