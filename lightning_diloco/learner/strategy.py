@@ -16,6 +16,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import build_layout, tensor_specs
 from lightning_diloco.core.settings import config_with, load_run_config, run_settings, value_of
+from lightning_diloco.learner.cli_signature import describe_for_cli, given_ddp_arguments
 from lightning_diloco.learner.collective import Collective, TorchCollective
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.launch.supervisor import EXIT_REFUSED
@@ -79,6 +81,15 @@ def _refuse_unknown(names: set[str]) -> None:
                         "(lightning_diloco.core.settings.run_settings()) nor DistributedDataParallel arguments")
 
 
+def _read_token(path: str | os.PathLike | None) -> str | None:
+    if path is None:
+        return os.environ.get("DILOCO_TOKEN") or None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as err:
+        raise ValueError(f"token_file={str(path)!r}: {err.strerror or err}") from None
+
+
 def _as_run_config(given: RunConfig | dict | str | os.PathLike | None) -> RunConfig | None:
     if given is None or isinstance(given, RunConfig):
         return given
@@ -96,6 +107,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         island: int | None = None,
         num_islands: int | None = None,
         token: str | None = None,
+        token_file: str | os.PathLike | None = None,
         *,
         sync_every: int | None = None,
         num_fragments: int | None = None,
@@ -130,6 +142,9 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
                 trains on shard i of the data.
             num_islands: M, the islands in the run (``DILOCO_NUM_ISLANDS``, default 1).
             token: The run's shared secret if the synchronizer requires one (``DILOCO_TOKEN``).
+                Not an argument of LightningCLI, which would save it in config.yaml.
+            token_file: A file holding the run's shared secret, for LightningCLI's config.yaml
+                and for anything else that should not hold the secret itself.
             sync_every: H, inner steps between two sends of one fragment (run setting, default
                 24). Given alone, num_fragments becomes min(24, H). A module with several
                 optimizers (a GAN) counts an inner step per step of its first optimizer; the
@@ -170,7 +185,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         """
         setting_names = {s.name for s in run_settings()}
         _refuse_unknown(set(kwargs) - setting_names)
-        super().__init__(**{k: v for k, v in kwargs.items() if k not in setting_names})
+        super().__init__(**given_ddp_arguments({k: v for k, v in kwargs.items() if k not in setting_names}))
         self.address = synchronizer if synchronizer is not None else (os.environ.get("DILOCO_SYNCHRONIZER") or None)
         self.island = _env_int("DILOCO_ISLAND", island, 0)
         self.num_islands = _env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
@@ -184,7 +199,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
                 "set DILOCO_SYNCHRONIZER=host:port (or synchronizer=...) to one started with `lightning-diloco "
                 "synchronizer`, let `lightning-diloco run --islands M -- COMMAND` start every island and the "
                 "synchronizer, or train one island alone with num_islands=1 (DILOCO_NUM_ISLANDS unset)")
-        self.token = token if token is not None else (os.environ.get("DILOCO_TOKEN") or None)
+        self.token = token if token is not None else _read_token(token_file)
         given = dict(
             sync_every=sync_every, num_fragments=num_fragments, overlap_steps=overlap_steps, outer_lr=outer_lr,
             outer_momentum=outer_momentum, min_quorum=min_quorum, grace_gamma=grace_gamma, merge=merge, apply=apply,
@@ -365,8 +380,9 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         # Through the module's own logging, on the steps the trainer writes its logs: the island's
         # metrics land in the module's rows (a logger call of our own made a second row per step)
         trainer = self.lightning_module.trainer
-        if trainer.loggers and trainer._logger_connector.should_update_logs:
-            self.lightning_module.log_dict(self.learner.metrics(), on_step=True, on_epoch=False, batch_size=1)
+        module = self.lightning_module
+        if trainer.loggers and module._current_fx_name is not None and trainer._logger_connector.should_update_logs:
+            module.log_dict(self.learner.metrics(), on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_end(self) -> None:
         if self.learner is not None and self.end_with_global_model:
@@ -408,6 +424,9 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             "decoupled_diloco_spawn", cls, description="Decoupled DiLoCo learner island, spawned DDP",
             start_method="spawn", override=True,
         )
+
+
+describe_for_cli(DecoupledDiLoCoStrategy)
 
 
 def _unwrap(optimizer):

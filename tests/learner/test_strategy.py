@@ -78,10 +78,39 @@ def test_lightning_cli_describes_every_strategy_argument():
     helps = {action.dest: action.help or "" for action in parser._actions}
     ours = [name for name, p in inspect.signature(DecoupledDiLoCoStrategy.__init__).parameters.items()
             if name != "self" and p.kind is not p.VAR_KEYWORD]
-    assert len(ours) == 21
+    # every run setting and the DDP arguments by name (**kwargs hid them from the CLI), and no
+    # token: LightningCLI saves its arguments in config.yaml (token_file instead)
+    assert {s.name for s in run_settings()} | {"find_unused_parameters", "static_graph", "token_file"} <= set(ours)
+    assert "token" not in ours and len(ours) == len(set(ours))
     undocumented = [name for name in ours if len(helps.get(f"strategy.{name}", "")) < 20]
     assert undocumented == []
     assert "comma-separated for shards" in helps["strategy.synchronizer"]
+
+
+def test_lightning_cli_takes_every_setting_by_name_keeps_the_token_out_and_finds_the_monitor(tmp_path, monkeypatch):
+    """--trainer.strategy.history and .find_unused_parameters were refused; a token given to the
+    CLI was saved in config.yaml in plain text; DiLoCoMonitor needed its full import path."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.cli import LightningCLI
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return loader(regression_data())
+
+    (tmp_path / "token").write_text("s3cret\n")
+    monkeypatch.chdir(tmp_path)
+    cli = LightningCLI(TinyRegressor, Data, run=False, save_config_kwargs={"overwrite": True}, args=[
+        "--trainer.strategy=DecoupledDiLoCoStrategy", "--trainer.strategy.history=6",
+        "--trainer.strategy.find_unused_parameters=true", f"--trainer.strategy.token_file={tmp_path / 'token'}",
+        "--trainer.callbacks+=DiLoCoMonitor", "--trainer.logger=false", "--trainer.max_steps=2",
+        "--trainer.enable_progress_bar=false"])
+    strategy = cli.trainer.strategy
+    assert strategy.run_config.merge.history == 6 and strategy._ddp_kwargs == {"find_unused_parameters": True}
+    assert strategy.token == "s3cret"
+    assert any(type(c).__name__ == "DiLoCoMonitor" for c in cli.trainer.callbacks)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    config = (tmp_path / "config.yaml").read_text()
+    assert "s3cret" not in config and "token_file" in config
 
 
 def test_zero_argument_constructor_and_double_registration_work():
