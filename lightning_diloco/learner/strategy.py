@@ -10,13 +10,10 @@ only; Lightning's loops are never copied.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import logging
 import os
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +24,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import build_layout, tensor_specs
-from lightning_diloco.core.settings import config_with, load_run_config, run_settings, value_of
-from lightning_diloco.learner.cli_signature import describe_for_cli, given_ddp_arguments
+from lightning_diloco.core.settings import config_with, run_settings, value_of
+from lightning_diloco.learner.arguments import (as_run_config, describe_for_cli, env_int, given_ddp_arguments, read_token,
+                                                refuse_unknown)
 from lightning_diloco.learner.collective import Collective, TorchCollective
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.launch.supervisor import EXIT_REFUSED
@@ -52,50 +50,6 @@ class RefusedByRun(SystemExit):
 
     def __str__(self) -> str:
         return self.message
-
-
-def _env_int(name: str, value: int | None, default: int) -> int:
-    if value is not None:
-        return value
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
-
-
-def _refuse_unknown(names: set[str]) -> None:
-    """A misspelt run setting would otherwise reach DDP, which a one-process island never builds:
-    it would be ignored without a word."""
-    ddp = {name for init in (DDPStrategy.__init__, torch.nn.parallel.DistributedDataParallel.__init__)
-           for name, p in inspect.signature(init).parameters.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
-    ddp -= {"self", "module"}
-    unknown = sorted(names - ddp)
-    if unknown:
-        known = [s.name for s in run_settings()] + sorted(ddp)
-        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, n=1)) else repr(name)
-                 for name in unknown]
-        raise TypeError(f"DecoupledDiLoCoStrategy got unknown arguments {', '.join(hints)}: neither run settings "
-                        "(lightning_diloco.core.settings.run_settings()) nor DistributedDataParallel arguments")
-
-
-def _read_token(path: str | os.PathLike | None) -> str | None:
-    if path is None:
-        return os.environ.get("DILOCO_TOKEN") or None
-    try:
-        return Path(path).read_text().strip() or None
-    except OSError as err:
-        raise ValueError(f"token_file={str(path)!r}: {err.strerror or err}") from None
-
-
-def _as_run_config(given: RunConfig | dict | str | os.PathLike | None) -> RunConfig | None:
-    if given is None or isinstance(given, RunConfig):
-        return given
-    if isinstance(given, dict):
-        return RunConfig.from_dict(given)
-    return load_run_config(given)
 
 
 class DecoupledDiLoCoStrategy(DDPStrategy):
@@ -184,11 +138,11 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
                 ``find_unused_parameters=True``).
         """
         setting_names = {s.name for s in run_settings()}
-        _refuse_unknown(set(kwargs) - setting_names)
+        refuse_unknown(set(kwargs) - setting_names)
         super().__init__(**given_ddp_arguments({k: v for k, v in kwargs.items() if k not in setting_names}))
         self.address = synchronizer if synchronizer is not None else (os.environ.get("DILOCO_SYNCHRONIZER") or None)
-        self.island = _env_int("DILOCO_ISLAND", island, 0)
-        self.num_islands = _env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
+        self.island = env_int("DILOCO_ISLAND", island, 0)
+        self.num_islands = env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
         if not 0 <= self.island < self.num_islands:
             raise ValueError(f"island={self.island} must be in [0, num_islands={self.num_islands}); set DILOCO_ISLAND below DILOCO_NUM_ISLANDS")
         if self.num_islands > 1 and self.address is None:
@@ -199,7 +153,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
                 "set DILOCO_SYNCHRONIZER=host:port (or synchronizer=...) to one started with `lightning-diloco "
                 "synchronizer`, let `lightning-diloco run --islands M -- COMMAND` start every island and the "
                 "synchronizer, or train one island alone with num_islands=1 (DILOCO_NUM_ISLANDS unset)")
-        self.token = token if token is not None else _read_token(token_file)
+        self.token = token if token is not None else read_token(token_file)
         given = dict(
             sync_every=sync_every, num_fragments=num_fragments, overlap_steps=overlap_steps, outer_lr=outer_lr,
             outer_momentum=outer_momentum, min_quorum=min_quorum, grace_gamma=grace_gamma, merge=merge, apply=apply,
@@ -207,7 +161,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             **{k: v for k, v in kwargs.items() if k in setting_names},
         )
         self.explicit = {k: v for k, v in given.items() if v is not None}
-        self.base_config = _as_run_config(run_config)
+        self.base_config = as_run_config(run_config)
         self.run_config = config_with(self.explicit, self.base_config)  # validates now, not at fit time
         self.count_tokens = tokens_per_batch or default_tokens_per_batch
         self.end_with_global_model = end_with_global_model

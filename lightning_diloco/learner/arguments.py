@@ -1,4 +1,5 @@
-"""The strategy's constructor as LightningCLI sees it: every argument by name, no secret in it.
+"""How the strategy's constructor takes its arguments: from the environment, refused when unknown,
+and as LightningCLI sees them (every argument by name, no secret among them).
 
 LightningCLI (jsonargparse) builds ``--trainer.strategy.*`` from the constructor's signature and
 docstring. ``**kwargs`` hides what it carries (the run settings not named in the signature, and
@@ -10,10 +11,62 @@ and adds their help to the docstring.
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import os
+from pathlib import Path
 from typing import Optional
 
-from lightning_diloco.core.settings import run_settings
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.settings import load_run_config, run_settings
+
+
+def env_int(name: str, value: int | None, default: int) -> int:
+    if value is not None:
+        return value
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def refuse_unknown(names: set[str]) -> None:
+    """A misspelt run setting would otherwise reach DDP, which a one-process island never builds:
+    it would be ignored without a word."""
+    ddp = {name for init in (DDPStrategy.__init__, torch.nn.parallel.DistributedDataParallel.__init__)
+           for name, p in inspect.signature(init).parameters.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+    ddp -= {"self", "module"}
+    unknown = sorted(names - ddp)
+    if unknown:
+        known = [s.name for s in run_settings()] + sorted(ddp)
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, n=1)) else repr(name)
+                 for name in unknown]
+        raise TypeError(f"DecoupledDiLoCoStrategy got unknown arguments {', '.join(hints)}: neither run settings "
+                        "(lightning_diloco.core.settings.run_settings()) nor DistributedDataParallel arguments")
+
+
+def read_token(path: str | os.PathLike | None) -> str | None:
+    if path is None:
+        return os.environ.get("DILOCO_TOKEN") or None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as err:
+        raise ValueError(f"token_file={str(path)!r}: {err.strerror or err}") from None
+
+
+def as_run_config(given: RunConfig | dict | str | os.PathLike | None) -> RunConfig | None:
+    if given is None or isinstance(given, RunConfig):
+        return given
+    if isinstance(given, dict):
+        return RunConfig.from_dict(given)
+    return load_run_config(given)
+
 
 # DistributedDataParallel / DDPStrategy arguments a user may set by name; None means not given.
 DDP_ARGUMENTS: dict[str, tuple[type, str]] = {
