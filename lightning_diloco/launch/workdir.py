@@ -15,8 +15,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-# What `lightning-diloco run` writes into its --workdir.
-RUN_FILES = ("synchronizer", "progress-*", "checkpoints-*", "run-config.json")
+# What `lightning-diloco run` writes into its --workdir (the logs: with --progress-every).
+RUN_FILES = ("synchronizer", "progress-*", "checkpoints-*", "run-config.json", "island-*.log", "synchronizer.log",
+             "ddp-job.log")
 
 
 class FolderInUse(ValueError):

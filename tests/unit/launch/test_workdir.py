@@ -40,6 +40,13 @@ def test_a_folder_without_a_run_is_used_as_it_is(tmp_path):
     assert earlier_run(tmp_path) == []
 
 
+def test_the_launchers_own_logs_are_part_of_the_run(tmp_path):
+    _earlier_run(tmp_path / "work")
+    for name in ("island-0.log", "synchronizer.log"):
+        (tmp_path / "work" / name).write_text("x")
+    assert "moved it to" in set_aside(tmp_path / "work", resume=False)
+
+
 def test_a_run_beside_other_files_is_refused_with_the_fix_never_moved(tmp_path):
     _earlier_run(tmp_path)
     (tmp_path / "train.py").write_text("")
