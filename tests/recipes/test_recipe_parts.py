@@ -154,7 +154,7 @@ def test_wandb_runs_are_offline_without_credentials(monkeypatch, tmp_path):
 
 
 def test_the_ddp_reference_is_printed_only_for_the_setting_it_was_measured_at():
-    from recipes.common import reference_line
+    from recipes.summary import reference_line
 
     main_job = _args(TEXT, "--islands", "4", "--out", "runs/main")  # scripts/run.sh
     line = reference_line(TEXT, main_job, 1.8475, ["--islands", "4", "--out", "runs/main"])
