@@ -29,6 +29,8 @@ def _register() -> None:
     # would only meet a half-initialised module.
     if "lightning_diloco.learner.strategy" not in sys.modules:
         importlib.import_module("lightning_diloco.learner.strategy")
+    # a loaded Callback subclass: LightningCLI's --trainer.callbacks+=DiLoCoMonitor finds it by name
+    importlib.import_module("lightning_diloco.learner.monitor")
 
 
 class _Finder(importlib.abc.MetaPathFinder):

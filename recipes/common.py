@@ -1,5 +1,6 @@
 """What every recipe shares: arguments and presets, launching M islands (or M DDP ranks), training
-one island, evaluation curves, CSV and W&B logging, and the result files compare.py reads.
+one island, evaluation curves, CSV and W&B logging (the summary and the result files compare.py
+reads: summary.py).
 
 A recipe run started by a user is the *launcher*: it starts ``lightning-diloco run`` machinery
 (a synchronizer and M island processes, or one M-process DDP job) whose processes run the same
@@ -25,6 +26,8 @@ from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.settings import add_setting_arguments, changed_settings, config_with, given_settings
 from lightning_diloco.core.protocol import SynchronizerStatus
 
+PROGRESS_EVERY_S = 5.0  # a progress line this often; each process's output in OUT/run/*.log (--verbose: all of it)
+
 
 @dataclass
 class Preset:
@@ -36,8 +39,27 @@ class Preset:
     lr: float
     run_config: RunConfig = field(default_factory=presets.paper)
     """Decoupled DiLoCo's settings for this size; the command line's win."""
-    reference: dict[str, float] = field(default_factory=dict)  # DDP's final figures at equal tokens (README)
+    reference: Reference | None = None
+    """DDP's figure at this preset's steps, batch and lr (README's results table)."""
     note: str = ""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """DDP over ``processes`` processes at a preset's own model, steps, batch and lr: the mean and
+    standard deviation of its final metric over ``seeds`` seeds, as the README's results table gives it."""
+
+    processes: int
+    mean: float
+    std: float
+    seeds: int = 3
+
+    def applies(self, recipe: Recipe, args: argparse.Namespace) -> bool:
+        """Whether ``args`` train what the reference trained: the preset as it is, on as many processes."""
+        preset = recipe.presets[args.preset]
+        same_model = all(getattr(args, k, v) == v for k, v in preset.model.items()) and getattr(args, "dataset", None) is None
+        return (args.islands * args.devices == self.processes and (args.steps, args.batch, args.lr) ==
+                (preset.steps, preset.batch, preset.lr) and same_model)
 
 
 @dataclass
@@ -66,7 +88,12 @@ def build_parser(recipe: Recipe, description: str | None) -> argparse.ArgumentPa
     p.add_argument("--eval-every", type=int, help="steps between evaluation points of the curve (default: steps / 10)")
     p.add_argument("--eval-batches", type=int, default=8, help="batches per curve point (default %(default)s)")
     p.add_argument("--final-eval-batches", type=int, default=64, help="batches of the final evaluation (default %(default)s)")
-    p.add_argument("--out", default=None, help="results, curves and CSV logs (default runs/<recipe>-<strategy>)")
+    p.add_argument("--out", default=None, help="results, curves and CSV logs (default runs/<recipe>-<strategy>); an "
+                   "earlier run there is moved aside to OUT.prev-<time>")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out (its synchronizer checkpoint; islands "
+                   "resume from their last checkpoint when one was saved) instead of moving it aside")
+    p.add_argument("--verbose", action="store_true", help="print every line the islands and the synchronizer print "
+                   f"(default: a progress line every {PROGRESS_EVERY_S:g} s, their output in OUT/run/*.log)")
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline unless logged in)")
     p.add_argument("--wandb-project", default="lightning-diloco")
     p.add_argument("--wandb-group", default=None, help="W&B group (default: the output folder's name)")
@@ -120,20 +147,33 @@ def main(recipe: Recipe, argv: list[str] | None, description: str | None) -> int
 # ---- the launcher -----------------------------------------------------------------------------------
 
 
+# What a recipe run writes into its --out (compare.py adds output.log and command.txt).
+RUN_FILES = ("run", "result*.json", "curve-*.csv", "*.tmp", "logs", "run-report.json", "wandb", "output.log", "command.txt")
+
+
 def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
     from lightning_diloco.launch.run import RunOptions, run
+    from lightning_diloco.launch.workdir import FolderInUse, set_aside
+    from recipes.summary import format_summary, summarize
 
     out = Path(args.out)
+    try:
+        note = set_aside(out, resume=args.resume, run_files=RUN_FILES, flag="--out")
+    except FolderInUse as err:
+        raise SystemExit(f"{recipe.module}: {err}") from None
+    if note:
+        print(note, end="", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("result*.json"), *out.glob("curve-*.csv")]:  # a previous run's
+    for stale in [*out.glob("result*.json"), *out.glob("curve-*.csv")]:  # a continued run's results are its own
         stale.unlink()
     t0 = time.time()
     command = [sys.executable, "-m", recipe.module, *argv, "--out", str(out), "--run-t0", repr(t0)]
     ddp = args.strategy == "ddp"
     options = RunOptions(
         islands=args.islands, devices_per_island=args.devices, workdir=str(out / "run"), report=str(out / "run-report.json"),
-        restart_backoff=0.5, baseline="ddp" if ddp else None, chaos=args.chaos, stagger=args.stagger,
+        restart_backoff=0.5, baseline="ddp" if ddp else None, chaos=args.chaos, stagger=args.stagger, resume=args.resume,
         run_config=None if ddp else config_with(given_settings(args)),  # the islands' strategy gets the same settings
+        progress_every=0.0 if args.verbose else PROGRESS_EVERY_S,
     )
     observer = SynchronizerObserver(args, out) if not ddp else None
     code = run(options, command, observers=[observer] if observer else [])
@@ -142,7 +182,7 @@ def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
         observer.close()
     summary = summarize(recipe, args, out, wall, observer.last if observer else None)
     (out / "result.json").write_text(json.dumps(summary, indent=2))
-    print(format_summary(recipe, args, summary), flush=True)
+    print(format_summary(recipe, args, summary, argv), flush=True)
     return code
 
 
@@ -166,47 +206,6 @@ class SynchronizerObserver:
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()
-
-
-def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, status: SynchronizerStatus | None) -> dict:
-    results = [json.loads(p.read_text()) for p in sorted(out.glob("result-*.json"))]
-    if not results:
-        raise SystemExit(f"no island wrote a result to {out}; see the output above")
-    last = max(results, key=lambda r: r["finished_at"])  # the island that saw the most merged rounds
-    params = last["params"]
-    processes = args.islands * args.devices
-    if args.strategy == "ddp":
-        # Ring all-reduce of fp32 gradients: each of the M ranks sends 2 (M-1)/M of the gradient per
-        # step; counted between ranks (the processes stand for islands in the comparison).
-        across = 2 * (processes - 1) * 4 * params * last["steps"]
-        across_how = "computed: ring all-reduce of fp32 gradients"
-    else:
-        across = sum(r["diloco"].get("diloco/bytes_up", 0) + r["diloco"].get("diloco/bytes_down", 0) for r in results)
-        across_how = "measured: fragment payloads sent and received by the islands"
-    return {
-        "recipe": recipe.name, "preset": args.preset, "strategy": args.strategy, "islands": args.islands,
-        "devices": args.devices, "steps": last["steps"], "params": params,
-        "tokens": sum(r["tokens"] for r in results), "wall_s": wall, "final": last["final"],
-        "bytes_across": across, "bytes_across_how": across_how,
-        "outer_steps": status.outer_steps if status else None,
-        "synchronizer": status.to_dict() if status else None,  # its last status: rounds, islands, counters
-        "settings": given_settings(args) if args.strategy != "ddp" else {},
-        "islands_results": results,
-    }
-
-
-def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict) -> str:
-    final = s["final"]
-    lines = [f"{recipe.name} ({s['preset']}, {s['strategy']}, M={s['islands']}): "
-             + ", ".join(f"{k} {v:.4f}" for k, v in final.items())]
-    ref = recipe.presets[args.preset].reference.get(recipe.metric)
-    if ref is not None and args.strategy != "ddp":
-        value = final[recipe.metric]
-        gap = f"{(value - ref) * 100:+.2f} points" if recipe.metric == "accuracy" else f"{(value - ref) / ref * 100:+.1f}%"
-        lines.append(f"  DDP at equal tokens (README, M=4): {recipe.metric} {ref:.4f}; this run {gap}")
-    lines.append(f"  tokens {s['tokens']:,.0f}, wall-clock {s['wall_s']:.0f} s, outer steps {s['outer_steps']}, "
-                 f"bytes across islands {s['bytes_across'] / 1e6:.2f} MB ({s['bytes_across_how']})")
-    return "\n".join(lines)
 
 
 # ---- one island (or one DDP job) ------------------------------------------------------------------
@@ -308,8 +307,9 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
     ckpt_dir = os.environ.get("DILOCO_CHECKPOINT_DIR")
     if args.chaos and ckpt_dir:  # checkpoint-restart: the DDP baseline's, and a killed island's resume
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=max(1, args.steps // 20)))
-        last = Path(ckpt_dir) / "last.ckpt"
-        ckpt_path = str(last) if last.exists() else None
+    last = Path(ckpt_dir) / "last.ckpt" if ckpt_dir else None
+    if last is not None and last.exists() and (args.chaos or args.resume):
+        ckpt_path = str(last)
     if strategy_name == "ddp":
         strategy: Any = "ddp"
     else:

@@ -30,7 +30,11 @@ class RunOptions:
     liveness_timeout: float = 5.0
     checkpoint_every: int = 1
     baseline: str | None = None
+    progress_every: float = 0.0
+    """Seconds between progress lines, each process's output going to WORKDIR/NAME.log; 0: print all output."""
     workdir: str | None = None
+    resume: bool = False
+    """Continue the run whose state ``workdir`` holds; without it an earlier run there is moved aside."""
     run_config: RunConfig | None = None
     """The started synchronizer's run settings (passed as ``--config``); None: the defaults."""
     synchronizer_args: list[str] = field(default_factory=list)
@@ -65,7 +69,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--liveness-timeout", type=float, default=d.liveness_timeout, help="synchronizer: seconds of silence before an island is not waited for")
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                         help="synchronizer: outer steps between checkpoints; a killed synchronizer loses at most this many - 1")
+    parser.add_argument("--progress-every", type=float, default=d.progress_every, metavar="S",
+                        help="print a progress line (steps, loss, outer steps) every S seconds and send each process's "
+                        "output to WORKDIR/NAME.log, showing only warnings and errors; 0 (default): print all output")
     parser.add_argument("--baseline", choices=["ddp"], help="run COMMAND as one DDP job with checkpoint-restart instead")
-    parser.add_argument("--workdir", help="progress files, checkpoints and synchronizer state (default: a temporary folder, removed when the run ends)")
+    parser.add_argument("--workdir", help="progress files, checkpoints and synchronizer state (default: a temporary folder, "
+                        "removed when the run ends); an earlier run found there is moved aside to WORKDIR.prev-<time>")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --workdir (its synchronizer checkpoint, "
+                        "the islands' checkpoints) instead of moving it aside")
     parser.add_argument("--sync", dest="synchronizer_args", action="append", default=[], metavar="ARG",
                         help="pass ARG to the synchronizer, e.g. --sync=--min-quorum=2 or --sync=--config=run.json (repeatable)")

@@ -1,36 +1,46 @@
-"""The run report: goodput and global downtime from sampled progress (pure functions).
+"""The run report: start-up, goodput, global downtime and recoveries from sampled progress.
 
 The launcher samples, every fraction of a second, each island's inner-step count and the run's
-global progress (outer steps for Decoupled DiLoCo, the job's step for the DDP baseline). From
-those samples:
-
-- **useful time** of an island: the time its step count advanced by steps that survive to the
-  end. A DDP job restarted from a checkpoint rolls back to the checkpoint's step: the time spent
-  on the rolled-back steps is not useful. Decoupled DiLoCo islands never roll back.
-- **goodput** = sum of useful island-time / allocated island-time, over the training window:
-  from the first island step to the last (start-up imports and the final validation are
-  excluded for every method alike). An island is allocated from the window's start until it
-  finished its work and exited: one that finished early releases its machines.
-- **global downtime**: stretches of more than ``STALL_S`` with no global progress while at least
-  one island was alive, after the first global progress (start-up is not downtime); reported as
-  total and longest stretch. Shorter gaps are the grain of the measurement, not outages: progress
-  is sampled every quarter second and an outer step lands every step or two of the fastest
-  island, which on a loaded CPU can take longer than a sample period.
+global progress (outer steps for Decoupled DiLoCo, the job's step for the DDP baseline); the
+report is computed from those samples by the pure functions here. :data:`DEFINITIONS` says what
+each figure means; the report carries it (``to_dict``) and prints it under its figures.
+Sample intervals are the grain of every figure: progress is read every quarter second.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_diloco.core.protocol import SynchronizerStatus
 
 STALL_S = 1.0  # seconds without an outer step before a stretch counts as global downtime
+STEP_GAPS = 3.0  # an island's step gap longer than this many of its typical gaps (and STALL_S) is a stall
+JOIN_MARGIN_S = 1.0  # no restarted process imports torch and joins faster: a heartbeat sooner is the old one's
+
+DEFINITIONS = {
+    "start-up": "launch to an island's first step (imports, data, joining); not counted against goodput, "
+                "a restart's start-up is",
+    "training": "from the first step of any island to the last one",
+    "ending": "last step to the end of the run (final validation, exits)",
+    "alive": "seconds an island's processes ran, start-ups and ending included",
+    "useful": "training seconds in which an island's step count rose by steps kept to the end (DDP steps a restart "
+              f"rolls back are not kept); a step gap over {STEP_GAPS:g} x the island's typical gap (and {STALL_S:g}s) "
+              "is a stall, not useful",
+    "goodput": "useful / allocated island-seconds; an island is allocated from its first step to its last if it "
+               "finished, else to the end of training",
+    "global downtime": f"stretches over {STALL_S:g}s of training with no outer step (DDP: no step) while an island "
+                       "was alive",
+    "recovery": "an island going down (killed, crashed) to the first contribution of its restarted process merged "
+                "into the global model",
+}
 
 
 @dataclass
 class Sample:
     t: float
+    """Seconds since the launch."""
     global_progress: int
     steps: dict[int, int]
     alive: set[int]
@@ -41,6 +51,7 @@ class RunReport:
     method: str
     islands: int
     wall_s: float
+    """The training window's length (``DEFINITIONS['training']``)."""
     goodput: float
     downtime_total_s: float
     downtime_longest_s: float
@@ -48,22 +59,47 @@ class RunReport:
     useful_s: dict[int, float]
     alive_s: dict[int, float]
     final_steps: dict[int, int]
+    startup_s: dict[int, float | None] = field(default_factory=dict)
+    """Per island, launch to first step; None: it never stepped."""
+    ending_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    """Why the run failed; empty when every island finished."""
     faults: list[str] = field(default_factory=list)
     restarts: dict[int, int] = field(default_factory=dict)
     recoveries_s: list[float] = field(default_factory=list)
+    unrecovered: list[int] = field(default_factory=list)
+    """Islands restarted whose new process had no contribution merged by the end."""
     accepted: dict[int, int] = field(default_factory=dict)
+    unmerged_at_end: int = 0
+    """Islands' contributions still waiting in rounds that had not closed when the run ended."""
     global_progress: int = 0
     global_series: list[tuple[float, int]] = field(default_factory=list)  # (seconds, global progress) samples
+    definitions: dict[str, str] = field(default_factory=lambda: dict(DEFINITIONS))
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures)
+
+    @property
+    def trained(self) -> bool:
+        return any(t is not None for t in self.startup_s.values()) or any(self.final_steps.values())
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "failed": self.failed}
 
     def summary(self) -> str:
-        lines = [
-            f"{self.method}: {self.islands} islands, {self.wall_s:.1f}s of training, goodput {self.goodput:.1%}, "
-            f"global downtime (stretches over {STALL_S:g}s without an outer step) {self.downtime_total_s:.1f}s total / "
-            f"{self.downtime_longest_s:.1f}s longest "
-            f"({self.downtime_outside_synchronizer_restarts_s:.1f}s outside synchronizer restarts), "
+        lines = []
+        if self.failed:
+            lines.append(f"{self.method}: run FAILED: " + "; ".join(self.failures))
+        if not self.trained:
+            lines.append(f"{self.method}: no island trained a step; no goodput or downtime to report")
+            lines.append(f"faults fired: {len(self.faults)}" + (f" ({'; '.join(self.faults)})" if self.faults else ""))
+            return "\n".join(lines)
+        starts = ", ".join(f"island {i} {'-' if t is None else f'{t:.1f}s'}" for i, t in sorted(self.startup_s.items()))
+        lines += [
+            f"{self.method}: {self.islands} islands; start-up {starts}; training {self.wall_s:.1f}s; ending {self.ending_s:.1f}s",
+            f"goodput {self.goodput:.1%}, global downtime {self.downtime_total_s:.1f}s total / {self.downtime_longest_s:.1f}s "
+            f"longest ({self.downtime_outside_synchronizer_restarts_s:.1f}s outside synchronizer restarts), "
             f"global progress {self.global_progress}",
             f"faults fired: {len(self.faults)}" + (f" ({'; '.join(self.faults)})" if self.faults else ""),
         ]
@@ -71,26 +107,57 @@ class RunReport:
             lines.append(
                 f"  island {i}: alive {self.alive_s.get(i, 0.0):.1f}s, useful {self.useful_s.get(i, 0.0):.1f}s, "
                 f"steps {self.final_steps.get(i, 0)}, restarts {self.restarts.get(i, 0)}, "
-                f"contributions accepted {self.accepted.get(i, '-')}"
+                f"contributions merged {self.accepted.get(i, '-')}"
             )
-        if self.recoveries_s:
-            lines.append("recoveries (island down to its first accepted contribution after): " + ", ".join(f"{r:.1f}s" for r in self.recoveries_s))
+        if self.unmerged_at_end:
+            lines.append(f"not merged: {self.unmerged_at_end} contribution(s) waited in rounds that had not closed when the "
+                         "run ended (late sends wait for a next round nobody opened)")
+        if self.recoveries_s or self.unrecovered:
+            lines.append("recoveries: " + ", ".join([f"{r:.1f}s" for r in self.recoveries_s]
+                                                   + [f"island {i} not recovered by the end" for i in self.unrecovered]))
+        used = ["start-up", "training", "ending", "alive", "useful", "goodput", "global downtime"]
+        if self.recoveries_s or self.unrecovered:
+            used.append("recovery")
+        lines += ["where"] + [f"  {name}: {self.definitions[name]}" for name in used]
         return "\n".join(lines)
 
 
-def useful_time(series: Sequence[tuple[float, int]]) -> float:
+def _change_points(series: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:
+    """The first sample and every sample whose count differs from the one before."""
+    return [p for k, p in enumerate(series) if k == 0 or p[1] != series[k - 1][1]]
+
+
+def step_gap_limit(series: Sequence[tuple[float, int]]) -> float:
+    """The longest gap between an island's step changes that is still training, not a stall:
+    STEP_GAPS x its median gap (a step slower than a sample period is not a stall), at least STALL_S."""
+    points = _change_points(series)
+    gaps = [t1 - t0 for (t0, s0), (t1, s1) in zip(points, points[1:]) if s1 > s0]
+    return max(STALL_S, STEP_GAPS * statistics.median(gaps)) if gaps else STALL_S
+
+
+def useful_time(series: Sequence[tuple[float, int]], *, rollback: bool = True) -> float:
     """Seconds spent on steps that survive to the end, from (time, step count) samples.
 
-    An increase from one sample to the next credits that interval to the steps it added; a
-    decrease (a restart from a checkpoint, or a fresh process starting over at 0 that then
-    resumes) rolls back the credit of every step above the new count.
+    Each gap between two changes of the count that raised it is credited to the steps it added:
+    all of it, or, when it is a stall (longer than :func:`step_gap_limit`), only the sample period
+    in which the count moved again. With ``rollback`` a decrease (a restart from a checkpoint)
+    takes back the credit of every step above the new count; without it (Decoupled DiLoCo: a
+    restarted process counts from its own start, the island's work is kept in the global model)
+    a decrease only starts a new count.
     """
+    limit = step_gap_limit(series)
     credits: list[tuple[int, float]] = []  # (step reached, seconds spent reaching it)
-    for (t0, s0), (t1, s1) in zip(series, series[1:]):
-        if s1 < s0:
-            credits = [(s, dt) for s, dt in credits if s <= s1]
-        elif s1 > s0:
-            credits.append((s1, t1 - t0))
+    last_change = series[0] if series else (0.0, 0)
+    for (t_before, _), (t, s) in zip(series, series[1:]):
+        t0, s0 = last_change
+        if s == s0:
+            continue
+        last_change = (t, s)
+        if s < s0:
+            if rollback:
+                credits = [(step, dt) for step, dt in credits if step <= s]
+            continue
+        credits.append((s, t - t0 if t - t0 <= limit else t - t_before))
     return sum(dt for _, dt in credits)
 
 
@@ -120,75 +187,107 @@ def downtime(samples: Sequence[Sample], excluded: Sequence[tuple[float, float]] 
 
 
 class RecoveryClock:
-    """Seconds from each island's going down (killed, crashed) to its first accepted contribution
-    after its restart.
+    """Seconds from each island's going down (killed, crashed) to the first contribution of its
+    restarted process merged into the global model.
 
-    The synchronizer counts accepted contributions per incarnation: after its own restart the
-    counts start again from zero, so a baseline taken before that restart is reset to zero (an
-    island restarted together with the synchronizer was otherwise never seen to recover).
+    The synchronizer counts merged contributions per island, not per process: entries the dead
+    process sent just before it went down are still merged after it. So the count is taken as a
+    baseline only once the restarted process has joined (the synchronizer heard from the island
+    ``JOIN_MARGIN_S`` after the restart) and a recovery is the first merge past that baseline.
+    The synchronizer counts per incarnation: after its own restart a baseline becomes zero.
     """
 
     def __init__(self) -> None:
         self.recoveries: list[float] = []
         self.accepted: dict[int, int] = {}  # per island, in the synchronizer's current incarnation
-        self._awaiting: dict[int, tuple[float, int]] = {}  # island -> (restarted at, accepted then)
+        self._down: dict[int, tuple[float, float]] = {}  # island -> (went down at, restarted at)
+        self._baseline: dict[int, int] = {}  # island -> merged count when its restarted process joined
         self._incarnation = None
 
-    def island_restarted(self, island: int, now: float) -> None:
-        self._awaiting[island] = (now, self.accepted.get(island, 0))
+    def island_restarted(self, island: int, went_down: float, restarted: float) -> None:
+        self._down[island] = (went_down, restarted)
+        self._baseline.pop(island, None)
+
+    @property
+    def unrecovered(self) -> list[int]:
+        return sorted(self._down)
 
     def observe(self, status: SynchronizerStatus, now: float) -> None:
-        incarnation = status.incarnation
-        if incarnation != self._incarnation:
+        if status.incarnation != self._incarnation:
             if self._incarnation is not None:
-                self._awaiting = {i: (since, 0) for i, (since, _) in self._awaiting.items()}
-            self._incarnation = incarnation
+                self._baseline = dict.fromkeys(self._baseline, 0)
+            self._incarnation = status.incarnation
         self.accepted = {i: island.accepted for i, island in status.islands.items()}
-        for i, (since, before) in list(self._awaiting.items()):
-            if self.accepted.get(i, 0) > before:
-                self.recoveries.append(now - since)
-                del self._awaiting[i]
+        for i, (went_down, restarted) in list(self._down.items()):
+            island = status.islands.get(i)
+            if island is None:
+                continue
+            if i not in self._baseline:
+                if now - island.seen_s_ago > restarted + JOIN_MARGIN_S:  # the restarted process joined
+                    self._baseline[i] = island.accepted
+            elif island.accepted > self._baseline[i]:
+                self.recoveries.append(now - went_down)
+                del self._down[i], self._baseline[i]
 
 
 def build_report(method: str, num_islands: int, samples: Sequence[Sample], alive_s: dict[int, float], *,
                  rollback_steps: bool, synchronizer_restarts: Sequence[float] = (),
-                 finished_at: dict[int, float] | None = None) -> RunReport:
+                 finished: Sequence[int] = (), ended_at: float | None = None,
+                 failures: Sequence[str] = ()) -> RunReport:
     """``rollback_steps``: island step counts fall back on restart (DDP) instead of being
     per-process counters that restart at 0 while the island's work is kept (DiLoCo).
     ``synchronizer_restarts``: times the synchronizer went down; each window lasts until the
-    first global progress after it. ``finished_at``: when each island completed its work and
-    exited; it is not allocated after that."""
-    samples = _training_window(samples)
-    wall = samples[-1].t - samples[0].t if len(samples) > 1 else 0.0
-    useful = {}
+    first global progress after it. ``finished``: islands that completed their work; they are
+    not allocated after their last step. ``ended_at``: the run's end (default: the last sample).
+    ``failures``: why the run failed, if it did."""
+    ended_at = ended_at if ended_at is not None else (samples[-1].t if samples else 0.0)
+    startup = {i: _first_step_at(samples, i) for i in range(num_islands)}
+    window = _training_window(samples)
+    trained = len(window) > 1 and any(t is not None for t in startup.values())
+    wall = window[-1].t - window[0].t if trained else 0.0
+    useful, allocated = {}, 0.0
     for i in range(num_islands):
-        series = [(s.t, s.steps.get(i, 0)) for s in samples]
-        useful[i] = useful_time(series) if rollback_steps else _advancing_time(series)
-    allocated = _allocated_time(samples, num_islands, finished_at or {})
-    total, longest = downtime(samples, longer_than=STALL_S)
-    windows = [(down, next((x.t for x in samples if x.t > down and x.global_progress > _progress_at(samples, down)), float("inf")))
+        series = [(s.t, s.steps.get(i, 0)) for s in window]
+        useful[i] = useful_time(series, rollback=rollback_steps) if trained else 0.0
+        allocated += _allocated(series, i in finished) if trained else 0.0
+    total, longest = downtime(window, longer_than=STALL_S)
+    windows = [(down, next((x.t for x in window if x.t > down and x.global_progress > _progress_at(window, down)), float("inf")))
                for down in synchronizer_restarts]
-    outside, _ = downtime(samples, windows, longer_than=STALL_S)
-    goodput = sum(useful.values()) / allocated if allocated > 0 else 0.0
-    last = samples[-1] if samples else Sample(0.0, 0, {}, set())
+    outside, _ = downtime(window, windows, longer_than=STALL_S)
+    goodput = min(1.0, sum(useful.values()) / allocated) if allocated > 0 else 0.0
+    last = window[-1] if window else Sample(0.0, 0, {}, set())
+    final = samples[-1] if samples else last
     return RunReport(method=method, islands=num_islands, wall_s=wall, goodput=goodput, downtime_total_s=total,
-                     downtime_longest_s=longest, downtime_outside_synchronizer_restarts_s=outside, useful_s=useful, alive_s=dict(alive_s), final_steps=dict(last.steps),
-                     global_progress=last.global_progress,
+                     downtime_longest_s=longest, downtime_outside_synchronizer_restarts_s=outside, useful_s=useful,
+                     alive_s=dict(alive_s), final_steps=dict(final.steps), startup_s=startup,
+                     ending_s=max(0.0, ended_at - last.t) if trained else 0.0, failures=list(failures),
+                     global_progress=final.global_progress,
                      global_series=[(round(x.t, 3), x.global_progress) for x in samples])
 
 
-def _allocated_time(samples: Sequence[Sample], num_islands: int, finished_at: dict[int, float]) -> float:
-    if len(samples) < 2:
-        return 0.0
-    start, end = samples[0].t, samples[-1].t
-    return sum(max(0.0, min(finished_at.get(i, end), end) - start) for i in range(num_islands))
+def _first_step_at(samples: Sequence[Sample], island: int) -> float | None:
+    for a, b in zip(samples, samples[1:]):
+        if b.steps.get(island, 0) != a.steps.get(island, 0):
+            return b.t
+    return None
+
+
+def _allocated(series: Sequence[tuple[float, int]], finished: bool) -> float:
+    """From the sample before the island's first step (the window's start if it never stepped) to
+    its last step if it finished, else to the window's end."""
+    points = _change_points(series)
+    if len(points) < 2:
+        return series[-1][0] - series[0][0]
+    before_first = max((t for t, _ in series if t < points[1][0]), default=series[0][0])
+    end = points[-1][0] if finished else series[-1][0]
+    return max(0.0, end - before_first)
 
 
 def _training_window(samples: Sequence[Sample]) -> Sequence[Sample]:
     """From the sample before the first island step to the last one that saw a step.
 
     Process start-up (seconds of imports on a CPU) and the final validation are the same for
-    every method and not what goodput compares.
+    every method and not what goodput compares; the report gives them apart.
     """
     def total(s: Sample) -> int:
         return sum(s.steps.values())
@@ -202,7 +301,3 @@ def _training_window(samples: Sequence[Sample]) -> Sequence[Sample]:
 def _progress_at(samples: Sequence[Sample], t: float) -> int:
     before = [s.global_progress for s in samples if s.t <= t]
     return max(before) if before else 0
-
-
-def _advancing_time(series: Sequence[tuple[float, int]]) -> float:
-    return sum(t1 - t0 for (t0, s0), (t1, s1) in zip(series, series[1:]) if s1 > s0)

@@ -25,9 +25,13 @@ from typing import Callable, Sequence
 from lightning_diloco.core.exit_codes import EXIT_REFUSED
 from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
+from lightning_diloco.launch.console import Console, progress_line
 from lightning_diloco.launch.options import RunOptions
+from lightning_diloco.launch.preflight import check_command, import_failure
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
-from lightning_diloco.launch.supervisor import Supervised, UnitState, clean_environment, read_progress
+from lightning_diloco.launch.supervisor import (Supervised, UnitState, children, clean_environment, read_progress,
+                                                read_progress_line, safe_kill)
+from lightning_diloco.launch.workdir import set_aside
 from lightning_diloco.synchronizer.credentials import island_credential
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,7 @@ class Run:
         self.observers = list(observers)  # called with each synchronizer status the launcher samples
         self.temporary = options.workdir is None  # a folder nobody else knows of: removed when the run ends
         self.workdir = Path(options.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
+        note = set_aside(self.workdir, resume=options.resume) if options.workdir else None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ddp = options.baseline == "ddp"
         self.units = 1 if self.ddp else options.islands  # supervised process trees
@@ -57,6 +62,7 @@ class Run:
         self._timers: list[threading.Timer] = []
         self.samples: list[Sample] = []
         self.recovery = RecoveryClock()
+        self.last_status: SynchronizerStatus | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # samples, synchronizer_downs and recovery: the loop and the sampler share them
         self._sampling_done = threading.Event()
@@ -67,6 +73,11 @@ class Run:
         self.client = None
         self._write = threading.Lock()
         self.failures: list[str] = []  # why units failed, for the run's last line
+        self._world_size_said: set[int] = set()  # islands whose wrong process count was said
+        self.console = Console(self.echo, self.workdir, options.progress_every)
+        self._next_progress = float("inf")
+        if note:
+            self.echo(note)
 
     def echo(self, line: str) -> None:
         with self._write:
@@ -88,7 +99,7 @@ class Run:
         cmd += self.options.synchronizer_args
         # the token goes by environment, never on a command line (the process list shows those)
         env = {"OMP_NUM_THREADS": "1", **({"DILOCO_TOKEN": self.token} if self.token else {})}
-        self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment(env), self.echo)
+        self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment(env), self.console.output_of("synchronizer"))
         self.synchronizer.start()
 
     def _island_env(self, i: int) -> dict[str, str]:
@@ -123,7 +134,12 @@ class Run:
 
             self.client = SynchronizerClient(self.address, token=self.token, max_retries=0, timeout=2.0)
         names = ["ddp-job"] if self.ddp else [f"island {i}" for i in range(self.units)]
-        self.islands = [Supervised(names[i], self.command, lambda i=i: self._island_env(i), self.echo) for i in range(self.units)]
+        self.islands = [Supervised(names[i], self.command, lambda i=i: self._island_env(i), self.console.output_of(names[i]))
+                        for i in range(self.units)]
+        if self.console.quiet:
+            self.echo(f"[launcher] {len(names)} {'DDP job' if self.ddp else 'islands'}: each one's output in "
+                      f"{self.console.log_path('island 0').parent}/*.log; progress every {self.options.progress_every:g}s\n")
+            self._next_progress = time.monotonic() + self.options.progress_every
         self.t0 = time.monotonic()
         for i, island in enumerate(self.islands):
             if self.ddp or not self.options.stagger or i == 0:
@@ -138,7 +154,7 @@ class Run:
         top = self.islands[0].proc
         if rank == 0:
             return top.pid
-        for child in _children(top.pid):
+        for child in children(top.pid):
             try:
                 env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
             except OSError:
@@ -162,11 +178,11 @@ class Run:
             if fault.kind == "kill":
                 # The surviving ranks would block in their next collective until the process
                 # group times out; a job with checkpoint-restart is torn down and restarted whole.
-                _safe_kill(pid, signal.SIGKILL)
+                safe_kill(pid, signal.SIGKILL)
                 self.islands[0].kill()
             else:
-                _safe_kill(pid, signal.SIGSTOP)
-                self._timers.append(threading.Timer(fault.duration_s, _safe_kill, args=(pid, signal.SIGCONT)))
+                safe_kill(pid, signal.SIGSTOP)
+                self._timers.append(threading.Timer(fault.duration_s, safe_kill, args=(pid, signal.SIGCONT)))
                 self._timers[-1].start()
             return
         island = self.islands[fault.island]
@@ -213,11 +229,23 @@ class Run:
                     if not f.exists() and i in status.islands:
                         steps[i] = status.islands[i].steps
                 self.recovery.observe(status, now)
+                self.last_status = status
+                self._check_world_sizes(status)
                 self._sync_reachable = True
             self.samples.append(Sample(now - self.t0, progress, steps, alive))
         if status is not None:
             for observe in self.observers:
                 observe(status)
+
+    def _check_world_sizes(self, status: SynchronizerStatus) -> None:
+        """An island that joined with another process count than --devices-per-island: its script
+        does not pass DILOCO_DEVICES to the Trainer. Said once per island."""
+        for i, island in status.islands.items():
+            if island.world_size != self.options.devices_per_island and i not in self._world_size_said:
+                self._world_size_said.add(i)
+                self.echo(f"[launcher] island {i} joined with {island.world_size} process(es), not --devices-per-island="
+                          f"{self.options.devices_per_island}: its script ignores DILOCO_DEVICES; pass "
+                          "devices=int(os.environ['DILOCO_DEVICES']) to its Trainer\n")
 
     def _synchronizer_went_down(self, now: float) -> None:
         """Called with ``_lock`` held."""
@@ -240,7 +268,7 @@ class Run:
                 self.echo(f"[launcher] restarted {island.name} (restart {island.restarts})\n")
                 if not self.ddp:  # a recovery counts from the moment the island went down
                     with self._lock:
-                        self.recovery.island_restarted(index, island.lifetimes[-2][1] or now)
+                        self.recovery.island_restarted(index, island.lifetimes[-2][1] or now, now)
                     note = without_checkpoint(island.name, self.workdir / f"checkpoints-{index}")
                     if note:
                         self.echo(note)
@@ -254,8 +282,11 @@ class Run:
     def _exited(self, island: Supervised, code: int, now: float) -> None:
         """What follows an island's exit: finished, failed for good, or a restart after a delay."""
         killed = island.state is UnitState.KILLED
+        if code != 0 and not killed and self.console.quiet:  # its output went to its log: show how it ended
+            tail = "".join(f"[{island.name}] {line}\n" for line in list(island.last_lines)[-5:])
+            self.echo(f"[launcher] {island.name} exited with {code}; the end of {self.console.log_path(island.name)}:\n{tail}")
         if code == 0 and not killed:
-            island.finish(now - self.t0)
+            island.finish()
             self.echo(f"[launcher] {island.name} finished\n")
         elif code == EXIT_REFUSED:  # a restart would be refused the same way
             island.fail()
@@ -263,9 +294,17 @@ class Run:
             self.failures.append(f"{island.name} was refused by the synchronizer: {why}")
             self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
             self._stop.set()  # every island runs the same command: the others would be refused too
+        elif (missing := import_failure(island.last_lines)) is not None:  # a restart would crash the same way
+            island.fail()
+            self.failures.append(f"{island.name} cannot start: {missing}; install it into the Python the command runs "
+                                 f"(this launcher's is {sys.executable})")
+            self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
+            self._stop.set()
         elif island.restarts >= self.options.max_restarts:
             island.fail()
-            self.failures.append(f"{island.name} exited with {code} and used up its {self.options.max_restarts} restarts")
+            last = next((line for line in reversed(island.last_lines) if line.strip()), None)
+            self.failures.append(f"{island.name} exited with {code} and used up its {self.options.max_restarts} restarts"
+                                 + (f"; its last output: {last.strip()}" if last else ""))
             self.echo(f"[launcher] {self.failures[-1]}\n")
         else:
             delay = island.hold_s if killed else min(self.options.restart_backoff * 2 ** island.restarts, 30.0)
@@ -286,8 +325,17 @@ class Run:
             self._handle_exits(now)
             if all(i.done for i in self.islands):
                 break
+            if now >= self._next_progress:
+                self._next_progress = now + self.options.progress_every
+                self._print_progress(now)
             self._stop.wait(0.05)
         return 1 if any(i.state is UnitState.FAILED for i in self.islands) or self._stop.is_set() else 0
+
+    def _print_progress(self, now: float) -> None:
+        progress = {i: read_progress_line(self.workdir / f"progress-{i}.txt") for i in range(self.units)}
+        running = sum(unit.alive for unit in self.islands)
+        self.echo(progress_line(now - self.t0, progress, running, self.units, self.last_status,
+                                "DDP job" if self.ddp else "island"))
 
     def shutdown(self) -> None:
         self._sampling_done.set()
@@ -301,22 +349,27 @@ class Run:
             self.client.close()
         if self.synchronizer is not None:
             self.synchronizer.stop()
-
-    def _finished_at(self) -> dict[int, float]:
-        units = {i: self._unit(i) for i in range(self.options.islands)}
-        return {i: unit.finished_at for i, unit in units.items() if unit.finished_at is not None}
+        self.console.close()
 
     def report(self) -> RunReport:
         now = time.monotonic()
         method = "ddp checkpoint-restart" if self.ddp else "decoupled diloco"
         alive = {i: self._unit(i).alive_seconds(now) for i in range(self.options.islands)}
-        rep = build_report(method, self.options.islands, self.samples, alive, rollback_steps=self.ddp,
-                           synchronizer_restarts=self.synchronizer_downs,
-                           finished_at=self._finished_at())
+        finished = [i for i in range(self.options.islands) if self._unit(i).state is UnitState.FINISHED]
+        failures = list(self.failures)
+        if self._stop.is_set() and not failures and not all(island.done for island in self.islands):
+            failures.append("stopped before every island finished (interrupted)")
+        with self._lock:
+            rep = build_report(method, self.options.islands, self.samples, alive, rollback_steps=self.ddp,
+                               synchronizer_restarts=self.synchronizer_downs, finished=finished,
+                               ended_at=now - self.t0, failures=failures)
+            rep.recoveries_s = list(self.recovery.recoveries)
+            rep.unrecovered = self.recovery.unrecovered
+            rep.accepted = dict(self.recovery.accepted)
+            if self.last_status is not None:
+                rep.unmerged_at_end = sum(r.open_contributors for r in self.last_status.rounds.values())
         rep.faults = self.fired
         rep.restarts = {i: self._unit(i).restarts for i in range(self.options.islands)}
-        rep.recoveries_s = self.recovery.recoveries
-        rep.accepted = dict(self.recovery.accepted)
         return rep
 
 
@@ -329,23 +382,6 @@ def without_checkpoint(name: str, folder: Path) -> str | None:
             "(examples/train_lm.py shows how)\n")
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _safe_kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[SynchronizerStatus], None]] = ()) -> int:
     """Run ``command`` as the islands of ``options`` until every island is done; print the run
     report (and write it to ``options.report``). ``observers`` are called with each synchronizer
@@ -353,6 +389,7 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
     if not command:
         raise ValueError("give the training command after --, e.g. "
                          "lightning-diloco run --islands 2 -- python examples/train_lm.py --steps 48")
+    check_command(command, clean_environment({}))
     if options.report:  # its folder now, not after the whole run
         Path(options.report).parent.mkdir(parents=True, exist_ok=True)
     launcher = Run(options, command, observers)
@@ -367,8 +404,8 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
             signal.signal(sig, handler)
     report = launcher.report()
     print("\n" + report.summary(), flush=True)
-    if launcher.failures:
-        print("run failed: " + "; ".join(launcher.failures), flush=True)
+    if report.failed:
+        print("run failed: " + "; ".join(report.failures), flush=True)
     if options.report:
         Path(options.report).write_text(json.dumps(report.to_dict(), indent=2, default=sorted))
     if launcher.temporary:  # its checkpoints and progress files: keep them with --workdir

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -59,15 +61,15 @@ class Supervised:
 
     def __init__(self, name: str, command: Sequence[str], make_env: Callable[[], dict[str, str]],
                  echo: Callable[[str], None] | None = None) -> None:
+        """``echo``: where its output lines go (default: stdout, prefixed with its name)."""
         self.name, self.command, self.make_env = name, list(command), make_env
-        self.echo = echo or (lambda line: sys.stdout.write(line))
+        self.echo = echo or (lambda line: sys.stdout.write(f"[{name}] {line}"))
         self.proc: subprocess.Popen | None = None
         self.lifetimes: list[list[float | None]] = []  # [start, end or None] per incarnation
         self.restarts = 0
         self.state = UnitState.WAITING
         self.due: float | None = None  # WAITING: when to start it; PAUSED: when to resume it
         self.hold_s = 0.0  # KILLED: how long it stays down after its exit
-        self.finished_at: float | None = None  # run time at which it completed its work
         self._reader: threading.Thread | None = None
         self.last_lines: deque[str] = deque(maxlen=20)  # its latest output, to say why it failed
 
@@ -106,9 +108,8 @@ class Supervised:
         self.signal(signal.SIGKILL)
         return True
 
-    def finish(self, at: float) -> None:
+    def finish(self) -> None:
         self._move(UnitState.FINISHED)
-        self.finished_at = at
 
     def fail(self) -> None:
         self._move(UnitState.FAILED)
@@ -124,7 +125,7 @@ class Supervised:
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             self.last_lines.append(line.rstrip())
-            self.echo(f"[{self.name}] {line}")
+            self.echo(line)
         proc.stdout.close()
 
     @property
@@ -167,8 +168,53 @@ class Supervised:
         return sum((now if end is None else end) - start for start, end in self.lifetimes)
 
 
-def read_progress(path: Path) -> int:
+@dataclass(frozen=True)
+class Progress:
+    """What a progress file says (launch/progress.py writes it): one line ``STEP MAX_STEPS LOSS``,
+    ``MAX_STEPS`` -1 when unbounded and ``LOSS`` nan until one is known."""
+
+    step: int
+    max_steps: int | None = None
+    loss: float | None = None
+
+    def line(self) -> str:
+        return f"{self.step} {self.max_steps or -1} {float('nan') if self.loss is None else self.loss:.6g}"
+
+
+def read_progress_line(path: Path) -> Progress:
+    """A progress file's contents; step 0 when it is missing or unreadable (a file of the older,
+    step-only form reads as its step)."""
     try:
-        return int(path.read_text().strip() or 0)
+        fields = path.read_text().split()
+        step = int(fields[0]) if fields else 0
     except (OSError, ValueError):
-        return 0
+        return Progress(0)
+    try:
+        max_steps = int(fields[1]) if len(fields) > 1 else None
+        loss = float(fields[2]) if len(fields) > 2 else None
+    except ValueError:
+        return Progress(step)
+    return Progress(step, max_steps if max_steps and max_steps > 0 else None,
+                    loss if loss is not None and math.isfinite(loss) else None)
+
+
+def read_progress(path: Path) -> int:
+    return read_progress_line(path).step
+
+
+def children(pid: int) -> list[int]:
+    """The PIDs of ``pid``'s child processes."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def safe_kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

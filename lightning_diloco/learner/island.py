@@ -39,7 +39,9 @@ from lightning_diloco.learner.link import SynchronizerLink
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 2
-COUNTERS = ("sent", "applied", "received", "skipped", "failed", "requested", "realigned")
+COUNTERS = ("sent", "applied", "received", "skipped", "failed", "requested", "realigned", "unmerged")
+FINAL_WAIT_STEPS = 4  # the end waits for its last rounds this many x (tau + 1) step times ...
+FINAL_WAIT_MIN_S = 3.0  # ... and at least this long (a tiny model's steps take milliseconds)
 
 
 class IslandLearner:
@@ -313,16 +315,18 @@ class IslandLearner:
 
     # ---- the end ------------------------------------------------------------------------------
 
-    def finish(self, timeout: float = 30.0) -> bool:
+    def finish(self, timeout: float | None = None) -> bool:
         """Wait for the rounds still in flight, then load the current global model on every rank.
 
-        The global model replaces the local weights only if it holds this island's work (one of
-        its contributions was merged); otherwise the local weights stay and a warning says why.
+        Waits at most ``timeout`` seconds (default :meth:`final_wait`: a few step times); a
+        contribution whose round has not closed by then is counted as ``unmerged`` and said in the
+        log. The global model replaces the local weights only if it holds this island's work (one
+        of its contributions was merged); otherwise the local weights stay and a warning says why.
         Returns whether the global model was loaded.
         """
         plan = None
         if self.is_leader:
-            plan = self._final_plan(timeout)
+            plan = self._final_plan(self.final_wait() if timeout is None else timeout)
         for f in self.fragments:
             f.flight = None
         plan = self._share(plan)
@@ -334,21 +338,33 @@ class IslandLearner:
             self.write_fragment(p, f.base)
         return True
 
+    def final_wait(self) -> float:
+        """Seconds the end waits for its last rounds: FINAL_WAIT_STEPS x (tau + 1) step times (a
+        round closes within tau step times of its quorum), at least FINAL_WAIT_MIN_S, at most push_wait."""
+        steps = FINAL_WAIT_STEPS * (self.config.schedule.overlap_steps + 1)
+        return min(self.push_wait, max(FINAL_WAIT_MIN_S, steps * self._step_time))
+
     def _final_plan(self, timeout: float) -> dict | None:
+        try:  # the final step count, so that the run's report gives the steps as trained
+            self.link.heartbeat(self.island, self.step, self._step_time, self.schedule_step)
+        except Exception as err:  # noqa: BLE001 - liveness only
+            log.debug("island %d: final heartbeat failed: %s", self.island, err)
         # A late contribution waits for a round that opens only when some island sends for it; at
-        # the end of a run nobody may, so waiting would only cost the timeout. It stays queued and
-        # is merged if the run goes on.
+        # the end of a run nobody may, so it is not waited for: it stays queued and is merged if
+        # the run goes on. Whether a send is late is known only from its ack, which may come
+        # during the wait: the wait ends once every send is settled or known late.
         in_flight = self.in_flight
-        late = sorted(p for p, f in in_flight.items() if f.late())
+        self.inbox.wait(lambda: all(f.late() or self._settled(p) for p, f in in_flight.items()), timeout)
+        late = sorted(p for p, f in in_flight.items() if f.late() and not self._settled(p))
+        open_rounds = sorted(p for p, f in in_flight.items() if not f.late() and not self._settled(p))
         if late:
-            log.info("island %d: late contribution(s) to fragment(s) %s wait for their next round; not awaited at the end",
+            log.info("island %d: late contribution(s) to fragment(s) %s wait for their next round: not merged by the end",
                      self.island, late)
-        awaited = [p for p in in_flight if p not in late]
-        self.inbox.wait(lambda: all(self._settled(p) for p in awaited), timeout)
-        for p in awaited:
-            if not self._settled(p):
-                log.warning("island %d: the round of fragment %d (round %d) did not close within %.0f s of the end",
-                            self.island, p, in_flight[p].round, timeout)
+        if open_rounds:
+            log.warning("island %d: the round(s) of fragment(s) %s did not close within %.1f s of the end: those "
+                        "contributions are not in the global model this island ends with", self.island, open_rounds, timeout)
+        with self._lock:
+            self.counters["unmerged"] += len(late) + len(open_rounds)
         self.merged_any = self.merged_any or any(a.included for a in self.inbox.take(lambda a: True))
         if not self.merged_any:
             log.warning("island %d: none of its contributions was merged into the global model before training ended "
@@ -378,6 +394,7 @@ class IslandLearner:
             "step": self.step,
             "schedule_step": self.schedule_step,
             "seq": self.seq,
+            "counters": dict(self.counters),  # diloco/syncs_* go on from where they were
             **fragments_state_dict(self.fragments),
         }
 
@@ -392,6 +409,9 @@ class IslandLearner:
         self.schedule_step = int(state["schedule_step"])
         self.fragments = fragments_from_state_dict(state)
         self.seq = max(self.seq, int(state["seq"]))
+        saved = state.get("counters", {})  # absent from checkpoints written before they were saved
+        with self._lock:
+            self.counters = {name: int(saved.get(name, 0)) for name in COUNTERS}
 
     def metrics(self) -> dict[str, float]:
         with self._lock:

@@ -28,9 +28,9 @@ class DiLoCoMonitor(Callback):
         if learner is None:
             return
         m = learner.metrics()
-        pl_module.log("diloco/version", m["diloco/min_version"], prog_bar=True, on_step=True, on_epoch=False)
-        pl_module.log("diloco/applied", m["diloco/syncs_applied"], prog_bar=True, on_step=True, on_epoch=False)
-        pl_module.log("diloco/reachable", m["diloco/synchronizer_reachable"], prog_bar=True, on_step=True, on_epoch=False)
+        # the strategy logs these to the loggers under the same names: the bar only shows them
+        for name in ("diloco/min_version", "diloco/syncs_applied", "diloco/synchronizer_reachable"):
+            pl_module.log(name, m[name], prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._restore()  # a second validation in a row: from the local weights again

@@ -10,8 +10,6 @@ only; Lightning's loops are never copied.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import logging
 import os
 import warnings
@@ -27,7 +25,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.exit_codes import EXIT_REFUSED
 from lightning_diloco.core.fragments import build_layout, tensor_specs
-from lightning_diloco.core.settings import config_with, load_run_config, run_settings, value_of
+from lightning_diloco.core.settings import config_with, run_settings, value_of
+from lightning_diloco.learner.arguments import (as_run_config, describe_for_cli, env_int, given_ddp_arguments, read_token,
+                                                refuse_unknown)
 from lightning_diloco.learner.collective import Collective, TorchCollective
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.reasons import Reason
@@ -52,41 +52,6 @@ class RefusedByRun(SystemExit):
         return self.message
 
 
-def _env_int(name: str, value: int | None, default: int) -> int:
-    if value is not None:
-        return value
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
-
-
-def _refuse_unknown(names: set[str]) -> None:
-    """A misspelt run setting would otherwise reach DDP, which a one-process island never builds:
-    it would be ignored without a word."""
-    ddp = {name for init in (DDPStrategy.__init__, torch.nn.parallel.DistributedDataParallel.__init__)
-           for name, p in inspect.signature(init).parameters.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
-    ddp -= {"self", "module"}
-    unknown = sorted(names - ddp)
-    if unknown:
-        known = [s.name for s in run_settings()] + sorted(ddp)
-        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, n=1)) else repr(name)
-                 for name in unknown]
-        raise TypeError(f"DecoupledDiLoCoStrategy got unknown arguments {', '.join(hints)}: neither run settings "
-                        "(lightning_diloco.core.settings.run_settings()) nor DistributedDataParallel arguments")
-
-
-def _as_run_config(given: RunConfig | dict | str | os.PathLike | None) -> RunConfig | None:
-    if given is None or isinstance(given, RunConfig):
-        return given
-    if isinstance(given, dict):
-        return RunConfig.from_dict(given)
-    return load_run_config(given)
-
-
 class DecoupledDiLoCoStrategy(DDPStrategy):
     strategy_name = "decoupled_diloco"
 
@@ -96,6 +61,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         island: int | None = None,
         num_islands: int | None = None,
         token: str | None = None,
+        token_file: str | os.PathLike | None = None,
         *,
         sync_every: int | None = None,
         num_fragments: int | None = None,
@@ -125,13 +91,18 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         Args:
             synchronizer: The synchronizer's address, ``host:port``, comma-separated for shards
                 (``DILOCO_SYNCHRONIZER``). None starts an embedded synchronizer on loopback for
-                a one-island run.
+                a one-island run (refused when num_islands > 1).
             island: This island's index i in [0, num_islands) (``DILOCO_ISLAND``, default 0); it
                 trains on shard i of the data.
             num_islands: M, the islands in the run (``DILOCO_NUM_ISLANDS``, default 1).
             token: The run's shared secret if the synchronizer requires one (``DILOCO_TOKEN``).
+                Not an argument of LightningCLI, which would save it in config.yaml.
+            token_file: A file holding the run's shared secret, for LightningCLI's config.yaml
+                and for anything else that should not hold the secret itself.
             sync_every: H, inner steps between two sends of one fragment (run setting, default
-                24). Given alone, num_fragments becomes min(24, H).
+                24). Given alone, num_fragments becomes min(24, H). A module with several
+                optimizers (a GAN) counts an inner step per step of its first optimizer; the
+                outer step covers the parameters of all of them.
             num_fragments: P, fragments the parameters are packed into, at most H (run setting,
                 default 24; the synchronizer lowers it to the model's tensor count).
             overlap_steps: tau, steps after a send at which its round's global fragment is
@@ -167,14 +138,22 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
                 ``find_unused_parameters=True``).
         """
         setting_names = {s.name for s in run_settings()}
-        _refuse_unknown(set(kwargs) - setting_names)
-        super().__init__(**{k: v for k, v in kwargs.items() if k not in setting_names})
+        refuse_unknown(set(kwargs) - setting_names)
+        super().__init__(**given_ddp_arguments({k: v for k, v in kwargs.items() if k not in setting_names}))
         self.address = synchronizer if synchronizer is not None else (os.environ.get("DILOCO_SYNCHRONIZER") or None)
-        self.island = _env_int("DILOCO_ISLAND", island, 0)
-        self.num_islands = _env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
+        self.island = env_int("DILOCO_ISLAND", island, 0)
+        self.num_islands = env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
         if not 0 <= self.island < self.num_islands:
             raise ValueError(f"island={self.island} must be in [0, num_islands={self.num_islands}); set DILOCO_ISLAND below DILOCO_NUM_ISLANDS")
-        self.token = token if token is not None else (os.environ.get("DILOCO_TOKEN") or None)
+        if self.num_islands > 1 and self.address is None:
+            # an embedded synchronizer serves this process only: the island would train alone, on
+            # 1/M of the data, and no other island could ever reach it
+            raise ValueError(
+                f"island {self.island} of num_islands={self.num_islands} has no synchronizer to share its work with: "
+                "set DILOCO_SYNCHRONIZER=host:port (or synchronizer=...) to one started with `lightning-diloco "
+                "synchronizer`, let `lightning-diloco run --islands M -- COMMAND` start every island and the "
+                "synchronizer, or train one island alone with num_islands=1 (DILOCO_NUM_ISLANDS unset)")
+        self.token = token if token is not None else read_token(token_file)
         given = dict(
             sync_every=sync_every, num_fragments=num_fragments, overlap_steps=overlap_steps, outer_lr=outer_lr,
             outer_momentum=outer_momentum, min_quorum=min_quorum, grace_gamma=grace_gamma, merge=merge, apply=apply,
@@ -182,7 +161,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             **{k: v for k, v in kwargs.items() if k in setting_names},
         )
         self.explicit = {k: v for k, v in given.items() if v is not None}
-        self.base_config = _as_run_config(run_config)
+        self.base_config = as_run_config(run_config)
         self.run_config = config_with(self.explicit, self.base_config)  # validates now, not at fit time
         self.count_tokens = tokens_per_batch or default_tokens_per_batch
         self.end_with_global_model = end_with_global_model
@@ -257,6 +236,8 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         self.learner = IslandLearner(params, layout, config, island=self.island, link=link, collective=collective, push_wait=self.push_wait)
         self.learner.start(resume=(self._resume or {}).get("learner"), run_step=run_step)
         if self.global_rank == 0:
+            for logger in trainer.loggers:  # the run's settings beside the module's hyperparameters
+                logger.log_hyperparams(self._hyperparameters(config))
             sched, merge = config.schedule, config.merge
             rank_zero_info(
                 f"Decoupled DiLoCo: island {self.island} of {self.num_islands} ({self.world_size} process(es)), "
@@ -265,6 +246,23 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
                 f"uplink {config.codec.uplink}, downlink {config.codec.downlink}; starting at the run's step "
                 f"{self.learner.schedule_step}"
             )
+
+    def _hyperparameters(self, config: RunConfig) -> dict[str, Any]:
+        """Every run setting as the synchronizer has it, and where this island stands in the run."""
+        where = {"island": self.island, "num_islands": self.num_islands, "island_processes": self.world_size,
+                 "synchronizer": self.address or "embedded"}
+        return {f"diloco/{name}": value for name, value in
+                {**where, **{s.name: value_of(config, s.name) for s in run_settings()}}.items()}
+
+    def _summary(self) -> str:
+        """What the island's part in the run came to, said once when fit ends."""
+        m = self.final_metrics
+        return (f"Decoupled DiLoCo, island {self.island}: {m['diloco/syncs_sent']:.0f} contributions sent, "
+                f"{m['diloco/syncs_applied']:.0f} of their rounds' global fragments applied and "
+                f"{m['diloco/syncs_received']:.0f} other new versions taken, {m['diloco/syncs_failed']:.0f} failed, "
+                f"{m['diloco/syncs_unmerged']:.0f} not merged by the end; {m['diloco/bytes_up'] / 1e6:.2f} MB up, "
+                f"{m['diloco/bytes_down'] / 1e6:.2f} MB down; last staleness {m['diloco/staleness']:.0f} versions; "
+                f"ended on global versions from {m['diloco/min_version']:.0f}")
 
     def _uses_nccl(self) -> bool:
         return torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
@@ -335,12 +333,12 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         return output
 
     def _log_metrics(self) -> None:
+        # Through the module's own logging, on the steps the trainer writes its logs: the island's
+        # metrics land in the module's rows (a logger call of our own made a second row per step)
         trainer = self.lightning_module.trainer
-        if self.learner.step % max(1, trainer.log_every_n_steps) != 0:
-            return
-        metrics = self.learner.metrics()
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        module = self.lightning_module
+        if trainer.loggers and module._current_fx_name is not None and trainer._logger_connector.should_update_logs:
+            module.log_dict(self.learner.metrics(), on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_end(self) -> None:
         if self.learner is not None and self.end_with_global_model:
@@ -367,6 +365,7 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             self.final_metrics = self.learner.metrics()
             self.learner.close()
             self.learner = None
+            rank_zero_info(self._summary())
         if self.embedded is not None:
             self.embedded.stop(grace=0)
             self.embedded = None
@@ -381,6 +380,9 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
             "decoupled_diloco_spawn", cls, description="Decoupled DiLoCo learner island, spawned DDP",
             start_method="spawn", override=True,
         )
+
+
+describe_for_cli(DecoupledDiLoCoStrategy)
 
 
 def _unwrap(optimizer):

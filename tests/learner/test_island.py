@@ -249,8 +249,10 @@ def test_finish_loads_the_global_model_once_its_work_is_in(islands):
     learner, _, params, service = islands(config)
     for _ in range(3):
         _step(learner, params)
+    assert service.status().islands[0].steps == 0  # heartbeats every 60 s here: none since the join
     assert learner.finish(timeout=10) is True
     assert torch.equal(flatten_fragment(params), service.pull(0)[1])
+    assert service.status().islands[0].steps == 3  # the end says the steps as trained (the run's report reads them)
 
 
 def test_finish_does_not_wait_for_a_late_contribution_whose_round_may_never_open(islands):
@@ -275,6 +277,44 @@ def test_finish_does_not_wait_for_a_late_contribution_whose_round_may_never_open
     second.merged_any = True  # its work counts as merged: the global model is pulled
     assert second.finish(timeout=30) is True
     assert waits == [True]
+
+
+def test_finish_stops_waiting_once_a_send_is_acked_late_and_counts_it_unmerged(islands):
+    """The ack that says a send is late may come only during the end's wait (pushes queue under
+    load): its round opens only on the next send, which nobody makes at the end, so the wait
+    must end then, not after its timeout, and the contribution is counted as not merged."""
+    import threading
+
+    config = _config(P=1, H=2, tau=1)
+    first, _, params0, service = islands(config)
+    second, link1, params1, _ = islands(config, island=1, service=service, seed=1)
+    for _ in range(3):
+        _step(first, params0)  # island 0 sends for round 0 at its step 2; K = 1 closes it
+    _settle(first)
+    link1.gate = threading.Event()  # island 1's push waits: its ack is not back when finish starts
+    for _ in range(2):
+        _step(second, params1)  # its send for round 0 comes after round 0 closed: late
+    settled = []
+    wait = second.inbox.wait
+
+    def recorded(predicate, timeout):
+        threading.Timer(0.2, link1.gate.set).start()  # the ack comes back during the wait
+        settled.append(wait(predicate, timeout))
+        return settled[-1]
+
+    second.inbox.wait = recorded
+    second.merged_any = True  # its work counts as merged: the global model is pulled
+    assert second.finish(timeout=60) is True
+    assert settled == [True]  # the wait ended on the late ack, not on its 60 s timeout
+    assert second.counters["unmerged"] == 1 and second.metrics()["diloco/syncs_unmerged"] == 1.0
+
+
+def test_the_ends_wait_is_a_few_step_times(islands):
+    learner, _, _, _ = islands(_config(tau=2))
+    learner._step_time = 0.5
+    assert learner.final_wait() == 4 * 3 * 0.5
+    learner._step_time = 0.001  # a tiny model: at least a few seconds for the network
+    assert learner.final_wait() == 3.0
 
 
 def test_state_dict_round_trips_and_refuses_another_model(islands):

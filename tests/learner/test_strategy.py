@@ -10,7 +10,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_diloco  # noqa: F401  registers the strategy names
 from lightning_diloco import DecoupledDiLoCoStrategy
-from lightning_diloco.core.settings import load_run_config, run_settings, setting, value_of
+from lightning_diloco.core.settings import config_with, load_run_config, run_settings, setting, value_of
+from lightning_diloco.synchronizer.server import SynchronizerServer
+from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import sample_setting_value
 from tests.learner.models import TinyRegressor, loader, regression_data, trainer
 
@@ -51,8 +53,12 @@ def test_a_one_process_island_runs_without_a_process_group_or_ddp_wrapper():
             return super().training_step(batch, batch_idx)
 
     model = Probe()
-    t = trainer(DecoupledDiLoCoStrategy(num_islands=2, sync_every=8), max_epochs=1)
-    t.fit(model, loader(regression_data()))
+    server = SynchronizerServer(Synchronizer(config_with({"sync_every": 8, "num_fragments": 4})), host="127.0.0.1", port=0).start()
+    try:
+        t = trainer(DecoupledDiLoCoStrategy(synchronizer=server.address, num_islands=2, sync_every=8), max_epochs=1)
+        t.fit(model, loader(regression_data()))
+    finally:
+        server.stop(grace=0)
     assert seen["process group"] is False and seen["model"] == "Probe"
     assert t.strategy.launcher is None  # DDP's would reset the script's torch thread count
     assert (seen["sampler"].num_replicas, seen["sampler"].rank) == (2, 0)
@@ -72,10 +78,39 @@ def test_lightning_cli_describes_every_strategy_argument():
     helps = {action.dest: action.help or "" for action in parser._actions}
     ours = [name for name, p in inspect.signature(DecoupledDiLoCoStrategy.__init__).parameters.items()
             if name != "self" and p.kind is not p.VAR_KEYWORD]
-    assert len(ours) == 21
+    # every run setting and the DDP arguments by name (**kwargs hid them from the CLI), and no
+    # token: LightningCLI saves its arguments in config.yaml (token_file instead)
+    assert {s.name for s in run_settings()} | {"find_unused_parameters", "static_graph", "token_file"} <= set(ours)
+    assert "token" not in ours and len(ours) == len(set(ours))
     undocumented = [name for name in ours if len(helps.get(f"strategy.{name}", "")) < 20]
     assert undocumented == []
     assert "comma-separated for shards" in helps["strategy.synchronizer"]
+
+
+def test_lightning_cli_takes_every_setting_by_name_keeps_the_token_out_and_finds_the_monitor(tmp_path, monkeypatch):
+    """--trainer.strategy.history and .find_unused_parameters were refused; a token given to the
+    CLI was saved in config.yaml in plain text; DiLoCoMonitor needed its full import path."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.cli import LightningCLI
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return loader(regression_data())
+
+    (tmp_path / "token").write_text("s3cret\n")
+    monkeypatch.chdir(tmp_path)
+    cli = LightningCLI(TinyRegressor, Data, run=False, save_config_kwargs={"overwrite": True}, args=[
+        "--trainer.strategy=DecoupledDiLoCoStrategy", "--trainer.strategy.history=6",
+        "--trainer.strategy.find_unused_parameters=true", f"--trainer.strategy.token_file={tmp_path / 'token'}",
+        "--trainer.callbacks+=DiLoCoMonitor", "--trainer.logger=false", "--trainer.max_steps=2",
+        "--trainer.enable_progress_bar=false"])
+    strategy = cli.trainer.strategy
+    assert strategy.run_config.merge.history == 6 and strategy._ddp_kwargs == {"find_unused_parameters": True}
+    assert strategy.token == "s3cret"
+    assert any(type(c).__name__ == "DiLoCoMonitor" for c in cli.trainer.callbacks)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    config = (tmp_path / "config.yaml").read_text()
+    assert "s3cret" not in config and "token_file" in config
 
 
 def test_zero_argument_constructor_and_double_registration_work():
@@ -89,7 +124,7 @@ def test_bad_arguments_are_refused_at_construction():
     with pytest.raises(ValueError, match="overlap_steps=30"):
         DecoupledDiLoCoStrategy(overlap_steps=30)
     with pytest.raises(ValueError, match="island=2 must be in"):
-        DecoupledDiLoCoStrategy(island=2, num_islands=2)
+        DecoupledDiLoCoStrategy(island=2, num_islands=2, synchronizer="127.0.0.1:1")
 
 
 @pytest.mark.parametrize("name", [s.name for s in run_settings()])
@@ -120,6 +155,17 @@ def test_a_misspelt_argument_is_refused_with_the_name_it_meant():
         DecoupledDiLoCoStrategy(find_unused_params=True)
     # Lightning's own DDPStrategy arguments and DDP's still pass
     assert DecoupledDiLoCoStrategy(process_group_backend="gloo", static_graph=True)._ddp_kwargs == {"static_graph": True}
+
+
+def test_an_island_of_several_without_a_synchronizer_is_refused_with_the_fix(monkeypatch):
+    """An embedded synchronizer would let it train alone on 1/M of the data, without a word."""
+    with pytest.raises(ValueError, match="num_islands=2 has no synchronizer.*DILOCO_SYNCHRONIZER=host:port.*lightning-diloco run"):
+        DecoupledDiLoCoStrategy(island=1, num_islands=2)
+    monkeypatch.setenv("DILOCO_ISLAND", "1")
+    monkeypatch.setenv("DILOCO_NUM_ISLANDS", "2")
+    with pytest.raises(ValueError, match="island 1 of num_islands=2 has no synchronizer"):
+        DecoupledDiLoCoStrategy()
+    assert DecoupledDiLoCoStrategy(synchronizer="127.0.0.1:1").num_islands == 2
 
 
 def test_environment_supplies_island_settings(monkeypatch):
@@ -188,7 +234,8 @@ def test_checkpoint_resume_continues_counters_and_matches_an_uninterrupted_run(t
     settings = dict(sync_every=4, num_fragments=2, overlap_steps=0, end_with_global_model=False, **FP32)
 
     straight = TinyRegressor()
-    trainer(DecoupledDiLoCoStrategy(**settings), max_epochs=2).fit(straight, loader(data))
+    uninterrupted = DecoupledDiLoCoStrategy(**settings)
+    trainer(uninterrupted, max_epochs=2).fit(straight, loader(data))
 
     first = TinyRegressor()
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
@@ -200,6 +247,8 @@ def test_checkpoint_resume_continues_counters_and_matches_an_uninterrupted_run(t
     t = trainer(DecoupledDiLoCoStrategy(**settings), max_epochs=2)
     t.fit(resumed, loader(data), ckpt_path=tmp_path / "last.ckpt")
     assert t.strategy.final_metrics["diloco/min_version"] == 8  # 32 steps / H=4 per fragment
+    # the counters go on from the checkpoint's, not from 0: 32 steps sent 16 times either way
+    assert t.strategy.final_metrics["diloco/syncs_sent"] == uninterrupted.final_metrics["diloco/syncs_sent"] == 16
     for a, b in zip(_weights(straight), _weights(resumed)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -246,7 +295,7 @@ def test_islands_seeded_apart_take_disjoint_shards_that_cover_the_data(devices, 
     shards = []
     for island in range(islands):
         seed_everything(100 + island, verbose=False)  # sets PL_GLOBAL_SEED, which Lightning's sampler would take
-        strategy = DecoupledDiLoCoStrategy(island=island, num_islands=islands, data_seed=7)
+        strategy = DecoupledDiLoCoStrategy(synchronizer="127.0.0.1:1", island=island, num_islands=islands, data_seed=7)
         for rank in range(devices):
             monkeypatch.setattr(type(strategy), "num_processes", property(lambda self: devices))
             monkeypatch.setattr(type(strategy), "global_rank", property(lambda self, rank=rank: rank))
@@ -258,3 +307,57 @@ def test_islands_seeded_apart_take_disjoint_shards_that_cover_the_data(devices, 
     seen = [i for shard in shards for i in shard]
     assert set(seen) == set(dataset)  # nothing left unseen in the epoch
     assert len(seen) - len(set(seen)) < islands * devices  # only the sampler's padding repeats an index
+
+
+def test_run_settings_reach_the_loggers_and_fit_ends_with_a_summary(tmp_path, caplog):
+    """A logger's hyperparameters say which run produced the curves; the end of fit says what the
+    island's syncs came to."""
+    import re
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    caplog.set_level("INFO", logger="lightning.pytorch")
+    logger = CSVLogger(tmp_path)
+    t = trainer("decoupled_diloco", max_epochs=1, logger=logger)
+    t.fit(TinyRegressor(), loader(regression_data()))
+    hparams = logger.experiment.hparams
+    assert (hparams["diloco/island"], hparams["diloco/num_islands"], hparams["diloco/synchronizer"]) == (0, 1, "embedded")
+    assert hparams["diloco/num_fragments"] == 4  # as the synchronizer has it: lowered to the model's 4 tensors
+    assert hparams["diloco/sync_every"] == 24 and hparams["diloco/uplink_codec"] == "int4" and "diloco/outer_lr" in hparams
+    assert "diloco/sync_every: 24" in (tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text()
+    assert re.search(r"Decoupled DiLoCo, island 0: [1-9]\d* contributions sent, .* MB up", caplog.text), caplog.text[-2000:]
+
+
+def test_each_metric_has_one_name_in_the_logs_and_the_progress_bar(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_diloco import DiLoCoMonitor
+
+    t = trainer("decoupled_diloco", max_epochs=1, logger=CSVLogger(tmp_path), log_every_n_steps=4, callbacks=[DiLoCoMonitor()])
+    t.fit(TinyRegressor(), loader(regression_data()))
+    columns = set(next(csv.reader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv"))))
+    assert {"diloco/syncs_applied", "diloco/min_version", "diloco/synchronizer_reachable"} <= columns
+    assert not columns & {"diloco/applied", "diloco/version", "diloco/reachable"}  # once named two ways
+    assert {"diloco/syncs_applied", "diloco/min_version"} <= set(t.progress_bar_metrics)
+
+
+def test_the_islands_metrics_land_in_the_modules_rows(tmp_path):
+    """One row per logged step in a CSV log (W&B's step count is not doubled either)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    class Logged(TinyRegressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss)
+            return loss
+
+    t = trainer("decoupled_diloco", max_epochs=1, logger=CSVLogger(tmp_path), log_every_n_steps=4)
+    t.fit(Logged(), loader(regression_data()))
+    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
+    steps = [row["step"] for row in rows]
+    assert len(steps) == len(set(steps)) == 4  # 16 steps logged every 4
+    assert all(row["train_loss"] and row["diloco/syncs_sent"] for row in rows)

@@ -152,3 +152,17 @@ def test_wandb_runs_are_offline_without_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     kw = wandb_kwargs(argparse.Namespace(wandb_project="p", wandb_group=None, out=str(tmp_path / "grp"), run_t0=1.0), tmp_path, "x")
     assert kw["offline"] and kw["group"] == "grp" and kw["name"] == "x"
+
+
+def test_the_ddp_reference_is_printed_only_for_the_setting_it_was_measured_at():
+    from recipes.summary import reference_line
+
+    main_job = _args(TEXT, "--islands", "4", "--out", "runs/main")  # scripts/run.sh
+    line = reference_line(TEXT, main_job, 1.8475, ["--islands", "4", "--out", "runs/main"])
+    assert line.startswith("DDP, 4 processes, same preset, steps, batch and lr: eval_loss 1.7532 +- 0.0065 over 3 seeds")
+    assert line.endswith("this run +5.4%")  # the README's row: 1.8475 against 1.7532
+    argv = ["--islands", "2", "--steps", "60", "--chaos", "kill 1 at step 30", "--resume"]
+    other = reference_line(TEXT, _args(TEXT, *argv), 2.0, argv)
+    assert other.startswith("no DDP reference for this setting")
+    assert other.endswith("python -m recipes.text_lm --strategy ddp --islands 2 --steps 60 --out runs/text_lm-cpu-tiny-decoupled_diloco-ddp")
+    assert reference_line(VISION, _args(VISION, "--islands", "4"), 0.8143, []).endswith("this run -1.69 points")

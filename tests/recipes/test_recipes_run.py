@@ -34,6 +34,9 @@ def test_moe_recipe_two_islands_write_the_summary_curves_and_logs(tmp_path):
     assert [int(r["step"]) for r in rows] == [4, 8]
     assert list((out / "logs").glob("island0/*/metrics.csv")), "the CSV logger always logs"
     assert "outer steps" in stdout and "bytes across islands" in stdout
+    # one progress display, not each island's Lightning banners: those are in the islands' logs
+    assert "[progress]" in stdout and "GPU available" not in stdout
+    assert "GPU available" in (out / "run" / "island-0.log").read_text()
 
 
 @pytest.mark.skipif(not FASHION_MNIST_DIR.exists(), reason="Debian's dataset-fashion-mnist is not installed")
@@ -53,3 +56,17 @@ def test_compare_runs_ddp_and_diloco_and_writes_the_table_and_plots(tmp_path, ca
     assert ddp["strategy"] == "ddp" and ddp["bytes_across_how"].startswith("computed")
     assert diloco["strategy"] == "decoupled_diloco" and diloco["tokens"] == ddp["tokens"] == 2 * 6 * 4 * 64
     assert diloco["bytes_across"] < ddp["bytes_across"]
+
+
+def test_a_second_run_into_the_same_folder_starts_fresh_and_resume_continues(tmp_path):
+    """The README's two commands in a row: the second must not continue the first (its
+    synchronizer checkpoint and progress files) unless asked to with --resume."""
+    two = ["--islands", "2", "--batch", "4", "--verbose"]  # every island line: what step each started at
+    _run("recipes.text_lm", tmp_path, *two)
+    _, out, stdout = _run("recipes.text_lm", tmp_path, *two, "--chaos", "kill 1 at step 6")
+    assert "held an earlier run: moved it to" in stdout and len(list(tmp_path.glob("out.prev-*"))) == 1
+    assert "starting at the run's step 0" in stdout  # not at the earlier run's last step
+    assert "(fired at 0." not in stdout  # the kill waited for this run's island 1 to reach step 6
+    _, _, stdout = _run("recipes.text_lm", tmp_path, *two, "--resume")
+    assert "continuing the run in" in stdout and "starting at the run's step 0" not in stdout
+    assert len(list(tmp_path.glob("out.prev-*"))) == 1

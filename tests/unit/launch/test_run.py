@@ -155,3 +155,48 @@ def test_each_island_is_given_its_own_credential_not_the_run_token(tmp_path):
     for i in range(3):
         given = run._island_env(i)["DILOCO_TOKEN"]
         assert given == island_credential("s3cret", i) and identify("s3cret", given).island == i
+
+
+def test_a_python_that_cannot_import_the_package_is_refused_before_any_island_starts(tmp_path, capsys):
+    """Otherwise every island crash-loops --max-restarts times before the run says anything useful."""
+    import sys
+
+    from lightning_diloco.launch.run import run
+
+    bare = tmp_path / "python-bare"  # a Python without this package: isolated, no site-packages
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    bare.chmod(0o755)
+    options = RunOptions(workdir=str(tmp_path / "work"), islands=2, synchronizer="127.0.0.1:1")
+    with pytest.raises(ValueError, match=r"python-bare\) cannot import lightning_diloco.*pip install lightning-diloco"):
+        run(options, [str(bare), "train.py"])
+    with pytest.raises(ValueError, match="cannot run the island command 'no-such-python3'"):
+        run(options, ["no-such-python3", "train.py"])
+    assert "[island" not in capsys.readouterr().out
+
+
+def test_an_island_that_crashes_on_a_missing_module_is_not_restarted(tmp_path, capsys):
+    from lightning_diloco.launch.run import run
+
+    crash = "echo 'Traceback (most recent call last):'; echo \"ModuleNotFoundError: No module named 'transformers'\"; exit 1"
+    options = RunOptions(workdir=str(tmp_path), islands=2, synchronizer="127.0.0.1:1", max_restarts=5)
+    assert run(options, ["sh", "-c", crash]) == 1
+    out = capsys.readouterr().out
+    assert "restarted" not in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("run failed: island") and "No module named 'transformers'" in last
+
+
+def test_an_island_that_ignores_its_devices_is_said_once(tmp_path, capsys):
+    from lightning_diloco.core.protocol import IslandStatus, SynchronizerStatus
+
+    island = IslandStatus(live=True, world_size=1, steps=0, schedule_step=0, step_time_s=0.1, accepted=0, seen_s_ago=0.0)
+    status = SynchronizerStatus(shard=0, num_shards=1, incarnation="a", layout_hash="h", outer_steps=0, run_step=0,
+                                sync_every=1, num_fragments=1, min_quorum=1, bytes_in=0, bytes_out=0, checkpoint_failures=0,
+                                last_checkpoint_error="", last_checkpoint_outer_steps=0, islands={0: island})
+    run = _run(tmp_path, "--devices-per-island", "2", "--synchronizer", "127.0.0.1:1")
+    run._check_world_sizes(status)
+    run._check_world_sizes(status)
+    out = capsys.readouterr().out
+    assert out.count("island 0 joined with 1 process(es), not --devices-per-island=2") == 1 and "DILOCO_DEVICES" in out
+    assert _run(tmp_path, "--synchronizer", "127.0.0.1:1")._check_world_sizes(status) is None
+    assert capsys.readouterr().out == ""

@@ -38,7 +38,7 @@ def test_a_unit_is_paused_resumed_killed_and_waits_for_its_restart():
         assert (unit.state, unit.due, unit.hold_s) == (UnitState.WAITING, 10.0, 3.0)
         assert not unit.kill() and not unit.pause(until=11.0)  # a fault finds it down: nothing to do
         with pytest.raises(RuntimeError, match="unit: no transition from waiting to finished"):
-            unit.finish(1.0)
+            unit.finish()
         assert not unit.done
     finally:
         unit.stop()

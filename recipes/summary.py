@@ -1,0 +1,81 @@
+"""What a recipe run says at its end: the summary result.json holds, and the line that puts the
+final figure beside DDP's for the same setting (or the command that measures it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lightning_diloco.core.protocol import SynchronizerStatus
+from lightning_diloco.core.settings import given_settings
+
+if TYPE_CHECKING:
+    from recipes.common import Recipe
+
+
+def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, status: SynchronizerStatus | None) -> dict:
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("result-*.json"))]
+    if not results:
+        raise SystemExit(f"no island wrote a result to {out}; see the output above")
+    last = max(results, key=lambda r: r["finished_at"])  # the island that saw the most merged rounds
+    params = last["params"]
+    processes = args.islands * args.devices
+    if args.strategy == "ddp":
+        # Ring all-reduce of fp32 gradients: each of the M ranks sends 2 (M-1)/M of the gradient per
+        # step; counted between ranks (the processes stand for islands in the comparison).
+        across = 2 * (processes - 1) * 4 * params * last["steps"]
+        across_how = "computed: ring all-reduce of fp32 gradients"
+    else:
+        across = sum(r["diloco"].get("diloco/bytes_up", 0) + r["diloco"].get("diloco/bytes_down", 0) for r in results)
+        across_how = "measured: fragment payloads sent and received by the islands"
+    return {
+        "recipe": recipe.name, "preset": args.preset, "strategy": args.strategy, "islands": args.islands,
+        "devices": args.devices, "steps": last["steps"], "params": params,
+        "tokens": sum(r["tokens"] for r in results), "wall_s": wall, "final": last["final"],
+        "bytes_across": across, "bytes_across_how": across_how,
+        "outer_steps": status.outer_steps if status else None,
+        "synchronizer": status.to_dict() if status else None,  # its last status: rounds, islands, counters
+        "settings": given_settings(args) if args.strategy != "ddp" else {},
+        "islands_results": results,
+    }
+
+
+def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict, argv: list[str] = ()) -> str:
+    final = s["final"]
+    lines = [f"{recipe.name} ({s['preset']}, {s['strategy']}, M={s['islands']}): "
+             + ", ".join(f"{k} {v:.4f}" for k, v in final.items())]
+    if args.strategy != "ddp":
+        lines.append("  " + reference_line(recipe, args, final[recipe.metric], argv))
+    lines.append(f"  tokens {s['tokens']:,.0f}, wall-clock {s['wall_s']:.0f} s, outer steps {s['outer_steps']}, "
+                 f"bytes across islands {s['bytes_across'] / 1e6:.2f} MB ({s['bytes_across_how']})")
+    unmerged = sum(r["diloco"].get("diloco/syncs_unmerged", 0) for r in s["islands_results"])
+    if unmerged:
+        lines.append(f"  {unmerged:.0f} contribution(s) from the islands' last steps were not in the global model they ended with")
+    return "\n".join(lines)
+
+
+def reference_line(recipe: Recipe, args: argparse.Namespace, value: float, argv: Sequence[str] = ()) -> str:
+    """DDP's figure for this very setting and this run's gap to it, or how to measure one."""
+    ref = recipe.presets[args.preset].reference
+    if ref is not None and ref.applies(recipe, args):
+        gap = (f"{(value - ref.mean) * 100:+.2f} points" if recipe.metric == "accuracy"
+               else f"{(value - ref.mean) / ref.mean * 100:+.1f}%")
+        return (f"DDP, {ref.processes} processes, same preset, steps, batch and lr: {recipe.metric} {ref.mean:.4f} "
+                f"+- {ref.std:.4f} over {ref.seeds} seeds (README's results table); this run {gap}")
+    dropped = {"--strategy", "--chaos", "--stagger", "--slow-island", "--slowdown", "--resume", "--verbose", "--out", "--wandb"}
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in dropped:
+            skip = "=" not in a and name not in ("--resume", "--verbose", "--wandb")
+            continue
+        kept.append(a)
+    command = shlex.join(["python", "-m", recipe.module, "--strategy", "ddp", *kept, "--out", f"{args.out}-ddp"])
+    return f"no DDP reference for this setting in the README; measure one with the same arguments: {command}"
