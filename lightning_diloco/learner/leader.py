@@ -44,18 +44,19 @@ class LeaderSync:
     def start_heartbeat(self) -> None:
         self._heartbeat.start()
 
-    def push(self, *, fragment: int, round: int, snapshot: torch.Tensor, base_version: int, base: torch.Tensor,
+    def push(self, *, fragment: int, round: int, outer_gradient: torch.Tensor, base_version: int,
              tokens: float, steps: int, seq: int) -> Future:
-        """Push ``snapshot - base`` in the background; the future holds the ack (or the refusal)."""
-        return self._pool.submit(self._push, fragment, round, snapshot, base_version, base, tokens, steps, seq)
+        """Encode and push ``outer_gradient`` (the whole fragment's local value minus its base) in
+        the background; the future holds the ack (or the refusal)."""
+        return self._pool.submit(self._push, fragment, round, outer_gradient, base_version, tokens, steps, seq)
 
     def answered(self, ok: bool) -> None:
         """Record the synchronizer's latest answer (False: a push the island gave up on)."""
         with self.lock:
             self.reachable = ok
 
-    def _push(self, fragment, round, snapshot, base_version, base, tokens, steps, seq):
-        payload = self.uplink.encode(snapshot - base)
+    def _push(self, fragment, round, outer_gradient, base_version, tokens, steps, seq):
+        payload = self.uplink.encode(outer_gradient)
         with self.lock:
             self.bytes_up += payload.numel()
         ack = self.link.push(

@@ -1,0 +1,91 @@
+"""``Trainer(strategy="decoupled_diloco_fsdp")``: a trainer group becomes one learner island, FSDP2 inside.
+
+The island's ranks run Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
+unchanged: the module's ``configure_model`` shards it (``fully_shard(layer,
+mesh=self.device_mesh["data_parallel"])`` per layer and on the root), and no rank ever holds the
+whole model. The island sees the parameters as DTensors of their global shapes and names, so its
+fragment layout is the one a DDP or one-process island of the same model computes, and islands of
+any kind join one run. A fragment is gathered whole only to be sent, on the leader, and a global
+fragment is written into each rank's shard (:mod:`~lightning_diloco.learner.shards`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+
+from lightning_diloco.learner.island_strategy import IslandStrategy, argument_names
+
+__all__ = ["DecoupledDiLoCoFSDPStrategy"]
+
+
+class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
+    strategy_name = "decoupled_diloco_fsdp"
+    inner_kind = "ModelParallelStrategy"
+
+    def __init__(
+        self,
+        synchronizer: str | None = None,
+        island: int | None = None,
+        num_islands: int | None = None,
+        token: str | None = None,
+        *,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: int = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **settings: Any,
+    ) -> None:
+        """A Lightning trainer group as one learner island of a Decoupled DiLoCo run, FSDP2 inside.
+
+        Args:
+            synchronizer: The synchronizer's address (``DILOCO_SYNCHRONIZER``), as for
+                :class:`~lightning_diloco.learner.strategy.DecoupledDiLoCoStrategy`.
+            island: This island's index i in [0, num_islands) (``DILOCO_ISLAND``).
+            num_islands: M, the islands in the run (``DILOCO_NUM_ISLANDS``).
+            token: The run's shared secret if the synchronizer requires one (``DILOCO_TOKEN``).
+            data_parallel_size: Ranks the model is sharded over; ``"auto"``: all of the island's
+                (unlike ModelParallelStrategy's default, the number of nodes).
+            tensor_parallel_size: Must be 1 for now (tensor parallelism inside an island is not
+                supported yet: its ranks would count the same tokens twice).
+            save_distributed_checkpoint: As for ModelParallelStrategy: each rank saves its shard.
+            process_group_backend: As for ModelParallelStrategy (default: gloo on CPU, nccl on GPU).
+            timeout: As for ModelParallelStrategy.
+            **settings: The run settings and island arguments of
+                :class:`~lightning_diloco.learner.strategy.DecoupledDiLoCoStrategy`
+                (``sync_every``, ``num_fragments``, ``overlap_steps``, ``run_config``,
+                ``push_wait``, ...).
+        """
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism inside an island is not supported yet; "
+                "use tensor_parallel_size=1 (FSDP2 over all of the island's devices)"
+            )
+        super().__init__(
+            synchronizer, island, num_islands, token, data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend, timeout=timeout, **settings,
+        )
+
+    @classmethod
+    def inner_arguments(cls) -> set[str]:
+        return argument_names(ModelParallelStrategy.__init__)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":  # before the mesh is built from it
+            self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
+        super().setup_environment()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            "decoupled_diloco_fsdp", cls, description="Decoupled DiLoCo learner island (FSDP2 inside)", override=True
+        )
+
+
+# registers both strategy names (this class is defined by now, which registering it needs)
+from lightning_diloco.learner import strategy as _strategy  # noqa: E402,F401
