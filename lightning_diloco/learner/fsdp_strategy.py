@@ -7,17 +7,31 @@ whole model. The island sees the parameters as DTensors of their global shapes a
 fragment layout is the one a DDP or one-process island of the same model computes, and islands of
 any kind join one run. A fragment is gathered whole only to be sent, on the leader, and a global
 fragment is written into each rank's shard (:mod:`~lightning_diloco.learner.shards`).
+
+Checkpoints: the island's outer state goes where Lightning puts the model. In a distributed
+checkpoint (``save_distributed_checkpoint=True``, the default) each rank saves its shard of the
+base fragments beside its shard of the weights, as DTensors placed like the parameters (so a
+resumed island may have another number of ranks); the rest of the outer state (versions,
+counters) is in the checkpoint's metadata. In a full checkpoint the bases are gathered whole on
+rank 0 with the weights.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 
-from lightning_diloco.learner.island_strategy import IslandStrategy, argument_names
+from lightning_diloco.core.fragments import split_fragment as _split
+from lightning_diloco.core.fragments import tensor_specs
+from lightning_diloco.learner.island_strategy import CHECKPOINT_KEY, IslandStrategy, argument_names
+
+BASES = f"{CHECKPOINT_KEY}.bases."
+"""Prefix of the base fragments' keys, by parameter name, in a distributed checkpoint's state_dict."""
 
 __all__ = ["DecoupledDiLoCoFSDPStrategy"]
 
@@ -79,6 +93,56 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
         if self._data_parallel_size == "auto":  # before the mesh is built from it
             self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
         super().setup_environment()
+
+    # ---- checkpoints: the bases sharded like the weights -----------------------------------------
+
+    def _learner_checkpoint(self, checkpoint: dict[str, Any]) -> dict:
+        state = self.learner.state_dict()
+        bases, shards, layout = state.pop("bases"), self.learner.shards, self.learner.layout
+        if self._save_distributed_checkpoint:  # every rank saves its shards, beside the weights'
+            for p, flat in enumerate(bases):
+                for i, local in zip(layout.fragments[p], shards.local_pieces(p, flat)):
+                    checkpoint["state_dict"][BASES + layout.specs[i].name] = shards.as_distributed(i, local.clone())
+            state["bases_in"] = "state_dict"
+        else:  # rank 0 saves the whole model: the bases too, one fragment gathered at a time
+            whole = {}
+            for p, flat in enumerate(bases):
+                fragment = shards.gather(p, flat)
+                if fragment is not None:
+                    whole.update(zip((s.name for s in layout.fragment_specs(p)),
+                                     (t.clone() for t in _split(fragment, layout.fragment_specs(p)))))
+            state["bases_by_name"] = whole
+        return state
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        learner = (self._resume or {}).get("learner")
+        if learner is not None and learner.pop("bases_in", None) == "state_dict":
+            from torch.distributed.checkpoint import load
+
+            params = dict(self.lightning_module.named_parameters())
+            targets = {BASES + s.name: torch.zeros_like(params[s.name].detach()) for s in tensor_specs(self.lightning_module)}
+            load({"state_dict": targets}, checkpoint_id=Path(self.broadcast(checkpoint_path)))
+            learner["bases_by_name"] = {key[len(BASES):]: value for key, value in targets.items()}
+        return checkpoint
+
+    def _learner_resume(self) -> dict | None:
+        resume = super()._learner_resume()
+        if resume is None or "bases_by_name" not in resume:
+            return resume
+        by_name, shards, layout = resume.pop("bases_by_name"), self.learner.shards, self.learner.layout
+        missing = sorted({s.name for s in layout.specs} - set(by_name))
+        if missing:
+            raise ValueError(f"the checkpoint holds no base fragments for {missing[:3]}: resume with the same model")
+        resume["bases"] = []
+        for p in range(layout.num_fragments):
+            parts = []
+            for i in layout.fragments[p]:
+                value = by_name[layout.specs[i].name]  # a DTensor loaded sharded, or a whole tensor
+                local = value.to_local() if hasattr(value, "to_local") else shards.local_part(i, value)
+                parts.append(local.reshape(-1).to("cpu", torch.float32))
+            resume["bases"].append(torch.cat(parts))
+        return resume
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

@@ -251,7 +251,7 @@ class IslandStrategy:
         config = RunConfig.from_dict(config_dict)
         layout = build_layout(specs, config.schedule.num_fragments)
         self.learner = IslandLearner(params, layout, config, island=self.island, link=link, collective=collective, push_wait=self.push_wait)
-        self.learner.start(resume=(self._resume or {}).get("learner"), run_step=run_step)
+        self.learner.start(resume=self._learner_resume(), run_step=run_step)
         if self.global_rank == 0:
             from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -349,7 +349,7 @@ class IslandStrategy:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if self.learner is not None:
             checkpoint[CHECKPOINT_KEY] = {
-                "learner": self.learner.state_dict(),
+                "learner": self._learner_checkpoint(checkpoint),
                 "embedded": self.embedded.service.snapshot().state_dict() if self.embedded and self.embedded.service.state else None,
             }
         super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -358,6 +358,15 @@ class IslandStrategy:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
+
+    def _learner_checkpoint(self, checkpoint: dict[str, Any]) -> dict:
+        """The learner's outer state in the form this strategy's checkpoints keep (every rank
+        calls it; a strategy whose ranks hold different parts of it says how they are kept)."""
+        return self.learner.state_dict()
+
+    def _learner_resume(self) -> dict | None:
+        """The learner's outer state from the restored checkpoint, for the learner just built."""
+        return (self._resume or {}).get("learner")
 
     def teardown(self) -> None:
         if self.learner is not None:

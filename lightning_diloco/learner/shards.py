@@ -72,6 +72,32 @@ class IslandShards:
             start += local.numel()
         assert start == flat.numel(), f"{flat.numel()=} != {start=}"
 
+    def local_pieces(self, p: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` (this rank's part of fragment ``p``) shaped like each tensor's local part."""
+        out, start = [], 0
+        for i in self._members(p):
+            local = _local(self.params[i])
+            out.append(flat[start : start + local.numel()].view(local.shape))
+            start += local.numel()
+        return out
+
+    @torch.no_grad()
+    def local_part(self, i: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of tensor ``i`` (in ``layout.specs`` order) given its whole value."""
+        param = self.params[i]
+        if not self.sharded[i]:
+            return whole
+        return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None).to_local().cpu()
+
+    def as_distributed(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's part of tensor ``i``) as a DTensor placed like the parameter;
+        ``local`` itself for a plain parameter."""
+        param = self.params[i]
+        if not self.sharded[i]:
+            return local
+        return DTensor.from_local(local.to(param.to_local().device), param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
+
     @torch.no_grad()
     def gather(self, p: int, flat: torch.Tensor) -> torch.Tensor | None:
         """The whole fragment whose local parts are ``flat`` on each rank: on the leader, None

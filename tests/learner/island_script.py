@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 import lightning_diloco  # noqa: E402,F401
 from lightning_diloco import DecoupledDiLoCoFSDPStrategy, DecoupledDiLoCoStrategy  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from tests.learner.models import ShardedTinyRegressor, TinyRegressor, loader, regression_data, trainer  # noqa: E402
 
@@ -57,14 +57,22 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (decoupled_diloco_fsdp)")
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--overlap", type=int, default=1)
+    parser.add_argument("--checkpoint-dir", help="save last.ckpt there at the end of every epoch")
+    parser.add_argument("--resume", help="a checkpoint to resume from")
+    parser.add_argument("--full-checkpoint", action="store_true", help="FSDP2: one file, not a distributed checkpoint")
     parser.add_argument("--no-wait", action="store_true", help="start training at once, whoever else has joined")
     args = parser.parse_args()
     settings = dict(sync_every=4, num_fragments=2, overlap_steps=args.overlap, uplink_codec="fp32", downlink_codec="fp32")
-    strategy = DecoupledDiLoCoFSDPStrategy(**settings) if args.fsdp else DecoupledDiLoCoStrategy(**settings)
+    if args.fsdp:
+        strategy = DecoupledDiLoCoFSDPStrategy(save_distributed_checkpoint=not args.full_checkpoint, **settings)
+    else:
+        strategy = DecoupledDiLoCoStrategy(**settings)
     model = (ShardedTinyRegressor if args.fsdp else TinyRegressor)(seed=args.seed + strategy.island)  # joining aligns them
     callbacks = [WaitForAllIslands(0 if args.no_wait else strategy.num_islands, args.step_seconds)]
-    trainer(strategy, devices=args.devices, max_epochs=args.epochs, max_steps=args.max_steps,
-            callbacks=callbacks).fit(model, loader(regression_data(n=512)))
+    if args.checkpoint_dir:
+        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True, save_top_k=0))
+    trainer(strategy, devices=args.devices, max_epochs=args.epochs, max_steps=args.max_steps, callbacks=callbacks,
+            enable_checkpointing=bool(args.checkpoint_dir)).fit(model, loader(regression_data(n=512)), ckpt_path=args.resume)
     rank = int(os.environ.get("LOCAL_RANK", 0))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     weights = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # whole, sharded or not
