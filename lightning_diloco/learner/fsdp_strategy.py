@@ -94,6 +94,22 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
             self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
         super().setup_environment()
 
+    def _join(self) -> None:
+        # the sanity check's forward may have left the root's parameters gathered (and registered in
+        # place of the DTensors): the island must see the shards, and its first writes must reach them
+        self._reshard()
+        super()._join()
+        self.learner.shards.before_write = self._reshard
+
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root module's gathered parameters after a forward without backward (an
+        evaluation); a write into the shards would not reach them. Resharding drops them."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.lightning_module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     # ---- checkpoints: the bases sharded like the weights -----------------------------------------
 
     def _learner_checkpoint(self, checkpoint: dict[str, Any]) -> dict:

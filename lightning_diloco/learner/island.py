@@ -297,15 +297,14 @@ class IslandLearner:
     @contextmanager
     def global_weights(self) -> Iterator[None]:
         """The last applied global fragments in place of the local weights, put back on exit."""
-        saved = [p.detach().clone() for p in self.params]
+        saved = [self.shards.read(p) for p in range(self.layout.num_fragments)]  # this rank's parts
         try:
             for p, f in enumerate(self.fragments):
                 self.write_fragment(p, f.base)
             yield
         finally:
-            with torch.no_grad():
-                for param, value in zip(self.params, saved):
-                    param.copy_(value)
+            for p, value in enumerate(saved):
+                self.write_fragment(p, value)
 
     # ---- the end ------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ in flight one whole fragment (fp32, host; 1/P of the model) plus one whole tenso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,6 +48,9 @@ class IslandShards:
                 raise ValueError(f"parameter {spec.name!r} has shape {tuple(param.shape)}, the layout {spec.shape}")
         self.params, self.layout, self.collective, self.leader = list(params), layout, collective, leader
         self.sharded = [_is_sharded(t) for t in self.params]
+        self.before_write: Callable[[], None] | None = None
+        """Set by a strategy whose modules may hold gathered copies of the shards (FSDP2 keeps the
+        root's after a forward without backward): drops them, so the next forward sees the write."""
 
     def _members(self, p: int) -> list[int]:
         return list(self.layout.fragments[p])
@@ -65,6 +68,8 @@ class IslandShards:
     @torch.no_grad()
     def write(self, p: int, flat: torch.Tensor) -> None:
         """Put ``flat`` (this rank's part, as :meth:`read` gives it) into the parameters."""
+        if self.before_write is not None:
+            self.before_write()
         start = 0
         for i in self._members(p):
             local = _local(self.params[i])

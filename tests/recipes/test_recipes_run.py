@@ -36,6 +36,17 @@ def test_moe_recipe_two_islands_write_the_summary_curves_and_logs(tmp_path):
     assert "outer steps" in stdout and "bytes across islands" in stdout
 
 
+def test_text_recipe_trains_fsdp2_islands_of_two_processes(tmp_path):
+    """HF Llama sharded per decoder layer (configure_model, fully_shard) inside 2 islands of 2."""
+    result, out, stdout = _run("recipes.text_lm", tmp_path, "--strategy", "decoupled_diloco_fsdp", "--islands", "2",
+                               "--devices", "2", "--batch", "4")
+    assert result["strategy"] == "decoupled_diloco_fsdp" and result["steps"] == 8
+    assert result["tokens"] == 2 * 2 * 8 * 4 * 64 and 0 < result["final"]["eval_loss"] < 6
+    assert result["outer_steps"] >= 1 and "island 0 of 2 (2 process(es))" in stdout
+    unit = json.loads((out / "result-island0.json").read_text())
+    assert unit["params_on_rank0"] < 0.6 * unit["params"]  # half of every tensor, rounded up per tensor
+
+
 @pytest.mark.skipif(not FASHION_MNIST_DIR.exists(), reason="Debian's dataset-fashion-mnist is not installed")
 def test_vision_recipe_reports_accuracy(tmp_path):
     result, _, _ = _run("recipes.vision", tmp_path, "--preset", "cpu-tiny-cnn", "--islands", "2", "--batch", "8")
