@@ -209,9 +209,11 @@ class IslandStrategy:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # island i takes the samples at positions i mod M of the (shuffled) dataset, and its rank r
+        # every W-th of those: rank i + r x M of M x W. Islands of different sizes W still take
+        # disjoint shards (rank i x W + r would make a 2-rank island overlap a one-process one)
         inner = super().distributed_sampler_kwargs  # the island's data-parallel ranks
-        replicas = inner["num_replicas"]
-        return {"num_replicas": self.num_islands * replicas, "rank": self.island * replicas + inner["rank"]}
+        return {"num_replicas": self.num_islands * inner["num_replicas"], "rank": inner["rank"] * self.num_islands + self.island}
 
     # ---- joining: after the inner strategy's setup and any checkpoint restore ------------------
 

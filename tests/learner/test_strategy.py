@@ -232,3 +232,20 @@ def test_the_best_checkpoint_holds_the_weights_that_earned_its_score(tmp_path):
     with torch.no_grad():
         loss = torch.nn.functional.mse_loss(best.net(x), y)
     assert float(loss) == pytest.approx(float(ckpt.best_model_score), rel=1e-5)
+
+
+def test_islands_of_different_sizes_train_on_disjoint_shards_that_cover_the_data():
+    """A 2-rank island and a one-process island in one run (M = 2), shuffled: disjoint samples."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from torch.utils.data import DistributedSampler
+
+    def sampler(island, world, rank):
+        strategy = DecoupledDiLoCoStrategy(island=island, num_islands=2)
+        strategy.parallel_devices = [torch.device("cpu")] * world
+        strategy.cluster_environment = LightningEnvironment()
+        strategy.cluster_environment.set_global_rank(rank)
+        return DistributedSampler(range(64), shuffle=True, seed=3, **strategy.distributed_sampler_kwargs)
+
+    shards = {(0, r): set(sampler(0, 2, r)) for r in range(2)} | {(1, 0): set(sampler(1, 1, 0))}
+    assert all(len(s) == 16 for k, s in shards.items() if k[0] == 0) and len(shards[1, 0]) == 32
+    assert set().union(*shards.values()) == set(range(64))  # each sample once: 16 + 16 + 32 = 64
