@@ -297,14 +297,13 @@ class IslandLearner:
     @contextmanager
     def global_weights(self) -> Iterator[None]:
         """The last applied global fragments in place of the local weights, put back on exit."""
-        saved = [self.shards.read(p) for p in range(self.layout.num_fragments)]  # this rank's parts
+        saved = self.shards.save()
         try:
             for p, f in enumerate(self.fragments):
                 self.write_fragment(p, f.base)
             yield
         finally:
-            for p, value in enumerate(saved):
-                self.write_fragment(p, value)
+            self.shards.restore(saved)
 
     # ---- the end ------------------------------------------------------------------------------
 

@@ -77,6 +77,17 @@ class IslandShards:
             start += local.numel()
         assert start == flat.numel(), f"{flat.numel()=} != {start=}"
 
+    def save(self) -> list[torch.Tensor]:
+        """A copy of this rank's part of every parameter, in its own dtype (for :meth:`restore`)."""
+        return [_local(t).detach().clone() for t in self.params]
+
+    @torch.no_grad()
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        if self.before_write is not None:
+            self.before_write()
+        for param, value in zip(self.params, saved):
+            _local(param).copy_(value)
+
     def local_pieces(self, p: int, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` (this rank's part of fragment ``p``) shaped like each tensor's local part."""
         out, start = [], 0
