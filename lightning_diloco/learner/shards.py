@@ -14,7 +14,9 @@ fragments exist only in flight, one fragment at a time:
   placements, with no further communication).
 
 A sync's extra memory per rank is therefore: the local bases (1/W of the model, fp32, host), and
-in flight one whole fragment (fp32, host; 1/P of the model) plus one whole tensor on the device.
+in flight one whole fragment (fp32, host; at most the largest, about 1/P of the model) plus one
+whole tensor on the device. The leader also keeps the global model whole in host memory, in its
+inbox: the downlink sends deltas against it (``benchmarks/fsdp_overhead.py`` measures both).
 """
 
 from __future__ import annotations
