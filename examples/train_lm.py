@@ -148,6 +148,11 @@ def main() -> None:
         print(f"final val_loss {result['val_loss']:.4f} after {trainer.global_step} steps", flush=True)
         if args.result:
             Path(args.result).write_text(f'{{"val_loss": {result["val_loss"]}, "steps": {trainer.global_step}}}')
+    if torch.distributed.is_initialized():
+        # every rank leaves the process group together: a rank whose peer has exited while gloo
+        # still reads from it was seen to abort at exit ("terminate called without an active exception")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """lightning_diloco: Decoupled DiLoCo for PyTorch Lightning.
 
 Importing the package registers ``Trainer(strategy="decoupled_diloco")`` (and
-``"decoupled_diloco_spawn"``) with Lightning, once Lightning is loaded: the synchronizer and the
-core never import Lightning themselves.
+``"decoupled_diloco_spawn"``, ``"decoupled_diloco_fsdp"``) with Lightning, once Lightning is
+loaded: the synchronizer and the core never import Lightning themselves.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "DecoupledDiLoCoStrategy": "lightning_diloco.learner.strategy",
+    "DecoupledDiLoCoFSDPStrategy": "lightning_diloco.learner.fsdp_strategy",
     "register": "lightning_diloco.learner.strategy",
     "DiLoCoMonitor": "lightning_diloco.learner.monitor",
     "ProgressFile": "lightning_diloco.launch.progress",

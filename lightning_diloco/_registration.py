@@ -13,6 +13,7 @@ import importlib.util
 import sys
 
 TARGET = "lightning.pytorch"
+STRATEGY_MODULES = ("lightning_diloco.learner.strategy", "lightning_diloco.learner.fsdp_strategy")
 
 
 def register_when_lightning_loads() -> None:
@@ -23,12 +24,12 @@ def register_when_lightning_loads() -> None:
 
 
 def _register() -> None:
-    # The strategy module registers itself when it finishes loading. If it is in sys.modules it
-    # has done so, or it is the very import that loaded Lightning (``from lightning_diloco import
-    # DecoupledDiLoCoStrategy`` first) and will do so on its last line: importing it from here
-    # would only meet a half-initialised module.
-    if "lightning_diloco.learner.strategy" not in sys.modules:
-        importlib.import_module("lightning_diloco.learner.strategy")
+    # The strategy modules register both strategies when they finish loading. If one is in
+    # sys.modules it has done so, or it is the very import that loaded Lightning (``from
+    # lightning_diloco import DecoupledDiLoCoStrategy`` first) and will do so on its last line:
+    # importing it from here would only meet a half-initialised module.
+    if not any(name in sys.modules for name in STRATEGY_MODULES):
+        importlib.import_module(STRATEGY_MODULES[0])
     # a loaded Callback subclass: LightningCLI's --trainer.callbacks+=DiLoCoMonitor finds it by name
     importlib.import_module("lightning_diloco.learner.monitor")
 

@@ -76,9 +76,10 @@ class Recipe:
 
 def build_parser(recipe: Recipe, description: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", choices=["decoupled_diloco", "ddp"], default="decoupled_diloco")
+    p.add_argument("--strategy", choices=["decoupled_diloco", "decoupled_diloco_fsdp", "ddp"], default="decoupled_diloco",
+                   help="decoupled_diloco_fsdp: islands whose processes shard the model with FSDP2 (default %(default)s)")
     p.add_argument("--islands", type=int, default=4, help="M: islands, or DDP processes for --strategy ddp (default %(default)s)")
-    p.add_argument("--devices", type=int, default=1, help="DDP processes inside each island (default %(default)s)")
+    p.add_argument("--devices", type=int, default=1, help="processes inside each island: DDP, or FSDP2 (default %(default)s)")
     p.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto (default %(default)s)")
     p.add_argument("--preset", choices=sorted(recipe.presets), default=next(iter(recipe.presets)))
     p.add_argument("--steps", type=int, help="inner steps per island (default: the preset's)")
@@ -261,6 +262,8 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
     out = Path(args.out)
     t0 = args.run_t0 or time.time()
     pl.seed_everything(args.seed + (0 if strategy_name == "ddp" else island), verbose=False)
+    # a sharded model's forward needs every rank: they all evaluate, rank 0 records
+    every_rank_evaluates = args.strategy == "decoupled_diloco_fsdp"
     train_set, val_set = recipe.datasets(args)
     module = recipe.build_module(args)  # same initial weights everywhere: the seed is fixed inside
     val_curve = DataLoader(evenly_spaced(val_set, args.eval_batches * args.batch), batch_size=args.batch)
@@ -275,10 +278,12 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             step = trainer.global_step
-            if trainer.global_rank != 0 or (step % args.eval_every and step != args.steps):
+            if (trainer.global_rank != 0 and not every_rank_evaluates) or (step % args.eval_every and step != args.steps):
                 return
             with global_weights(trainer):
                 metrics = evaluate(pl_module, val_curve, pl_module.device)
+            if trainer.global_rank != 0:
+                return
             row = {"step": step, "tokens": step * tokens_per_step, "wall_s": round(time.time() - t0, 3), **metrics}
             self.rows.append(row)
             for logger in trainer.loggers:
@@ -312,6 +317,8 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
         ckpt_path = str(last)
     if strategy_name == "ddp":
         strategy: Any = "ddp"
+    elif args.strategy == "decoupled_diloco_fsdp":  # the module's configure_model shards it
+        strategy = lightning_diloco.DecoupledDiLoCoFSDPStrategy(**given_settings(args))
     else:
         strategy = lightning_diloco.DecoupledDiLoCoStrategy(**given_settings(args))
     trainer = pl.Trainer(
@@ -321,15 +328,21 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
         log_every_n_steps=max(1, args.eval_every // 4), use_distributed_sampler=True,
     )
     trainer.fit(module, DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True), ckpt_path=ckpt_path)
+    if trainer.global_rank != 0 and not every_rank_evaluates:
+        return 0
+    # what rank 0 holds of the parameters: all of them, or its FSDP2 shards (before an evaluation's
+    # forward gathers the root module's)
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.parameters())
+    final = evaluate(module, val_final, module.device)  # the global model: fit ended by loading it
     if trainer.global_rank != 0:
         return 0
-    final = evaluate(module, val_final, module.device)  # the global model: fit ended by loading it
     for logger in trainer.loggers:
         logger.log_metrics({f"final/{k}": v for k, v in final.items()}, step=trainer.global_step)
         logger.finalize("success")
     diloco = dict(getattr(trainer.strategy, "final_metrics", {}))
     result = {
         "unit": unit, "steps": trainer.global_step, "final": final, "params": sum(p.numel() for p in module.parameters()),
+        "params_on_rank0": held,
         "tokens": trainer.global_step * recipe.tokens_per_sample(args) * args.batch * devices,
         "finished_at": time.time() - t0, "diloco": diloco,
     }

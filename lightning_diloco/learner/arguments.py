@@ -1,12 +1,12 @@
-"""How the strategy's constructor takes its arguments: from the environment, refused when unknown,
-and as LightningCLI sees them (every argument by name, no secret among them).
+"""How the island strategies' constructors take their arguments: from the environment, refused
+when unknown, and as LightningCLI sees them (every argument by name, no secret among them).
 
 LightningCLI (jsonargparse) builds ``--trainer.strategy.*`` from the constructor's signature and
 docstring. ``**kwargs`` hides what it carries (the run settings not named in the signature, and
-DDP's arguments), so those were refused by name; and a token given as an argument is written in
-plain text to the ``config.yaml`` the CLI saves. :func:`describe_for_cli` gives the class a
-signature that names them and leaves the token out (``token_file`` or ``DILOCO_TOKEN`` instead),
-and adds their help to the docstring.
+the inner strategy's arguments), so those were refused by name; and a token given as an argument
+is written in plain text to the ``config.yaml`` the CLI saves. :func:`describe_for_cli` gives a
+class a signature that names them and leaves the token out (``token_file`` or ``DILOCO_TOKEN``
+instead), and adds their help to the docstring.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
-
-import torch
-from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.settings import load_run_config, run_settings
@@ -36,19 +34,22 @@ def env_int(name: str, value: int | None, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def refuse_unknown(names: set[str]) -> None:
-    """A misspelt run setting would otherwise reach DDP, which a one-process island never builds:
-    it would be ignored without a word."""
-    ddp = {name for init in (DDPStrategy.__init__, torch.nn.parallel.DistributedDataParallel.__init__)
-           for name, p in inspect.signature(init).parameters.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
-    ddp -= {"self", "module"}
-    unknown = sorted(names - ddp)
+def argument_names(*functions: Callable) -> set[str]:
+    """The names ``functions`` take as keyword arguments."""
+    return {name for f in functions for name, p in inspect.signature(f).parameters.items()
+            if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD} - {"self"}
+
+
+def refuse_unknown(strategy: str, names: set[str], inner: set[str], inner_kind: str) -> None:
+    """A misspelt run setting would otherwise reach the inner strategy, which may ignore it (a
+    one-process island never builds DDP): it would be ignored without a word."""
+    unknown = sorted(names - inner)
     if unknown:
-        known = [s.name for s in run_settings()] + sorted(ddp)
+        known = [s.name for s in run_settings()] + sorted(inner)
         hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, n=1)) else repr(name)
                  for name in unknown]
-        raise TypeError(f"DecoupledDiLoCoStrategy got unknown arguments {', '.join(hints)}: neither run settings "
-                        "(lightning_diloco.core.settings.run_settings()) nor DistributedDataParallel arguments")
+        raise TypeError(f"{strategy} got unknown arguments {', '.join(hints)}: neither run settings "
+                        f"(lightning_diloco.core.settings.run_settings()) nor {inner_kind} arguments")
 
 
 def read_token(path: str | os.PathLike | None) -> str | None:
@@ -82,23 +83,38 @@ DDP_ARGUMENTS: dict[str, tuple[type, str]] = {
 HIDDEN = ("token",)  # a secret: LightningCLI would save it in config.yaml
 
 
-def describe_for_cli(cls: type) -> None:
-    """Give ``cls.__init__`` the signature and Args docs LightningCLI should see."""
-    init = cls.__init__
+def describe_for_cli(cls: type, inner: dict[str, tuple[type, str]], island_init: Callable) -> None:
+    """Give ``cls.__init__`` the signature and Args docs LightningCLI should see: its own
+    arguments, the island's (``island_init``'s) and every run setting it does not name, and the
+    ``inner`` strategy's arguments (name -> (type, help)) that ``**kwargs`` would carry."""
+    init = cls.__dict__.get("__init__")
+    if init is None:  # it takes the island's arguments as they are: a constructor of its own to describe
+
+        def init(self, *args, **kwargs):
+            super(cls, self).__init__(*args, **kwargs)
+
+        init.__signature__, init.__doc__ = inspect.signature(island_init), island_init.__doc__
+        init.__qualname__ = f"{cls.__qualname__}.__init__"
+        cls.__init__ = init
     signature = inspect.signature(init)
     params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD and p.name not in HIDDEN]
     named = {p.name for p in params}
+    island = [p for p in inspect.signature(island_init).parameters.values()
+              if p.kind is p.KEYWORD_ONLY and p.name not in named and p.name not in HIDDEN]
+    params += island
+    named |= {p.name for p in island}
     extra = [(s.name, s.type, s.doc) for s in run_settings() if s.name not in named]
-    extra += [(name, kind, doc) for name, (kind, doc) in DDP_ARGUMENTS.items()]
+    extra += [(name, kind, doc) for name, (kind, doc) in inner.items() if name not in named]
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Optional[kind])
                for name, kind, _ in extra]
     init.__signature__ = signature.replace(parameters=params)
     indent = " " * 12
     init.__doc__ = init.__doc__.rstrip() + "\n" + "".join(
-        f"{indent}{name}: {doc.replace('``', '')} (run setting)\n" if name not in DDP_ARGUMENTS else f"{indent}{name}: {doc}\n"
+        f"{indent}{name}: {doc.replace('``', '')} (run setting)\n" if name not in inner else f"{indent}{name}: {doc}\n"
         for name, _, doc in extra)
 
 
-def given_ddp_arguments(kwargs: dict) -> dict:
-    """The DDP arguments in ``kwargs`` that were given (None: left to DDP's default)."""
-    return {k: v for k, v in kwargs.items() if not (k in DDP_ARGUMENTS and v is None)}
+def given_arguments(kwargs: dict, inner: dict[str, tuple[type, str]]) -> dict:
+    """``kwargs`` without the ``inner`` arguments left at None (:func:`describe_for_cli`'s
+    default: the inner strategy's own default applies)."""
+    return {k: v for k, v in kwargs.items() if not (k in inner and v is None)}

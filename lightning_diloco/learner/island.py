@@ -27,7 +27,9 @@ import torch
 from lightning_diloco.core.apply import apply_global
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment, split_fragment
+from lightning_diloco.core.fragments import FragmentLayout
+from lightning_diloco.core.outer import island_delta
+from lightning_diloco.core.protocol import Beat
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
 from lightning_diloco.learner.collective import Collective
 from lightning_diloco.learner.flights import Apply, Flight, StartPlan, StepPlan
@@ -35,6 +37,7 @@ from lightning_diloco.learner.fragment_sync import FragmentSync, fragments_from_
 from lightning_diloco.learner.inbox import Arrival, Inbox
 from lightning_diloco.learner.leader import LeaderSync
 from lightning_diloco.learner.link import SynchronizerLink
+from lightning_diloco.learner.shards import IslandShards
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,8 @@ class IslandLearner:
         heartbeat_every: float = 1.0,
         push_wait: float = 120.0,
     ) -> None:
-        """``params``: the model's trainable tensors in ``layout.specs`` order. ``link``: the
+        """``params``: the model's trainable tensors in ``layout.specs`` order, whole or sharded
+        (DTensors: see :mod:`~lightning_diloco.learner.shards`). ``link``: the
         synchronizer (a :class:`~lightning_diloco.transport.client.SynchronizerClient`) on the
         leader, None on other ranks. ``push_wait``: seconds a sent fragment may wait for the
         version of its round before the send counts as failed and may be sent again."""
@@ -66,6 +70,7 @@ class IslandLearner:
         self.island, self.link = island, link
         self.collective = collective or Collective()
         self.is_leader = link is not None
+        self.shards = IslandShards(self.params, layout, self.collective, leader=self.is_leader)
         sched = config.schedule
         self.offsets = fragment_offsets(layout.num_fragments, sched.sync_every)
         self.uplink = get_codec(config.codec.uplink, config.codec.block_size)
@@ -74,7 +79,7 @@ class IslandLearner:
         P = layout.num_fragments
         self.step = 0
         self.schedule_step = 0
-        self.fragments = [FragmentSync(flatten_fragment(self._fragment_params(p))) for p in range(P)]
+        self.fragments = [FragmentSync(self.shards.read(p)) for p in range(P)]  # local parts, as everything below
         self.seq = time.time_ns() // 1000  # increasing across restarts: the synchronizer dedups by it
         self.merged_any = False  # a contribution of this island is in the global model
         self._lock = threading.Lock()  # counters: written by the training thread, read by metrics() from any
@@ -113,16 +118,13 @@ class IslandLearner:
 
     # ---- joining ----------------------------------------------------------------------------
 
-    def _fragment_params(self, p: int) -> list[torch.Tensor]:
-        return [self.params[i] for i in self.layout.fragments[p]]
-
     def _share(self, obj):
         """The leader's ``obj`` on every rank of the island."""
         return self.collective.broadcast_object(obj)
 
     def _share_fragment(self, p: int, value: torch.Tensor | None) -> torch.Tensor:
-        """The leader's flat fragment ``p`` on every rank (the others pass None)."""
-        return self.collective.broadcast_tensor(torch.empty(self.layout.fragment_numel(p)) if value is None else value)
+        """This rank's part of the leader's whole flat fragment ``p`` (the others pass None)."""
+        return self.shards.scatter(p, value)
 
     def start(self, resume: dict | None = None, run_step: int = 0) -> None:
         """Seed unseeded fragments, pull every global fragment and start from the global model,
@@ -133,38 +135,40 @@ class IslandLearner:
         """
         if resume is not None:
             self.load_state_dict(resume)
-        plan = self._pull_global(resume, run_step) if self.is_leader else None
+        beat = self.link.heartbeat(self.island, self.step, 0.0, self.schedule_step) if self.is_leader else None
+        for p in self._share(sorted(p for p, v in beat.versions.items() if v < 0) if self.is_leader else None):
+            whole = self.shards.gather(p, self.shards.read(p))  # the first island seeds the global model
+            if self.is_leader:
+                self.link.seed(self.island, p, whole)
+        pulled = {}  # the leader's whole global fragments: the inbox's first values
+        plan = self._pull_global(resume, run_step, beat, pulled) if self.is_leader else None
         plan = self._share(plan)
         for p, version in plan.versions.items():
             f = self.fragments[p]
-            value = self._share_fragment(p, f.base if self.is_leader else None)
             if p in plan.overwrite:
+                value = self._share_fragment(p, pulled.get(p))
                 f.adopt(value, version)
                 self.write_fragment(p, value)
             else:  # resumed: the checkpoint's base and counters hold
-                f.base, f.version = value, version
+                f.version = version
         self.schedule_step = plan.schedule_step
         if self.is_leader:
-            self.inbox = Inbox(self.versions, [f.base for f in self.fragments], self.config.codec.block_size)
+            self.inbox = Inbox(self.versions, [pulled[p] for p in range(self.layout.num_fragments)], self.config.codec.block_size)
             self.link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
                                 on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
             self.leader.start_heartbeat()
         log.info("island %d joined at schedule step %d, versions %s (%d fragments from the global model)",
                  self.island, self.schedule_step, self.versions, len(plan.overwrite))
 
-    def _pull_global(self, resume: dict | None, run_step: int) -> StartPlan:
-        beat = self.link.heartbeat(self.island, self.step, 0.0, self.schedule_step)
-        for p, version in sorted(beat.versions.items()):
-            if version < 0:
-                self.link.seed(self.island, p, flatten_fragment(self._fragment_params(p)))
+    def _pull_global(self, resume: dict | None, run_step: int, beat: Beat, values: dict[int, torch.Tensor]) -> StartPlan:
+        """Pull every global fragment into ``values``; the plan says which ones replace ours."""
         overwrite = []
         pulled = {}
         for p in range(self.layout.num_fragments):
-            version, value = self.link.pull(p)
+            version, values[p] = self.link.pull(p)
             pulled[p] = version
             if resume is not None and resume["versions"][p] == version:
                 continue  # nothing merged since our checkpoint: keep local progress
-            self.fragments[p].base = value
             overwrite.append(p)
         # the run's clock wins, unless this island's own (resumed) clock is ahead of it
         schedule_step = max(self.schedule_step, run_step, beat.run_step)
@@ -270,13 +274,14 @@ class IslandLearner:
         return (arrival is not None and flight.ended_by(arrival)) or flight.failed()
 
     def _send(self, p: int, r: int) -> None:
-        snapshot = flatten_fragment(self._fragment_params(p))  # host copy, 1/P of the model
+        snapshot = self.shards.read(p)  # host copy of this rank's part, 1/P of it
         keep = snapshot if self.config.schedule.apply == "rebase" else None
         f, future = self.fragments[p], None
+        delta = self.shards.gather(p, island_delta(snapshot, f.base))  # whole on the leader only
         if self.is_leader:
             self.seq += 1
-            future = self.leader.push(fragment=p, round=r, snapshot=snapshot, base_version=f.version,
-                                      base=f.base, tokens=f.tokens, steps=f.steps, seq=self.seq)
+            future = self.leader.push(fragment=p, round=r, delta=delta, base_version=f.version,
+                                      tokens=f.tokens, steps=f.steps, seq=self.seq)
             future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
         f.sent(Flight(fragment=p, round=r, apply_at=self.step + self.config.schedule.overlap_steps, snapshot=keep,
                       tokens_at_send=f.tokens, steps_at_send=f.steps, sent_at=time.monotonic(), future=future))
@@ -288,30 +293,26 @@ class IslandLearner:
         value = self._share_fragment(p, value)
         f = self.fragments[p]
         reference = f.flight.snapshot if (a.ends_flight and f.flight.snapshot is not None) else f.base
-        current = flatten_fragment(self._fragment_params(p))
+        current = self.shards.read(p)
         self.write_fragment(p, apply_global(sched.apply, current, value, reference, alpha=sched.mix_alpha))
         self.staleness = f.applied(value, a.version, sched.apply, a.ends_flight)
         self.merged_any = self.merged_any or a.included
         self._count("applied" if a.ends_flight else "received")
 
-    @torch.no_grad()
     def write_fragment(self, p: int, flat: torch.Tensor) -> None:
-        specs = self.layout.fragment_specs(p)
-        for param, value in zip(self._fragment_params(p), split_fragment(flat, specs)):
-            param.copy_(value)
+        """Put this rank's part of fragment ``p`` into the parameters."""
+        self.shards.write(p, flat)
 
     @contextmanager
     def global_weights(self) -> Iterator[None]:
         """The last applied global fragments in place of the local weights, put back on exit."""
-        saved = [p.detach().clone() for p in self.params]
+        saved = self.shards.save()
         try:
             for p, f in enumerate(self.fragments):
                 self.write_fragment(p, f.base)
             yield
         finally:
-            with torch.no_grad():
-                for param, value in zip(self.params, saved):
-                    param.copy_(value)
+            self.shards.restore(saved)
 
     # ---- the end ------------------------------------------------------------------------------
 

@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from lightning_diloco.core.codecs import Codec
-from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.learner.link import SynchronizerLink
 
@@ -45,18 +44,20 @@ class LeaderSync:
     def start_heartbeat(self) -> None:
         self._heartbeat.start()
 
-    def push(self, *, fragment: int, round: int, snapshot: torch.Tensor, base_version: int, base: torch.Tensor,
+    def push(self, *, fragment: int, round: int, delta: torch.Tensor, base_version: int,
              tokens: float, steps: int, seq: int) -> Future:
-        """Push ``snapshot - base`` in the background; the future holds the ack (or the refusal)."""
-        return self._pool.submit(self._push, fragment, round, snapshot, base_version, base, tokens, steps, seq)
+        """Encode and push ``delta`` (the whole fragment's progress since its base,
+        :func:`~lightning_diloco.core.outer.island_delta`) in the background; the future holds
+        the ack (or the refusal)."""
+        return self._pool.submit(self._push, fragment, round, delta, base_version, tokens, steps, seq)
 
     def answered(self, ok: bool) -> None:
         """Record the synchronizer's latest answer (False: a push the island gave up on)."""
         with self.lock:
             self.reachable = ok
 
-    def _push(self, fragment, round, snapshot, base_version, base, tokens, steps, seq):
-        payload = self.uplink.encode(island_delta(snapshot, base))
+    def _push(self, fragment, round, delta, base_version, tokens, steps, seq):
+        payload = self.uplink.encode(delta)
         with self.lock:
             self.bytes_up += payload.numel()
         ack = self.link.push(

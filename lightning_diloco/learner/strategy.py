@@ -1,188 +1,42 @@
-"""``Trainer(strategy="decoupled_diloco")``: a trainer group becomes one learner island.
+"""``Trainer(strategy="decoupled_diloco")``: a trainer group becomes one learner island, DDP inside.
 
-Built on Lightning's DDPStrategy: inside a multi-process island everything is ordinary DDP (one
-process per device). A one-process island takes Lightning's single-device path instead: no
-process group and no DDP wrapper, which in one process would only copy gradients every step.
-Around it the strategy counts tokens, and after every inner optimizer step hands control to
-:class:`IslandLearner`, which streams fragments to the synchronizer in the background. Hooks
-only; Lightning's loops are never copied.
+Inside a multi-process island everything is ordinary DDP (one process per device). A one-process
+island takes Lightning's single-device path instead: no process group and no DDP wrapper, which in
+one process would only copy gradients every step. Everything island-facing is
+:class:`~lightning_diloco.learner.island_strategy.IslandStrategy`'s, shared with the FSDP2 island
+(:mod:`~lightning_diloco.learner.fsdp_strategy`).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import warnings
-from collections.abc import Callable
 from typing import Any
 
-import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
 
-from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.exit_codes import EXIT_REFUSED
-from lightning_diloco.core.fragments import build_layout, tensor_specs
-from lightning_diloco.core.settings import config_with, run_settings, value_of
-from lightning_diloco.learner.arguments import (as_run_config, describe_for_cli, env_int, given_ddp_arguments, read_token,
-                                                refuse_unknown)
-from lightning_diloco.learner.collective import Collective, TorchCollective
-from lightning_diloco.learner.island import IslandLearner
-from lightning_diloco.reasons import Reason
-from lightning_diloco.learner.tokens import default_tokens_per_batch
+from lightning_diloco.learner.arguments import DDP_ARGUMENTS, argument_names, describe_for_cli, given_arguments
+from lightning_diloco.learner.island_strategy import IslandStrategy, RefusedByRun
 
-log = logging.getLogger(__name__)
-
-CHECKPOINT_KEY = "decoupled_diloco"
+__all__ = ["DecoupledDiLoCoStrategy", "RefusedByRun", "register"]
 
 
-class RefusedByRun(SystemExit):
-    """The synchronizer refused to let this island join (another model, a wrong token, ...).
+class DecoupledDiLoCoStrategy(IslandStrategy, DDPStrategy):
+    """A Lightning trainer group as one learner island of a Decoupled DiLoCo run, DDP inside.
 
-    Exits the process with ``EXIT_REFUSED`` after logging why, so a launcher knows a restart is
-    pointless (``lightning-diloco run`` fails the run at once with the reason)."""
+    Takes the run settings (see :class:`IslandStrategy`) and DDP's arguments.
+    """
 
-    def __init__(self, message: str) -> None:
-        super().__init__(EXIT_REFUSED)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class DecoupledDiLoCoStrategy(DDPStrategy):
     strategy_name = "decoupled_diloco"
+    inner_kind = "DistributedDataParallel"
 
-    def __init__(
-        self,
-        synchronizer: str | None = None,
-        island: int | None = None,
-        num_islands: int | None = None,
-        token: str | None = None,
-        token_file: str | os.PathLike | None = None,
-        *,
-        sync_every: int | None = None,
-        num_fragments: int | None = None,
-        overlap_steps: int | None = None,
-        outer_lr: float | None = None,
-        outer_momentum: float | None = None,
-        min_quorum: int | None = None,
-        grace_gamma: float | None = None,
-        merge: str | None = None,
-        apply: str | None = None,
-        mix_alpha: float | None = None,
-        uplink_codec: str | None = None,
-        downlink_codec: str | None = None,
-        run_config: RunConfig | dict | str | os.PathLike | None = None,
-        tokens_per_batch: Callable[[Any], float] | None = None,
-        end_with_global_model: bool = True,
-        push_wait: float = 120.0,
-        join_wait: float = 300.0,
-        **kwargs: Any,
-    ) -> None:
-        """A Lightning trainer group as one learner island of a Decoupled DiLoCo run.
+    @classmethod
+    def inner_arguments(cls) -> set[str]:
+        return argument_names(DDPStrategy.__init__, DistributedDataParallel.__init__) - {"module"}
 
-        Arguments left as None come from the environment (``DILOCO_*``) or from the run defaults
-        of :class:`~lightning_diloco.core.config.RunConfig`. A remote synchronizer's run settings
-        are authoritative: the run settings below then only warn where they differ.
-
-        Args:
-            synchronizer: The synchronizer's address, ``host:port``, comma-separated for shards
-                (``DILOCO_SYNCHRONIZER``). None starts an embedded synchronizer on loopback for
-                a one-island run (refused when num_islands > 1).
-            island: This island's index i in [0, num_islands) (``DILOCO_ISLAND``, default 0); it
-                trains on shard i of the data.
-            num_islands: M, the islands in the run (``DILOCO_NUM_ISLANDS``, default 1).
-            token: The run's shared secret if the synchronizer requires one (``DILOCO_TOKEN``).
-                Not an argument of LightningCLI, which would save it in config.yaml.
-            token_file: A file holding the run's shared secret, for LightningCLI's config.yaml
-                and for anything else that should not hold the secret itself.
-            sync_every: H, inner steps between two sends of one fragment (run setting, default
-                24). Given alone, num_fragments becomes min(24, H). A module with several
-                optimizers (a GAN) counts an inner step per step of its first optimizer; the
-                outer step covers the parameters of all of them.
-            num_fragments: P, fragments the parameters are packed into, at most H (run setting,
-                default 24; the synchronizer lowers it to the model's tensor count).
-            overlap_steps: tau, steps after a send at which its round's global fragment is
-                applied; 0 waits for it (synchronous DiLoCo) (run setting, default 2).
-            outer_lr: The outer Nesterov step's learning rate (run setting, default 0.7).
-            outer_momentum: The outer Nesterov momentum (run setting, default 0.9).
-            min_quorum: K, islands that must contribute before a round may close (run
-                setting, default 1).
-            grace_gamma: gamma in [0, 1): after its quorum a round waits for more islands at
-                most gamma x what is left of tau step times; 0 closes at quorum (run setting,
-                default 0.5).
-            merge: ``rda`` (radial-directional averaging) or ``mean`` (run setting).
-            apply: How an island takes a global fragment: ``overwrite``, ``mix`` or ``rebase``
-                (run setting, default overwrite).
-            mix_alpha: For ``apply="mix"``: the weight the local fragment keeps, in [0, 1).
-            uplink_codec: Codec of outer gradients sent: ``fp32``, ``bf16``, ``int8``, ``int4``
-                (run setting, default int4).
-            downlink_codec: Codec of global fragments received (run setting, default bf16).
-            run_config: Every run setting at once: a ``RunConfig``, its ``to_dict()`` form, or
-                the path of such a JSON file (the synchronizer's ``--config``). The run
-                settings above override it.
-            tokens_per_batch: Counts a batch's tokens for the merge weights (default:
-                attention-mask ones, else ``input_ids`` elements, else samples).
-            end_with_global_model: Load the global model when training ends, if it holds some
-                of this island's work (otherwise the local weights stay, with a warning).
-            push_wait: Seconds a sent fragment may wait for its round before the send counts
-                as failed.
-            join_wait: Seconds an island waits at start for a synchronizer it cannot reach yet
-                (started later, or restarting) before failing.
-            **kwargs: Any other run setting by name (``outlier_z=5.0``, ``history=6``; see
-                ``lightning_diloco.core.settings.run_settings()``); everything else goes to
-                :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g.
-                ``find_unused_parameters=True``).
-        """
-        setting_names = {s.name for s in run_settings()}
-        refuse_unknown(set(kwargs) - setting_names)
-        super().__init__(**given_ddp_arguments({k: v for k, v in kwargs.items() if k not in setting_names}))
-        self.address = synchronizer if synchronizer is not None else (os.environ.get("DILOCO_SYNCHRONIZER") or None)
-        self.island = env_int("DILOCO_ISLAND", island, 0)
-        self.num_islands = env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
-        if not 0 <= self.island < self.num_islands:
-            raise ValueError(f"island={self.island} must be in [0, num_islands={self.num_islands}); set DILOCO_ISLAND below DILOCO_NUM_ISLANDS")
-        if self.num_islands > 1 and self.address is None:
-            # an embedded synchronizer serves this process only: the island would train alone, on
-            # 1/M of the data, and no other island could ever reach it
-            raise ValueError(
-                f"island {self.island} of num_islands={self.num_islands} has no synchronizer to share its work with: "
-                "set DILOCO_SYNCHRONIZER=host:port (or synchronizer=...) to one started with `lightning-diloco "
-                "synchronizer`, let `lightning-diloco run --islands M -- COMMAND` start every island and the "
-                "synchronizer, or train one island alone with num_islands=1 (DILOCO_NUM_ISLANDS unset)")
-        self.token = token if token is not None else read_token(token_file)
-        given = dict(
-            sync_every=sync_every, num_fragments=num_fragments, overlap_steps=overlap_steps, outer_lr=outer_lr,
-            outer_momentum=outer_momentum, min_quorum=min_quorum, grace_gamma=grace_gamma, merge=merge, apply=apply,
-            mix_alpha=mix_alpha, uplink_codec=uplink_codec, downlink_codec=downlink_codec,
-            **{k: v for k, v in kwargs.items() if k in setting_names},
-        )
-        self.explicit = {k: v for k, v in given.items() if v is not None}
-        self.base_config = as_run_config(run_config)
-        self.run_config = config_with(self.explicit, self.base_config)  # validates now, not at fit time
-        self.count_tokens = tokens_per_batch or default_tokens_per_batch
-        self.end_with_global_model = end_with_global_model
-        self.push_wait = push_wait
-        self.join_wait = join_wait
-        self.learner: IslandLearner | None = None
-        self.final_metrics: dict[str, float] = {}  # the learner's metrics when fit ended
-        self.embedded = None
-        self._tokens = 0.0
-        self._resume: dict | None = None
-
-    # ---- data: island i of M trains on shard i of M --------------------------------------------
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # the seed too: Lightning's default is this process's PL_GLOBAL_SEED, which differs
-        # between islands seeded apart, and shards cut from different permutations overlap
-        island_world = self.num_nodes * self.num_processes
-        config = self.learner.config if self.learner is not None else self.run_config  # the synchronizer's, once joined
-        return {"num_replicas": self.num_islands * island_world, "rank": self.island * island_world + self.global_rank,
-                "seed": config.data.seed}
+    @classmethod
+    def inner_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return given_arguments(kwargs, DDP_ARGUMENTS)
 
     # ---- a one-process island: Lightning's single-device path ----------------------------------
 
@@ -206,170 +60,13 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
     def _setup_model(self, model):
         return model if self.one_process else super()._setup_model(model)
 
-    # ---- joining ------------------------------------------------------------------------------
-
     def setup(self, trainer) -> None:
-        if self.one_process:
-            # DDPStrategy.setup wraps the model in DDP, or (when not fitting) broadcasts its states
-            # over the process group; the base strategy's setup is the single-device sequence
-            Strategy.setup(self, trainer)
-        else:
-            super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
-            return
-        module = self.lightning_module
-        specs = tensor_specs(module)
-        named = dict(module.named_parameters())
-        params = [named[s.name] for s in specs]
-        link = None
-        config_dict = None
-        run_step = 0
-        if self.global_rank == 0:
-            link, info = self._connect(specs)
-            config_dict, run_step = info.config.to_dict(), info.run_step
-        collective: Collective = Collective()
-        if self.world_size > 1:
-            collective = TorchCollective(self.world_size, self.root_device if self._uses_nccl() else torch.device("cpu"))
-            config_dict = collective.broadcast_object(config_dict)
-        config = RunConfig.from_dict(config_dict)
-        layout = build_layout(specs, config.schedule.num_fragments)
-        self.learner = IslandLearner(params, layout, config, island=self.island, link=link, collective=collective, push_wait=self.push_wait)
-        self.learner.start(resume=(self._resume or {}).get("learner"), run_step=run_step)
-        if self.global_rank == 0:
-            for logger in trainer.loggers:  # the run's settings beside the module's hyperparameters
-                logger.log_hyperparams(self._hyperparameters(config))
-            sched, merge = config.schedule, config.merge
-            rank_zero_info(
-                f"Decoupled DiLoCo: island {self.island} of {self.num_islands} ({self.world_size} process(es)), "
-                f"synchronizer {self.address or 'embedded'}; P={sched.num_fragments} H={sched.sync_every} "
-                f"tau={sched.overlap_steps} quorum K={merge.min_quorum} apply={sched.apply}; "
-                f"uplink {config.codec.uplink}, downlink {config.codec.downlink}; starting at the run's step "
-                f"{self.learner.schedule_step}"
-            )
-
-    def _hyperparameters(self, config: RunConfig) -> dict[str, Any]:
-        """Every run setting as the synchronizer has it, and where this island stands in the run."""
-        where = {"island": self.island, "num_islands": self.num_islands, "island_processes": self.world_size,
-                 "synchronizer": self.address or "embedded"}
-        return {f"diloco/{name}": value for name, value in
-                {**where, **{s.name: value_of(config, s.name) for s in run_settings()}}.items()}
-
-    def _summary(self) -> str:
-        """What the island's part in the run came to, said once when fit ends."""
-        m = self.final_metrics
-        return (f"Decoupled DiLoCo, island {self.island}: {m['diloco/syncs_sent']:.0f} contributions sent, "
-                f"{m['diloco/syncs_applied']:.0f} of their rounds' global fragments applied and "
-                f"{m['diloco/syncs_received']:.0f} other new versions taken, {m['diloco/syncs_failed']:.0f} failed, "
-                f"{m['diloco/syncs_unmerged']:.0f} not merged by the end; {m['diloco/bytes_up'] / 1e6:.2f} MB up, "
-                f"{m['diloco/bytes_down'] / 1e6:.2f} MB down; last staleness {m['diloco/staleness']:.0f} versions; "
-                f"ended on global versions from {m['diloco/min_version']:.0f}")
-
-    def _uses_nccl(self) -> bool:
-        return torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
-
-    def _connect(self, specs):
-        from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
-
-        address = self.address
-        if address is None:
-            address = self._start_embedded()
-        link = SynchronizerClient(address, token=self.token)
-        try:
-            info = link.join(self.island, self.world_size, specs, patience=self.join_wait)
-        except SynchronizerError as err:
-            link.close()
-            if err.reason == Reason.UNREACHABLE:
-                raise RuntimeError(f"island {self.island}: no synchronizer answered at {address} within "
-                                   f"join_wait={self.join_wait:g}s ({err}); start it, check the address, or raise "
-                                   "join_wait") from None
-            message = f"island {self.island}: the synchronizer at {address} refused it ({err.reason}): {err}"
-            log.error(message)
-            raise RefusedByRun(message) from None
-        self._warn_on_conflicts(info.config)
-        return link, info
-
-    def _start_embedded(self) -> str:
-        from lightning_diloco.core.state import SynchronizerState
-        from lightning_diloco.synchronizer.server import SynchronizerServer
-        from lightning_diloco.synchronizer.service import Synchronizer
-
-        # a model of fewer tensors than num_fragments gets one fragment each: the synchronizer
-        # lowers P at the first join, as a remote one does
-        saved = (self._resume or {}).get("embedded")
-        state = SynchronizerState.from_state_dict(saved) if saved else None
-        self.embedded = SynchronizerServer(Synchronizer(self.run_config, state=state), host="127.0.0.1", port=0,
-                                           token=self.token).start()
-        return self.embedded.address
-
-    def _warn_on_conflicts(self, authoritative: RunConfig) -> None:
-        # what the user asked for: the named settings, and all of a run_config they passed
-        asked = {s.name for s in run_settings()} if self.base_config is not None else set(self.explicit)
-        conflicts = []
-        for name in sorted(asked):
-            value, actual = value_of(self.run_config, name), value_of(authoritative, name)
-            if actual != value:
-                conflicts.append(f"{name}={value!r} (synchronizer: {actual!r})")
-        if conflicts:
-            warnings.warn(
-                "the synchronizer's run settings are authoritative; ignoring " + ", ".join(conflicts)
-                + ". Set them on the synchronizer instead.",
-                stacklevel=2,
-            )
-
-    # ---- the inner loop ------------------------------------------------------------------------
-
-    def training_step(self, *args: Any, **kwargs: Any):
-        batch = args[0] if args else kwargs.get("batch")
-        self._tokens += self.count_tokens(batch)
-        return super().training_step(*args, **kwargs)
-
-    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        # one inner step per step of the first optimizer (GAN-style modules have several)
-        if self.learner is not None and self.optimizers and optimizer is _unwrap(self.optimizers[0]):
-            self.learner.after_step(self._tokens)
-            self._tokens = 0.0
-            self._log_metrics()
-        return output
-
-    def _log_metrics(self) -> None:
-        # Through the module's own logging, on the steps the trainer writes its logs: the island's
-        # metrics land in the module's rows (a logger call of our own made a second row per step)
-        trainer = self.lightning_module.trainer
-        module = self.lightning_module
-        if trainer.loggers and module._current_fx_name is not None and trainer._logger_connector.should_update_logs:
-            module.log_dict(self.learner.metrics(), on_step=True, on_epoch=False, batch_size=1)
-
-    def on_train_end(self) -> None:
-        if self.learner is not None and self.end_with_global_model:
-            self.learner.finish()
-        super().on_train_end()
-
-    # ---- checkpoints -----------------------------------------------------------------------------
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        if self.learner is not None:
-            checkpoint[CHECKPOINT_KEY] = {
-                "learner": self.learner.state_dict(),
-                "embedded": self.embedded.service.snapshot().state_dict() if self.embedded and self.embedded.service.state else None,
-            }
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._resume = checkpoint.get(CHECKPOINT_KEY)
-        return checkpoint
-
-    def teardown(self) -> None:
-        if self.learner is not None:
-            self.final_metrics = self.learner.metrics()
-            self.learner.close()
-            self.learner = None
-            rank_zero_info(self._summary())
-        if self.embedded is not None:
-            self.embedded.stop(grace=0)
-            self.embedded = None
-        super().teardown()
+        if not self.one_process:
+            return super().setup(trainer)
+        # DDPStrategy.setup wraps the model in DDP, or (when not fitting) broadcasts its states
+        # over the process group; the base strategy's setup is the single-device sequence
+        Strategy.setup(self, trainer)
+        self._join_after_setup(trainer)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -382,16 +79,16 @@ class DecoupledDiLoCoStrategy(DDPStrategy):
         )
 
 
-describe_for_cli(DecoupledDiLoCoStrategy)
-
-
-def _unwrap(optimizer):
-    return getattr(optimizer, "_optimizer", optimizer)
+describe_for_cli(DecoupledDiLoCoStrategy, DDP_ARGUMENTS, IslandStrategy.__init__)
 
 
 def register() -> None:
-    """Make ``Trainer(strategy="decoupled_diloco")`` work; safe to call more than once."""
+    """Make ``Trainer(strategy="decoupled_diloco")`` (and ``"decoupled_diloco_fsdp"``) work; safe
+    to call more than once."""
+    from lightning_diloco.learner.fsdp_strategy import DecoupledDiLoCoFSDPStrategy
+
     DecoupledDiLoCoStrategy.register_strategies(StrategyRegistry)
+    DecoupledDiLoCoFSDPStrategy.register_strategies(StrategyRegistry)
 
 
 register()  # importing the strategy is enough for Trainer(strategy="decoupled_diloco")

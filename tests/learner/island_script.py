@@ -1,7 +1,8 @@
-"""One learner island as a user would launch it: `python island_script.py OUT [--devices N]`.
+"""One learner island as a user would launch it: `python island_script.py OUT [--devices N] [--fsdp]`.
 
-Reads DILOCO_* from the environment, trains TinyRegressor, and writes each rank's final
-weights and the island's metrics to OUT/rank{R}.pt.
+Reads DILOCO_* from the environment, trains TinyRegressor (sharded with FSDP2 by
+``--fsdp``), and writes each rank's final weights (whole) and the island's metrics to
+OUT/rank{R}.pt.
 """
 
 import argparse
@@ -17,10 +18,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 import lightning_diloco  # noqa: E402,F401
-from lightning_diloco import DecoupledDiLoCoStrategy  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning_diloco import DecoupledDiLoCoFSDPStrategy, DecoupledDiLoCoStrategy  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-from tests.learner.models import TinyRegressor, loader, regression_data, trainer  # noqa: E402
+from tests.learner.models import ShardedTinyRegressor, TinyRegressor, loader, regression_data, trainer  # noqa: E402
 
 
 class WaitForAllIslands(Callback):
@@ -29,8 +30,13 @@ class WaitForAllIslands(Callback):
 
     def __init__(self, num_islands: int, step_seconds: float) -> None:
         self.num_islands, self.step_seconds = num_islands, step_seconds
+        self.waited = False
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_batch_start(self, trainer, *args):
+        # not on_train_start: an FSDP2 island joins in the strategy's on_train_start, after the callbacks'
+        if self.waited:
+            return
+        self.waited = True
         link = trainer.strategy.learner.link
         deadline = time.monotonic() + 120
         while link is not None and len(link.status().live_islands) < self.num_islands:
@@ -48,15 +54,29 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-seconds", type=float, default=0.02)
+    parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (decoupled_diloco_fsdp)")
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--overlap", type=int, default=1)
+    parser.add_argument("--checkpoint-dir", help="save last.ckpt there at the end of every epoch")
+    parser.add_argument("--resume", help="a checkpoint to resume from")
+    parser.add_argument("--full-checkpoint", action="store_true", help="FSDP2: one file, not a distributed checkpoint")
     parser.add_argument("--no-wait", action="store_true", help="start training at once, whoever else has joined")
     args = parser.parse_args()
-    strategy = DecoupledDiLoCoStrategy(sync_every=4, num_fragments=2, overlap_steps=1, uplink_codec="fp32", downlink_codec="fp32")
-    model = TinyRegressor(seed=args.seed + strategy.island)  # islands start apart; joining aligns them
+    settings = dict(sync_every=4, num_fragments=2, overlap_steps=args.overlap, uplink_codec="fp32", downlink_codec="fp32")
+    if args.fsdp:
+        strategy = DecoupledDiLoCoFSDPStrategy(save_distributed_checkpoint=not args.full_checkpoint, **settings)
+    else:
+        strategy = DecoupledDiLoCoStrategy(**settings)
+    model = (ShardedTinyRegressor if args.fsdp else TinyRegressor)(seed=args.seed + strategy.island)  # joining aligns them
     callbacks = [WaitForAllIslands(0 if args.no_wait else strategy.num_islands, args.step_seconds)]
-    trainer(strategy, devices=args.devices, max_epochs=args.epochs, callbacks=callbacks).fit(model, loader(regression_data(n=512)))
+    if args.checkpoint_dir:
+        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True, save_top_k=0))
+    trainer(strategy, devices=args.devices, max_epochs=args.epochs, max_steps=args.max_steps, callbacks=callbacks,
+            enable_checkpointing=bool(args.checkpoint_dir)).fit(model, loader(regression_data(n=512)), ckpt_path=args.resume)
     rank = int(os.environ.get("LOCAL_RANK", 0))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    torch.save({"weights": [p.detach() for p in model.parameters()], "metrics": strategy.final_metrics,
+    weights = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # whole, sharded or not
+    torch.save({"weights": [w.detach() for w in weights], "metrics": strategy.final_metrics,
                 "steps": len(model.losses), "losses": model.losses}, Path(args.out) / f"rank{rank}.pt")
 
 

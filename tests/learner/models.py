@@ -38,6 +38,21 @@ class TinyRegressor(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
 
 
+class ShardedTinyRegressor(TinyRegressor):
+    """TinyRegressor written for Lightning's ModelParallelStrategy: FSDP2 per layer and on the root."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.net, FSDPModule):  # a second fit on the same module
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
 def loader(dataset, batch_size=16, shuffle=False):
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
 

@@ -361,3 +361,20 @@ def test_the_islands_metrics_land_in_the_modules_rows(tmp_path):
     steps = [row["step"] for row in rows]
     assert len(steps) == len(set(steps)) == 4  # 16 steps logged every 4
     assert all(row["train_loss"] and row["diloco/syncs_sent"] for row in rows)
+
+
+def test_islands_of_different_sizes_train_on_disjoint_shards_that_cover_the_data():
+    """A 2-rank island and a one-process island in one run (M = 2), shuffled: disjoint samples."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from torch.utils.data import DistributedSampler
+
+    def sampler(island, world, rank):
+        strategy = DecoupledDiLoCoStrategy(synchronizer="127.0.0.1:1", island=island, num_islands=2)
+        strategy.parallel_devices = [torch.device("cpu")] * world
+        strategy.cluster_environment = LightningEnvironment()
+        strategy.cluster_environment.set_global_rank(rank)
+        return DistributedSampler(range(64), shuffle=True, **strategy.distributed_sampler_kwargs)  # the run's seed
+
+    shards = {(0, r): set(sampler(0, 2, r)) for r in range(2)} | {(1, 0): set(sampler(1, 1, 0))}
+    assert all(len(s) == 16 for k, s in shards.items() if k[0] == 0) and len(shards[1, 0]) == 32
+    assert set().union(*shards.values()) == set(range(64))  # each sample once: 16 + 16 + 32 = 64

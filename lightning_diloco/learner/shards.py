@@ -1,0 +1,154 @@
+"""This rank's part of each fragment, and the moves between it and the whole fragment.
+
+The layout and the synchronizer see whole tensors (their global names and shapes), so islands of
+any inner parallelism join one run. Inside an island a parameter is either a plain tensor, whole
+on every rank (one process, DDP), or a ``DTensor`` of which a rank holds its local shard (FSDP2's
+``fully_shard``; tensor parallelism and HSDP give DTensors too, with other placements). The
+island keeps and updates only local parts, elementwise (bases, snapshots, applies); whole
+fragments exist only in flight, one fragment at a time:
+
+- :meth:`IslandShards.gather` assembles a fragment's whole value on the leader for a send,
+  tensor by tensor (``DTensor.full_tensor()``: every rank holds one whole tensor at a time).
+- :meth:`IslandShards.scatter` takes the leader's whole fragment to every rank's local part
+  (a broadcast of the fragment, then each rank cuts its shard out with the parameter's own
+  placements, with no further communication).
+
+A sync's extra memory per rank is therefore: the local bases (1/W of the model, fp32, host), and
+in flight one whole fragment (fp32, host; at most the largest, about 1/P of the model) plus one
+whole tensor on the device. The leader also keeps the global model whole in host memory, in its
+inbox: the downlink sends deltas against it (``benchmarks/fsdp_overhead.py`` measures both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment
+from lightning_diloco.learner.collective import Collective
+
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # a torch without DTensor has no sharded parameters either
+    DTensor, distribute_tensor = (), None
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return bool(DTensor) and isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_sharded(t) else t
+
+
+class IslandShards:
+    def __init__(self, params: Sequence[torch.Tensor], layout: FragmentLayout, collective: Collective, *, leader: bool) -> None:
+        """``params``: the model's trainable tensors in ``layout.specs`` order, plain or DTensors."""
+        for param, spec in zip(params, layout.specs):
+            if tuple(param.shape) != spec.shape:  # a DTensor's shape is the global one
+                raise ValueError(f"parameter {spec.name!r} has shape {tuple(param.shape)}, the layout {spec.shape}")
+        self.params, self.layout, self.collective, self.leader = list(params), layout, collective, leader
+        self.sharded = [_is_sharded(t) for t in self.params]
+        self.before_write: Callable[[], None] | None = None
+        """Set by a strategy whose modules may hold gathered copies of the shards (FSDP2 keeps the
+        root's after a forward without backward): drops them, so the next forward sees the write."""
+
+    def _members(self, p: int) -> list[int]:
+        return list(self.layout.fragments[p])
+
+    def any_sharded(self, p: int) -> bool:
+        return any(self.sharded[i] for i in self._members(p))
+
+    def local_numel(self, p: int) -> int:
+        return sum(_local(self.params[i]).numel() for i in self._members(p))
+
+    def read(self, p: int) -> torch.Tensor:
+        """This rank's part of fragment ``p``: a flat fp32 host copy."""
+        return flatten_fragment([_local(self.params[i]) for i in self._members(p)])
+
+    @torch.no_grad()
+    def write(self, p: int, flat: torch.Tensor) -> None:
+        """Put ``flat`` (this rank's part, as :meth:`read` gives it) into the parameters."""
+        if self.before_write is not None:
+            self.before_write()
+        start = 0
+        for i in self._members(p):
+            local = _local(self.params[i])
+            local.copy_(flat[start : start + local.numel()].view(local.shape))
+            start += local.numel()
+        assert start == flat.numel(), f"{flat.numel()=} != {start=}"
+
+    def save(self) -> list[torch.Tensor]:
+        """A copy of this rank's part of every parameter, in its own dtype (for :meth:`restore`)."""
+        return [_local(t).detach().clone() for t in self.params]
+
+    @torch.no_grad()
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        if self.before_write is not None:
+            self.before_write()
+        for param, value in zip(self.params, saved):
+            _local(param).copy_(value)
+
+    def local_pieces(self, p: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` (this rank's part of fragment ``p``) shaped like each tensor's local part."""
+        out, start = [], 0
+        for i in self._members(p):
+            local = _local(self.params[i])
+            out.append(flat[start : start + local.numel()].view(local.shape))
+            start += local.numel()
+        return out
+
+    @torch.no_grad()
+    def local_part(self, i: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of tensor ``i`` (in ``layout.specs`` order) given its whole value."""
+        param = self.params[i]
+        if not self.sharded[i]:
+            return whole
+        return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None).to_local().cpu()
+
+    def as_distributed(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's part of tensor ``i``) as a DTensor placed like the parameter;
+        ``local`` itself for a plain parameter."""
+        param = self.params[i]
+        if not self.sharded[i]:
+            return local
+        return DTensor.from_local(local.to(param.to_local().device), param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
+
+    @torch.no_grad()
+    def gather(self, p: int, flat: torch.Tensor) -> torch.Tensor | None:
+        """The whole fragment whose local parts are ``flat`` on each rank: on the leader, None
+        elsewhere. Every rank must call it (sharded tensors are all-gathered, one at a time)."""
+        if not self.any_sharded(p):
+            return flat if self.leader else None  # every rank holds it whole already
+        pieces, start = [], 0
+        for i in self._members(p):
+            param = self.params[i]
+            local = _local(param)
+            piece = flat[start : start + local.numel()].view(local.shape)
+            start += local.numel()
+            if self.sharded[i]:
+                whole = DTensor.from_local(piece.to(local.device), param.device_mesh, param.placements, run_check=False,
+                                           shape=param.shape, stride=param.stride()).full_tensor()
+                piece = whole.reshape(-1).to("cpu", torch.float32)
+            if self.leader:
+                pieces.append(piece.reshape(-1))
+        return torch.cat(pieces) if self.leader else None
+
+    @torch.no_grad()
+    def scatter(self, p: int, whole: torch.Tensor | None) -> torch.Tensor:
+        """This rank's part of the leader's whole fragment ``p`` (the other ranks pass None)."""
+        whole = self.collective.broadcast_tensor(torch.empty(self.layout.fragment_numel(p)) if whole is None else whole)
+        if not self.any_sharded(p):
+            return whole
+        parts, start = [], 0
+        for i, spec in zip(self._members(p), self.layout.fragment_specs(p)):
+            value = whole[start : start + spec.numel].view(spec.shape)
+            start += spec.numel
+            param = self.params[i]
+            if self.sharded[i]:  # src_data_rank=None: each rank cuts its own shard, no communication
+                value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                          src_data_rank=None).to_local()
+            parts.append(value.reshape(-1).to("cpu", torch.float32))
+        return torch.cat(parts) if parts else whole[:0]

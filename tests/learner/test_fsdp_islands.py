@@ -1,0 +1,97 @@
+"""FSDP2 islands as real processes (gloo, CPU): one layout for every island shape, the same
+algorithm whatever the inner parallelism."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_diloco.core.config import CodecConfig, MergeConfig, RunConfig, ScheduleConfig
+from lightning_diloco.synchronizer.server import SynchronizerServer
+from lightning_diloco.synchronizer.service import Synchronizer
+from tests.learner.models import TinyRegressor
+from tests.learner.test_islands_multiprocess import SCRIPT, _env, _run
+
+pytestmark = pytest.mark.slow
+
+
+def _island(out, *args, **env):
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], env=_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _ranks(path, n):
+    return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(n)]
+
+
+def test_an_fsdp_island_and_a_one_process_island_join_one_run_and_end_on_the_same_model(tmp_path):
+    """The FSDP2 island's ranks each hold half of every tensor; its layout (built from the whole
+    shapes and names) is the one-process island's, so both join, contribute to every round
+    (quorum 2) and end on the same global model."""
+    config = RunConfig(
+        schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1),
+        merge=MergeConfig(min_quorum=2, grace_gamma=0.0),
+        codec=CodecConfig(uplink="fp32", downlink="fp32"),
+    )
+    server = SynchronizerServer(Synchronizer(config), port=0).start()
+    try:
+        run = dict(DILOCO_SYNCHRONIZER=server.address, DILOCO_NUM_ISLANDS="2")
+        steps = ("--max-steps", "24", "--epochs", "10", "--step-seconds", "0.05")
+        procs = [_island(tmp_path / "fsdp", "--fsdp", "--devices", "2", *steps, DILOCO_ISLAND="0", **run),
+                 _island(tmp_path / "single", *steps, DILOCO_ISLAND="1", **run)]
+        _run(procs)
+        status = server.service.status()
+    finally:
+        server.stop(grace=0)
+    fsdp, single = _ranks(tmp_path / "fsdp", 2), _ranks(tmp_path / "single", 1)[0]
+    assert [r["steps"] for r in fsdp] == [24, 24] and single["steps"] == 24
+    # 24 steps, each fragment due every 4: 6 sends per fragment, 12 per island
+    # Quorum 2: every closed round merged both. Of the 12 sends per island, those for rounds the
+    # other island never reached stay unmerged (a slower island is realigned to the run's clock,
+    # and its last sends can outrun the other's end): 7 to 12 accepted on this machine
+    assert all(isl.accepted >= 4 for isl in status.islands.values()), status.islands
+    assert status.accepted["merged"] == sum(isl.accepted for isl in status.islands.values())
+    for rank in fsdp:
+        assert rank["metrics"]["diloco/syncs_failed"] == 0
+        for a, b in zip(rank["weights"], single["weights"]):
+            assert torch.equal(a, b)
+
+
+def test_ddp_and_fsdp_islands_compute_the_same_global_model(tmp_path):
+    """Synchronous DiLoCo (overlap 0), same seeds and data: an island of 2 DDP ranks and one of 2
+    FSDP2 ranks send the same outer gradients, so the global model after 4 outer steps of each
+    fragment is the same within float tolerance (the gradient reductions sum in other orders)."""
+    procs = [_island(tmp_path / kind, *flags, "--devices", "2", "--overlap", "0", "--max-steps", "16", "--epochs", "10")
+             for kind, flags in (("ddp", ()), ("fsdp", ("--fsdp",)))]
+    _run(procs)
+    ddp, fsdp = _ranks(tmp_path / "ddp", 2)[0], _ranks(tmp_path / "fsdp", 2)[0]
+    assert ddp["metrics"]["diloco/syncs_applied"] == fsdp["metrics"]["diloco/syncs_applied"] == 8
+    for a, b in zip(ddp["weights"], fsdp["weights"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    initial = list(TinyRegressor(seed=0).parameters())
+    assert all((a - b.detach()).abs().max() > 1e-3 for a, b in zip(ddp["weights"], initial))  # it trained
+
+
+def test_an_fsdp_island_resumed_from_its_checkpoint_matches_an_uninterrupted_run(tmp_path):
+    """Synchronous, so deterministic: 1 epoch, checkpoint, resume for a 2nd from another init
+    gives the model 2 uninterrupted epochs give, from a distributed checkpoint (the bases saved
+    sharded beside the weights) and from a full one (gathered on rank 0)."""
+    common = ("--fsdp", "--devices", "2", "--overlap", "0")
+    firsts = {kind: _island(tmp_path / f"first-{kind}", *common, "--epochs", "1", "--checkpoint-dir",
+                            str(tmp_path / f"ckpt-{kind}"), *extra)
+              for kind, extra in (("distributed", ()), ("full", ("--full-checkpoint",)))}
+    _run([_island(tmp_path / "straight", *common, "--epochs", "2"), *firsts.values()])
+    assert (tmp_path / "ckpt-distributed" / "last.ckpt").is_dir() and (tmp_path / "ckpt-full" / "last.ckpt").is_file()
+    _run([_island(tmp_path / f"resumed-{kind}", *common, "--epochs", "2", "--seed", "5", "--resume",
+                  str(tmp_path / f"ckpt-{kind}" / "last.ckpt"), *(("--full-checkpoint",) if kind == "full" else ()))
+          for kind in firsts])
+    straight = _ranks(tmp_path / "straight", 2)[0]
+    for kind in firsts:
+        resumed = _ranks(tmp_path / f"resumed-{kind}", 2)
+        assert [r["steps"] for r in resumed] == [16, 16]  # the second epoch only
+        assert resumed[0]["metrics"]["diloco/min_version"] == 8  # 32 steps / H = 4 per fragment
+        for a, b in zip(straight["weights"], resumed[0]["weights"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
