@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from typing_extensions import override
 
 from lightning_diloco.core.fragments import split_fragment as _split
 from lightning_diloco.core.fragments import tensor_specs
@@ -90,6 +91,7 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
     def inner_arguments(cls) -> set[str]:
         return argument_names(ModelParallelStrategy.__init__)
 
+    @override
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":  # before the mesh is built from it
             self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
@@ -131,6 +133,7 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
             state["bases_by_name"] = whole
         return state
 
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         learner = (self._resume or {}).get("learner")
@@ -161,6 +164,7 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
             resume["bases"].append(torch.cat(parts))
         return resume
 
+    @override
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register(

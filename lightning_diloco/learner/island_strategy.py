@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.exit_codes import EXIT_REFUSED
@@ -188,6 +189,7 @@ class IslandStrategy:
 
     # ---- data: island i of M trains on shard i of M ---------------------------------------------
 
+    @override
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # island i takes the samples at positions i mod M of the (shuffled) dataset, and its rank r
@@ -202,6 +204,7 @@ class IslandStrategy:
 
     # ---- joining: after the inner strategy's setup and any checkpoint restore ------------------
 
+    @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
         self._join_after_setup(trainer)
@@ -214,6 +217,7 @@ class IslandStrategy:
         if trainer.state.fn == TrainerFn.FITTING and not self.restore_checkpoint_after_setup:
             self._join()
 
+    @override
     def on_train_start(self) -> None:
         if self.learner is None:
             self._join()
@@ -321,11 +325,13 @@ class IslandStrategy:
 
     # ---- the inner loop ------------------------------------------------------------------------
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any):
         batch = args[0] if args else kwargs.get("batch")
         self._tokens += self.count_tokens(batch)
         return super().training_step(*args, **kwargs)
 
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         # one inner step per step of the first optimizer (GAN-style modules have several)
@@ -343,6 +349,7 @@ class IslandStrategy:
         if trainer.loggers and module._current_fx_name is not None and trainer._logger_connector.should_update_logs:
             module.log_dict(self.learner.metrics(), on_step=True, on_epoch=False, batch_size=1)
 
+    @override
     def on_train_end(self) -> None:
         if self.learner is not None and self.end_with_global_model:
             self.learner.finish()
@@ -350,6 +357,7 @@ class IslandStrategy:
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if self.learner is not None:
             checkpoint[CHECKPOINT_KEY] = {
@@ -358,6 +366,7 @@ class IslandStrategy:
             }
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume = checkpoint.get(CHECKPOINT_KEY)
@@ -372,6 +381,7 @@ class IslandStrategy:
         """The learner's outer state from the restored checkpoint, for the learner just built."""
         return (self._resume or {}).get("learner")
 
+    @override
     def teardown(self) -> None:
         if self.learner is not None:
             self.final_metrics = self.learner.metrics()

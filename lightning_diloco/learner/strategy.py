@@ -14,6 +14,7 @@ from typing import Any
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from lightning_diloco.learner.arguments import DDP_ARGUMENTS, argument_names, describe_for_cli, given_arguments
 from lightning_diloco.learner.island_strategy import IslandStrategy, RefusedByRun
@@ -44,6 +45,7 @@ class DecoupledDiLoCoStrategy(IslandStrategy, DDPStrategy):
     def one_process(self) -> bool:
         return self.num_nodes * self.num_processes == 1
 
+    @override
     def _configure_launcher(self) -> None:
         if not self.one_process:
             return super()._configure_launcher()
@@ -51,15 +53,18 @@ class DecoupledDiLoCoStrategy(IslandStrategy, DDPStrategy):
         # cores / processes, overriding the script's own torch.set_num_threads
         self._launcher = None
 
+    @override
     def setup_distributed(self) -> None:
         if not self.one_process:
             return super().setup_distributed()
         reset_seed()  # as DDPStrategy does, so a seeded run draws the same numbers either way
         self.set_world_ranks()
 
+    @override
     def _setup_model(self, model):
         return model if self.one_process else super()._setup_model(model)
 
+    @override
     def setup(self, trainer) -> None:
         if not self.one_process:
             return super().setup(trainer)
@@ -68,6 +73,7 @@ class DecoupledDiLoCoStrategy(IslandStrategy, DDPStrategy):
         Strategy.setup(self, trainer)
         self._join_after_setup(trainer)
 
+    @override
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register(
