@@ -18,6 +18,7 @@ rank 0 with the weights.
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -134,6 +135,26 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
         return state
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Written beside the old one, then swapped in: a distributed checkpoint is a folder its
+        ranks fill file by file, and an island killed while saving (a fault, or its launcher's
+        chaos) must still find the previous one whole when it restarts."""
+        path = Path(self.broadcast(filepath))
+        partial, old = path.with_name(path.name + ".partial"), path.with_name(path.name + ".old")
+        if self.global_rank == 0:
+            _remove(partial)
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            _remove(old)
+            if path.exists():
+                path.rename(old)
+            partial.rename(path)  # between the two renames (microseconds) there is no checkpoint
+            _remove(old)
+        self.barrier()
+
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         learner = (self._resume or {}).get("learner")
@@ -170,6 +191,13 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
         strategy_registry.register(
             "decoupled_diloco_fsdp", cls, description="Decoupled DiLoCo learner island (FSDP2 inside)", override=True
         )
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 describe_for_cli(DecoupledDiLoCoFSDPStrategy, {}, IslandStrategy.__init__)
