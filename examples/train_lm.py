@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_diloco  # noqa: F401  registers "decoupled_diloco"
 from lightning_diloco.launch.progress import ProgressFile
+from lightning_diloco.learner.collective import leave_process_group
 
 
 class BigramLanguage(Dataset):
@@ -148,11 +149,7 @@ def main() -> None:
         print(f"final val_loss {result['val_loss']:.4f} after {trainer.global_step} steps", flush=True)
         if args.result:
             Path(args.result).write_text(f'{{"val_loss": {result["val_loss"]}, "steps": {trainer.global_step}}}')
-    if torch.distributed.is_initialized():
-        # every rank leaves the process group together: a rank whose peer has exited while gloo
-        # still reads from it was seen to abort at exit ("terminate called without an active exception")
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_process_group()  # every rank together: a lone exit was seen to abort its peer under load
 
 
 if __name__ == "__main__":

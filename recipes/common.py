@@ -23,8 +23,9 @@ from typing import Any, Callable
 
 from lightning_diloco.core import presets
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.settings import add_setting_arguments, changed_settings, config_with, given_settings
 from lightning_diloco.core.protocol import SynchronizerStatus
+from lightning_diloco.core.settings import add_setting_arguments, changed_settings, config_with, given_settings
+from lightning_diloco.learner.collective import leave_process_group
 
 PROGRESS_EVERY_S = 5.0  # a progress line this often; each process's output in OUT/run/*.log (--verbose: all of it)
 
@@ -141,7 +142,9 @@ def main(recipe: Recipe, argv: list[str] | None, description: str | None) -> int
     argv = list(sys.argv[1:] if argv is None else argv)
     args = resolve(recipe, build_parser(recipe, description).parse_args(argv))
     if os.environ.get("DILOCO_STRATEGY"):
-        return train(recipe, args)
+        code = train(recipe, args)
+        leave_process_group()  # every rank together: a lone exit was seen to abort its peer under load
+        return code
     return launch(recipe, args, argv)
 
 

@@ -19,6 +19,7 @@ torch.set_num_threads(1)
 
 import lightning_diloco  # noqa: E402,F401
 from lightning_diloco import DecoupledDiLoCoFSDPStrategy, DecoupledDiLoCoStrategy  # noqa: E402
+from lightning_diloco.learner.collective import leave_process_group  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from tests.learner.models import ShardedTinyRegressor, TinyRegressor, loader, regression_data, trainer  # noqa: E402
@@ -78,6 +79,7 @@ def main() -> None:
     weights = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # whole, sharded or not
     torch.save({"weights": [w.detach() for w in weights], "metrics": strategy.final_metrics,
                 "steps": len(model.losses), "losses": model.losses}, Path(args.out) / f"rank{rank}.pt")
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def test_moe_recipe_two_islands_write_the_summary_curves_and_logs(tmp_path):
 def test_text_recipe_trains_fsdp2_islands_of_two_processes(tmp_path):
     """HF Llama sharded per decoder layer (configure_model, fully_shard) inside 2 islands of 2."""
     result, out, stdout = _run("recipes.text_lm", tmp_path, "--strategy", "decoupled_diloco_fsdp", "--islands", "2",
-                               "--devices", "2", "--batch", "4")
+                               "--devices", "2", "--batch", "4", "--verbose")  # every island's own lines
     assert result["strategy"] == "decoupled_diloco_fsdp" and result["steps"] == 8
     assert result["tokens"] == 2 * 2 * 8 * 4 * 64 and 0 < result["final"]["eval_loss"] < 6
     assert result["outer_steps"] >= 1 and "island 0 of 2 (2 process(es))" in stdout
@@ -57,7 +57,7 @@ def test_a_killed_fsdp2_island_resumes_from_its_checkpoint_while_the_other_goes_
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "recipes.text_lm", "--strategy", "decoupled_diloco_fsdp", "--islands", "2",
                            "--devices", "2", "--batch", "4", "--steps", "40", "--eval-every", "20", "--eval-batches", "1",
-                           "--final-eval-batches", "2", "--chaos", "kill 1 at step 12", "--out", str(out)],
+                           "--final-eval-batches", "2", "--chaos", "kill 1 at step 12", "--verbose", "--out", str(out)],
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "run-report.json").read_text())
