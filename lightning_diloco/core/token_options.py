@@ -15,10 +15,18 @@ def add_token_arguments(parser: argparse.ArgumentParser, what: str) -> None:
                         "prefer --token-file or $DILOCO_TOKEN")
 
 
+def read_token(path: str | os.PathLike | None, name: str = "--token-file") -> str | None:
+    """The token in the file ``path`` (``name``: how the user gave it, for the error), or
+    $DILOCO_TOKEN when no file is given."""
+    if path is None:
+        return os.environ.get("DILOCO_TOKEN") or None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as err:
+        raise ValueError(f"{name} {str(path)!r}: {err.strerror or err}") from None
+
+
 def resolve_token(args: argparse.Namespace) -> str | None:
     if args.token_file:
-        try:
-            return Path(args.token_file).read_text().strip() or None
-        except OSError as err:
-            raise ValueError(f"--token-file {args.token_file}: {err.strerror or err}") from None
-    return args.token or os.environ.get("DILOCO_TOKEN") or None
+        return read_token(args.token_file)
+    return args.token or read_token(None)

@@ -15,7 +15,6 @@ import difflib
 import inspect
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Optional
 
 from lightning_diloco.core.config import RunConfig
@@ -50,15 +49,6 @@ def refuse_unknown(strategy: str, names: set[str], inner: set[str], inner_kind: 
                  for name in unknown]
         raise TypeError(f"{strategy} got unknown arguments {', '.join(hints)}: neither run settings "
                         f"(lightning_diloco.core.settings.run_settings()) nor {inner_kind} arguments")
-
-
-def read_token(path: str | os.PathLike | None) -> str | None:
-    if path is None:
-        return os.environ.get("DILOCO_TOKEN") or None
-    try:
-        return Path(path).read_text().strip() or None
-    except OSError as err:
-        raise ValueError(f"token_file={str(path)!r}: {err.strerror or err}") from None
 
 
 def as_run_config(given: RunConfig | dict | str | os.PathLike | None) -> RunConfig | None:

@@ -25,7 +25,8 @@ from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.exit_codes import EXIT_REFUSED
 from lightning_diloco.core.fragments import build_layout, tensor_specs
 from lightning_diloco.core.settings import config_with, run_settings, value_of
-from lightning_diloco.learner.arguments import as_run_config, env_int, read_token, refuse_unknown
+from lightning_diloco.core.token_options import read_token
+from lightning_diloco.learner.arguments import as_run_config, env_int, refuse_unknown
 from lightning_diloco.learner.collective import Collective, TorchCollective
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.learner.tokens import default_tokens_per_batch
@@ -167,7 +168,7 @@ class IslandStrategy:
                 "set DILOCO_SYNCHRONIZER=host:port (or synchronizer=...) to one started with `lightning-diloco "
                 "synchronizer`, let `lightning-diloco run --islands M -- COMMAND` start every island and the "
                 "synchronizer, or train one island alone with num_islands=1 (DILOCO_NUM_ISLANDS unset)")
-        self.token = token if token is not None else read_token(token_file)
+        self.token = token if token is not None else read_token(token_file, "token_file")
         given = dict(
             sync_every=sync_every, num_fragments=num_fragments, overlap_steps=overlap_steps, outer_lr=outer_lr,
             outer_momentum=outer_momentum, min_quorum=min_quorum, grace_gamma=grace_gamma, merge=merge, apply=apply,
