@@ -64,6 +64,8 @@ class StartPlan:
     """Fragment -> the global version pulled."""
     overwrite: list[int]
     """Fragments whose local values the global ones replace (the others resume their checkpoint's)."""
+    absent: list[int]
+    """Fragments of shards that did not answer: they keep their local values until a version arrives."""
     schedule_step: int
 
 

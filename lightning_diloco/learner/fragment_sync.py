@@ -19,7 +19,7 @@ class FragmentSync:
     base: torch.Tensor
     """The global value last applied (flat): the next outer gradient is measured from it."""
     version: int = 0
-    """The global version ``base`` is."""
+    """The global version ``base`` is; -1: none yet (its shard was away when the island joined)."""
     sent_round: int = -1
     """The latest round it was sent for; -1: none."""
     tokens: float = 0.0
@@ -52,7 +52,7 @@ class FragmentSync:
                 flight.snapshot.add_(value).sub_(self.base)
         else:
             self.tokens, self.steps = 0.0, 0
-        staleness = max(0, version - self.version - 1)
+        staleness = max(0, version - self.version - 1) if self.version >= 0 else 0  # -1: never had one
         self.base, self.version = value, version
         if ends_flight:
             self.flight = None

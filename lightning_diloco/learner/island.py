@@ -143,6 +143,9 @@ class IslandLearner:
         pulled = {}  # the leader's whole global fragments: the inbox's first values
         plan = self._pull_global(resume, run_step, beat, pulled) if self.is_leader else None
         plan = self._share(plan)
+        if resume is None:
+            for p in plan.absent:  # its shard is not answering: trained locally, sent once a version arrives
+                self.fragments[p].version = -1
         for p, version in plan.versions.items():
             f = self.fragments[p]
             if p in plan.overwrite:
@@ -162,9 +165,13 @@ class IslandLearner:
 
     def _pull_global(self, resume: dict | None, run_step: int, beat: Beat, values: dict[int, torch.Tensor]) -> StartPlan:
         """Pull every global fragment into ``values``; the plan says which ones replace ours."""
-        overwrite = []
+        overwrite, absent = [], []
         pulled = {}
         for p in range(self.layout.num_fragments):
+            if p not in beat.versions:  # its shard did not answer the join: no global value yet
+                values[p] = torch.zeros(self.layout.fragment_numel(p))  # never a base: its first version comes whole
+                absent.append(p)
+                continue
             version, values[p] = self.link.pull(p)
             pulled[p] = version
             if resume is not None and resume["versions"][p] == version:
@@ -172,7 +179,7 @@ class IslandLearner:
             overwrite.append(p)
         # the run's clock wins, unless this island's own (resumed) clock is ahead of it
         schedule_step = max(self.schedule_step, run_step, beat.run_step)
-        return StartPlan(versions=pulled, overwrite=overwrite, schedule_step=schedule_step)
+        return StartPlan(versions=pulled, overwrite=overwrite, absent=absent, schedule_step=schedule_step)
 
     # ---- the inner-step hook ------------------------------------------------------------------
 
@@ -217,6 +224,8 @@ class IslandLearner:
         in_flight = self.in_flight
         send = []
         for p, r in sorted(wanted.items()):
+            if self.fragments[p].version < 0:
+                continue  # no global version yet (its shard was away at the join): nothing to send against
             if self.fragments[p].sent_round >= r:
                 continue  # already sent for that round (asked for it, then due by our own clock)
             if p in in_flight and p not in fail:

@@ -23,6 +23,7 @@ from lightning_diloco.core.protocol import RoundRequest
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.credentials import Caller, identify
+from lightning_diloco.synchronizer.deadlines import ReadDeadlines, payload_deadline
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -120,6 +121,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         # at once, so Status, joins and pushes always find a worker
         self.long_calls = threading.BoundedSemaphore(max(1, max_workers - RESERVE))
         self.streams = IslandStreams(service)
+        self.deadlines = ReadDeadlines()
 
     def _long_call(self, what: str):
         if not self.long_calls.acquire(blocking=False):
@@ -144,15 +146,23 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot act as island "
                                       f"{island}; each island presents its own (`lightning-diloco credential --island {island}`)")
 
-    def _payload(self, first, rest, expected: int, declared: int, what: str) -> bytearray:
+    def _payload(self, context, first, rest, expected: int, declared: int, what: str) -> bytearray:
+        """The payload after its header; a client that sends it too slowly is cancelled (deadlines.py)."""
         if declared != expected:
             raise self.service.refuse(
                 Reason.BAD_PAYLOAD, f"{what} declares {declared} bytes but its codec and fragment need {expected}"
             )
+        seconds = payload_deadline(expected)
+        done = self.deadlines.watch(context, seconds)
         try:
             return assemble(first.data, rest, expected, what)
         except ValueError as err:
             raise self.service.refuse(Reason.BAD_PAYLOAD, str(err)) from None
+        except grpc.RpcError:  # cancelled by its deadline (or by the client): counted, the stream is gone
+            raise self.service.refuse(Reason.BAD_PAYLOAD, f"{what}: its {expected} bytes did not arrive within "
+                                      f"{seconds:.0f} s; a link this slow needs smaller fragments") from None
+        finally:
+            done()
 
     @_handler
     def Join(self, request, context, caller):
@@ -171,7 +181,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.acting_as(caller, h.island)
         self.service.admit_seed(h.island, h.fragment, h.session)
         expected = self.service.expected_payload_bytes("fp32", h.fragment)
-        payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"seed of fragment {h.fragment}")
+        payload = self._payload(context, first, request_iterator, expected, h.payload_bytes, f"seed of fragment {h.fragment}")
         seeded = self.service.seed(h.island, h.fragment, payload, session=h.session)
         return pb.SeedReply(seeded=seeded, version=self.service.versions()[h.fragment])
 
@@ -187,7 +197,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         expected = self.service.expected_payload_bytes(h.codec, h.fragment)
         release = self.streams.take(h.island, "push", self.service.config.schedule.num_fragments + 2)
         try:
-            payload = self._payload(first, request_iterator, expected, h.payload_bytes, f"push of fragment {h.fragment}")
+            payload = self._payload(context, first, request_iterator, expected, h.payload_bytes, f"push of fragment {h.fragment}")
         finally:
             release()
         ack = self.service.push(dataclasses.replace(header, payload=payload))
@@ -286,6 +296,7 @@ class SynchronizerServer:
         if not self._started:  # grpc closes a bound port only when a started server stops
             self.server.start()
         self.server.stop(grace).wait()
+        self.servicer.deadlines.close()
         self.executor.shutdown(wait=True)  # grpc leaves its worker threads to us
         self.service.checkpoint()
 

@@ -4,6 +4,11 @@ A synchronizer that is briefly away (restarting, unreachable) is retried with ex
 backoff and jitter; after a restart the client joins again by itself. A refusal is not retried:
 it surfaces as :class:`SynchronizerError` carrying the synchronizer's reason.
 
+A sharded run goes on without a dead shard: a join succeeds when at least one shard answers, the
+shards that did not (or that stopped answering later) are *absent*, and calls for their fragments
+fail at once instead of waiting out the retries, until the shard's subscription reader finds it
+back and joins it (subscription.py). Its fragments train locally meanwhile.
+
 New global versions and the synchronizer's requests arrive through a subscription
 (subscription.py): one long-lived stream per shard, read on its own thread, reopened whenever it
 breaks.
@@ -100,9 +105,12 @@ class SynchronizerClient:
         self.bytes_sent = self.bytes_received = 0
         self._join_request: pb.JoinRequest | None = None
         self._join_lock = threading.Lock()  # one join at a time: see rejoin()
-        self.joins = 0  # successful joins so far: which sessions a failing call was made with
-        self.sessions = [""] * len(self.stubs)  # per shard, from the last join
-        self.incarnations = [""] * len(self.stubs)  # per shard: which synchronizer process that was
+        self._replies: dict[int, pb.JoinReply] = {}  # per shard, its last join's reply
+        # per shard: successful joins so far (which session a failing call was made with), the
+        # session ("": absent, not joined or stopped answering) and which process that was
+        self.joins = [0] * len(self.stubs)
+        self.sessions = [""] * len(self.stubs)
+        self.incarnations = [""] * len(self.stubs)
         self._subscriptions: list[Subscription] = []
 
     @property
@@ -134,17 +142,21 @@ class SynchronizerClient:
         attempt = 0
         keep_trying_until = time.monotonic() + patience
         while True:
-            joins = self.joins
+            if shard is not None and self.absent(shard):
+                raise SynchronizerError(grpc.StatusCode.UNAVAILABLE, Reason.UNREACHABLE,
+                                        f"{what}: shard {shard} at {self.addresses[shard]} is not answering; this island "
+                                        "trains its fragments locally and joins the shard again once it is back")
+            joins = self.joins[shard] if shard is not None else 0
             try:
                 return call()
             except grpc.RpcError as err:
                 code, details = err.code(), err.details() or ""
                 reason = Reason.parse(details)
-                if reason in REJOIN and self._join_request:
+                if reason in REJOIN and self._join_request and shard is not None:
                     log.info("%s: %s (the synchronizer restarted, or this island joined again elsewhere); joining again",
                              what, reason)
                     try:
-                        self.rejoin(joins)
+                        self.rejoin(shard, joins)
                     except grpc.RpcError as join_err:  # a synchronizer still starting: retried like the call
                         code, details = join_err.code(), join_err.details() or ""
                         if code not in RETRYABLE:
@@ -157,6 +169,8 @@ class SynchronizerClient:
                 if attempt >= self.max_retries:
                     left = keep_trying_until - time.monotonic()
                     if left <= 0:
+                        if shard is not None and self._join_request is not None:
+                            self._mark_absent(shard, joins)
                         hint = tls_mismatch_hint(self.addresses[shard or 0], self.uses_tls, details)
                         raise SynchronizerError(code, Reason.UNREACHABLE,
                                                 f"{what}: gave up after {attempt + 1} attempts: {details}{hint}") from None
@@ -185,8 +199,9 @@ class SynchronizerClient:
     # ---- calls --------------------------------------------------------------------------------
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], patience: float = 0.0) -> JoinInfo:
-        """Join every shard. ``patience``: seconds to keep waiting for a synchronizer that is not
-        reachable yet (an island may start before it, or while it restarts)."""
+        """Join every shard that answers (at least one). ``patience``: seconds to keep waiting
+        for a synchronizer that is not reachable yet (an island may start before it, or while it
+        restarts)."""
         request = pb.JoinRequest(
             island=island,
             world_size=world_size,
@@ -200,36 +215,72 @@ class SynchronizerClient:
         self._join_request = request
         return info
 
-    def rejoin(self, joins: int) -> None:
-        """Join again after the synchronizer forgot this island's session (it restarted, or the
-        island joined elsewhere). ``joins``: :attr:`joins` when the refused call was made.
+    def absent(self, shard: int) -> bool:
+        """The shard is not joined (it did not answer the join, or stopped answering since)."""
+        return not self.sessions[shard]
 
-        Single-flight: the push pool, the heartbeat and every subscription reader notice a restart
+    def rejoin(self, shard: int, joins: int) -> None:
+        """Join ``shard`` again after it forgot this island's session (it restarted, or the
+        island joined elsewhere), or once it is back after being absent. ``joins``:
+        ``self.joins[shard]`` when the refused call was made.
+
+        Single-flight: the push pool, the heartbeat and the subscription reader notice a restart
         at about the same time, and each join issues a new session and ends the subscription of
         the one before, so rejoins that each caller made would undo each other. The first caller
-        joins; the others wait for it and return, since :attr:`joins` moved past what they saw.
+        joins; the others wait for it and return, since the count moved past what they saw.
         """
         with self._join_lock:
-            if self.joins != joins or self._join_request is None:
+            if self.joins[shard] != joins or self._join_request is None:
                 return
-            self._join_all(self._join_request)
+            self._join_shard(shard, self._join_request)
+            self._check_shards()
+            log.info("joined shard %d at %s again", shard, self.addresses[shard])
 
-    def _join_all(self, request: pb.JoinRequest) -> JoinInfo:
+    def _mark_absent(self, shard: int, joins: int) -> None:
+        """Stop calling a shard that no longer answers, unless it was joined again meanwhile."""
+        with self._join_lock:
+            if self.joins[shard] == joins and self.sessions[shard]:
+                self.sessions[shard] = ""
+                log.warning("shard %d at %s stopped answering: its fragments train locally until it is back",
+                            shard, self.addresses[shard])
+
+    def _join_shard(self, shard: int, request: pb.JoinRequest) -> pb.JoinReply:
         """(With ``_join_lock`` held.)"""
-        replies = []
-        for shard, stub in enumerate(self.stubs):
-            reply = stub.Join(request, timeout=self.timeout, metadata=self.metadata)
-            self._count(request.ByteSize(), reply.ByteSize())
-            replies.append(reply)
-            self.sessions[shard], self.incarnations[shard] = reply.session, reply.incarnation
-        mismatch = shard_mismatch(self.addresses, replies)
+        reply = self.stubs[shard].Join(request, timeout=self.timeout, metadata=self.metadata)
+        self._count(request.ByteSize(), reply.ByteSize())
+        self._replies[shard] = reply
+        self.sessions[shard], self.incarnations[shard] = reply.session, reply.incarnation
+        self.joins[shard] += 1
+        return reply
+
+    def _check_shards(self) -> None:
+        mismatch = shard_mismatch(self.addresses, self._replies)
         if mismatch:
             raise SynchronizerError(None, Reason.SHARD_MISMATCH, f"the {self.num_shards} addresses are not the shards of one run: {mismatch}")
+
+    def _join_all(self, request: pb.JoinRequest) -> JoinInfo:
+        """(With ``_join_lock`` held.) Join the shards that answer; raise when none does."""
+        unreachable: dict[int, grpc.RpcError] = {}
+        for shard in range(self.num_shards):
+            try:
+                self._join_shard(shard, request)
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE + (grpc.StatusCode.DEADLINE_EXCEEDED,):
+                    raise
+                unreachable[shard] = err
+                self.sessions[shard] = ""
+        if len(unreachable) == self.num_shards:
+            raise unreachable[0]  # nothing joined: retried like any call to an unreachable synchronizer
+        self._check_shards()
+        if unreachable:
+            log.warning("shard(s) %s (%s) not answering: joined the other %d; their fragments train locally until "
+                        "they are back", sorted(unreachable), ", ".join(self.addresses[s] for s in sorted(unreachable)),
+                        self.num_shards - len(unreachable))
+        replies = [self._replies[s] for s in range(self.num_shards) if s not in unreachable]
         versions: dict[int, int] = {}
         for r in replies:
             versions.update(r.versions)
-        self.joins += 1
-        # one run seen from every shard: each shard's versions, the furthest clock (sessions stay per shard)
+        # one run seen from every joined shard: each shard's versions, the furthest clock
         return dataclasses.replace(join_info(replies[0]), versions=versions, run_step=max(r.run_step for r in replies))
 
     def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
@@ -287,8 +338,10 @@ class SynchronizerClient:
         return self._call(f"pull of fragment {fragment}", call, self.shard_of(fragment))
 
     def heartbeat(self, island: int, steps: int, step_time: float, schedule_step: int = 0) -> Beat:
+        """Report progress to every joined shard; the versions of the fragments they hold (an
+        absent shard's are missing) and the run's furthest clock. Raises when no shard answers."""
         versions: dict[int, int] = {}
-        run_step = 0
+        run_step, answered, error = 0, 0, None
         for shard, stub in enumerate(self.stubs):
             def call(shard=shard, stub=stub):
                 request = pb.HeartbeatRequest(island=island, steps=steps, step_time=step_time, schedule_step=schedule_step,
@@ -296,10 +349,19 @@ class SynchronizerClient:
                 self._count(sent=request.ByteSize())
                 return stub.Heartbeat(request, timeout=self.timeout, metadata=self.metadata)
 
-            reply = self._call(f"heartbeat to shard {shard}", call, shard)
+            try:
+                reply = self._call(f"heartbeat to shard {shard}", call, shard)
+            except SynchronizerError as err:
+                if err.reason != Reason.UNREACHABLE or self.num_shards == 1:
+                    raise
+                error = err
+                continue
+            answered += 1
             self._count(received=reply.ByteSize())
             versions.update(reply.versions)
             run_step = max(run_step, reply.run_step)
+        if not answered:
+            raise error
         return Beat(versions=versions, run_step=run_step)
 
     def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,

@@ -9,7 +9,7 @@ Checked on every join, before any shard's session is used: the same run settings
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def _flat(settings: dict, prefix: str = "") -> dict[str, object]:
@@ -22,13 +22,17 @@ def _flat(settings: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def shard_mismatch(addresses: Sequence[str], replies: Sequence) -> str | None:
-    """Why ``replies`` (JoinReply, one per address, in order) are not one run's shards, or None."""
+def shard_mismatch(addresses: Sequence[str], replies: Mapping[int, object]) -> str | None:
+    """Why ``replies`` (JoinReply by address index; shards not joined are missing) are not one
+    run's shards, or None."""
+    total = len(addresses)
+    indices = sorted(replies)
+    addresses, replies = [addresses[i] for i in indices], [replies[i] for i in indices]
     counts = {r.num_shards for r in replies}
-    if counts != {len(addresses)}:
+    if counts != {total}:
         said = ", ".join(f"{a} says {r.num_shards}" for a, r in zip(addresses, replies))
-        return f"{len(addresses)} addresses were given, but the synchronizers count other numbers of shards ({said})"
-    for index, (address, reply) in enumerate(zip(addresses, replies)):
+        return f"{total} addresses were given, but the synchronizers count other numbers of shards ({said})"
+    for index, address, reply in zip(indices, addresses, replies):
         if reply.shard != index:
             return (f"the synchronizer at {address} is shard {reply.shard}, but it is address {index} of the list: give "
                     "the shards' addresses in shard order, each shard once (was one started with the wrong --shard?)")

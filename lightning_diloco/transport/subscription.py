@@ -1,5 +1,6 @@
 """An island's subscription: one long-lived event stream per shard, read on its own thread and
-reopened whenever it breaks (rejoining first when the synchronizer restarted). Events are the
+reopened whenever it breaks (rejoining first when the synchronizer restarted, or when the shard
+was absent and is back). Events are the
 synchronizer's round requests and new global versions, handed to the island's callbacks.
 """
 
@@ -59,7 +60,7 @@ class Subscription:
 
     def _read(self, shard: int) -> None:
         single_threaded_torch()  # it decodes fragments beside the training loop
-        client, attempt, opened_before, joins = self.client, 0, False, self.client.joins
+        client, attempt, opened_before, joins = self.client, 0, False, self.client.joins[shard]
         incarnation = client.incarnations[shard]
         while not self._stop.is_set():
             try:
@@ -68,7 +69,7 @@ class Subscription:
                     # a restarted synchronizer reissues the version numbers past its last checkpoint
                     # with other contents: what this island holds is no base for its deltas
                     held, incarnation = {}, client.incarnations[shard]
-                joins = client.joins
+                joins = client.joins[shard]
                 request = pb.SubscribeRequest(island=self.island, versions=held, session=client.sessions[shard])
                 call = client.stubs[shard].Subscribe(request, metadata=client.metadata)
                 with self._lock:
@@ -87,7 +88,7 @@ class Subscription:
                 code, details = err.code(), err.details() or ""
                 if Reason.parse(details) in REJOIN:
                     try:
-                        client.rejoin(joins)
+                        client.rejoin(shard, joins)  # also how an absent shard is joined once it is back
                         continue
                     except grpc.RpcError:
                         pass

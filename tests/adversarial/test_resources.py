@@ -10,6 +10,7 @@ import time
 import grpc
 import torch
 
+from lightning_diloco.synchronizer import deadlines
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport.client import SynchronizerClient
 from tests.adversarial.conftest import header
@@ -76,3 +77,32 @@ def test_version_history_is_bounded_by_the_setting_not_by_islands_that_joined(ta
         target.settle(0, r + 1)
     assert len(target.service.state.fragments[0].history) <= target.config.merge.history
     assert len(target.service.snapshot().fragments[0].history) <= target.config.merge.history  # and in checkpoints
+
+
+def test_slow_pushes_with_a_valid_session_are_cut_off_and_free_their_slots(target, monkeypatch):
+    """Issue 21: a push with the island's own session, sending its payload a byte at a time, held
+    its stream slot (and a worker) for as long as the client liked; P + 2 of them locked the
+    island out. Each payload now has a read deadline after which the stream is cancelled."""
+    monkeypatch.setattr(deadlines, "PAYLOAD_GRACE_S", 1.0)
+    stub = target.stub()
+    hung = threading.Event()
+    session = target.honest.sessions[0]
+
+    def header_then_trickle():
+        yield pb.PushChunk(header=header(target.config, island=0, session=session, seq=99), data=b"\0")
+        hung.wait(60)
+        yield pb.PushChunk(data=b"\0")
+
+    slots = target.config.schedule.num_fragments + 2
+    calls = [stub.Push.future(header_then_trickle(), timeout=60) for _ in range(slots)]
+    try:
+        for c in calls:  # each is cut off by the server, long before the client would end it
+            assert c.exception(timeout=30).code() == grpc.StatusCode.CANCELLED
+        assert target.server.servicer.deadlines.cancelled == slots
+        assert target.server.servicer.streams.held[(0, "push")] == 0
+        numel = layout(target.config).fragment_numel(0)
+        target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), seq=1)  # the island pushes again
+        target.settle(0, 1)
+        assert target.service.status().refused.get("bad_payload", 0) >= slots
+    finally:
+        hung.set()

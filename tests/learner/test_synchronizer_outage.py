@@ -66,3 +66,68 @@ def test_training_continues_through_a_synchronizer_restart_and_resyncs(tmp_path)
     # it ended on the global model of the restarted synchronizer
     learner_view = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert learner_view.numel() == sum(t.numel() for t in final_global)
+
+
+class ShardReturns(Callback):
+    """Starts the absent shard (from its checkpoint) after step ``up``; notes fragment 0's
+    version meanwhile."""
+
+    def __init__(self, make, up):
+        self.make, self.up, self.server = make, up, None
+        self.versions_while_away: list[int] = []
+        self.last_versions: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(0.02)  # a step with a real duration
+        learner = trainer.strategy.learner
+        if learner.step < self.up:
+            self.versions_while_away.append(learner.fragments[0].version)
+            assert learner.fragments[1].version == -1  # no global value of the absent shard's fragment
+        if learner.step == self.up:
+            self.server = self.make()
+            # the island finds it back within a few reconnect backoffs; how soon depends on the load
+            # (so wait for that, bounded), then trains on and contributes to it
+            deadline = time.monotonic() + 60
+            while learner.inbox.held()[1] < 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.last_versions = learner.versions
+
+
+def test_with_one_shard_dead_an_island_joins_the_live_shard_trains_and_takes_the_other_back(tmp_path):
+    """Issue 21: with one of two shards dead, every join failed (half-registering the island on
+    the live one). Now the island joins the live shard and syncs its fragment, trains the other
+    locally, and joins the dead shard once it is back from its checkpoint."""
+    config = RunConfig(schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1),
+                       codec=CodecConfig(uplink="fp32", downlink="fp32"))
+
+    def shard(index, port=0):
+        service = Synchronizer(config, shard=index, num_shards=2, checkpoint_dir=tmp_path / f"shard{index}", checkpoint_every=1)
+        return SynchronizerServer(service, port=port).start()
+
+    shards = [shard(0), shard(1)]
+    addresses = ",".join(s.address for s in shards)
+    returned = None
+    try:
+        # a first island seeds both shards; then shard 1 dies
+        trainer(DecoupledDiLoCoStrategy(synchronizer=addresses), max_epochs=1).fit(TinyRegressor(), loader(regression_data()))
+        port1 = shards[1].port
+        shards[1].stop(grace=0)
+        version1_at_death = Synchronizer(config, shard=1, num_shards=2, checkpoint_dir=tmp_path / "shard1").versions()[1]
+        version0_at_start = shards[0].service.versions()[0]
+
+        returns = ShardReturns(lambda: shard(1, port1), up=40)
+        model = TinyRegressor()
+        strategy = DecoupledDiLoCoStrategy(synchronizer=addresses)
+        trainer(strategy, max_epochs=6, callbacks=[returns]).fit(model, loader(regression_data()))
+        returned = returns.server
+        assert len(model.losses) == 96  # every step ran
+        # fragment 0 synced while shard 1 was away
+        assert max(returns.versions_while_away) > version0_at_start
+        assert shards[0].service.versions()[0] > version0_at_start
+        # shard 1 came back: the island took its version and contributed to it again
+        assert returns.last_versions[1] > version1_at_death
+        assert returned.service.versions()[1] > version1_at_death
+    finally:
+        for s in [*shards, returned]:
+            if s is not None:
+                s.stop(grace=0)

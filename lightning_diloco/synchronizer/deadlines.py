@@ -1,0 +1,77 @@
+"""Read deadlines for client streams whose payload the server is reading.
+
+gRPC's synchronous server reads a client stream by blocking on its next message, so a client that
+sends a valid header and then one byte every few seconds holds a worker (and one of its island's
+stream slots) for as long as it likes. Every payload read is therefore watched: one thread
+cancels the streams that have not delivered their payload within a grace period plus the time
+the declared size takes at a minimum rate (issue 21: pushes with a valid session had no read
+deadline, only a cap of P + 2 streams per island).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+PAYLOAD_GRACE_S = 30.0  # seconds any payload may take, whatever its size (a connection that stalls briefly)
+MIN_PAYLOAD_BYTES_PER_S = 256 * 1024  # 2 Mbit/s: an island on a slower link should use a smaller fragment
+
+
+def payload_deadline(payload_bytes: int) -> float:
+    """Seconds a client may take to send a payload of ``payload_bytes``."""
+    return PAYLOAD_GRACE_S + payload_bytes / MIN_PAYLOAD_BYTES_PER_S
+
+
+class ReadDeadlines:
+    """One watchdog thread for every payload being read; it cancels a stream whose time is up,
+    which ends the handler's blocking read with an error and frees the worker."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.cancelled = 0  # streams cancelled for being too slow (for tests and metrics)
+
+    def watch(self, context: grpc.ServicerContext, seconds: float) -> Callable[[], None]:
+        """Cancel the stream of ``context`` unless the returned function is called within ``seconds``."""
+        key = next(self._ids)
+        with self._cond:
+            if self._closed:
+                return lambda: None
+            self._due[key] = (time.monotonic() + seconds, context)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="diloco-read-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+        def done() -> None:
+            with self._cond:
+                self._due.pop(key, None)
+
+        return done
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                for key in [k for k, (at, _) in self._due.items() if at <= now]:
+                    _, context = self._due.pop(key)
+                    self.cancelled += 1
+                    context.cancel()
+                nearest = min((at for at, _ in self._due.values()), default=None)
+                self._cond.wait(None if nearest is None else max(0.0, nearest - now))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._due.clear()
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5)
