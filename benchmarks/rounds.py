@@ -65,20 +65,24 @@ def arm_flags(arm: str, islands: int, steps: int) -> list[str]:
     return ([f"--min-quorum={quorum(islands)}"] if quorum else []) + [f.format(kill=kill) for f in flags]
 
 
-def run(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
-    flags = arm_flags(arm, args.islands, args.steps)
-    cmd = [sys.executable, "-m", "recipes.text_lm", "--preset=cpu-tiny", f"--islands={args.islands}", f"--seed={seed}",
-           f"--steps={args.steps}", f"--out={out}", *flags, *args.recipe_arg]
+def run_text_recipe(arm: str, seed: int, flags: list[str], out: Path, timeout: float) -> tuple[dict, dict]:
+    """One run of the text recipe's cpu-tiny preset with ``flags``; (its row, its result.json)."""
+    cmd = [sys.executable, "-m", "recipes.text_lm", "--preset=cpu-tiny", f"--seed={seed}", f"--out={out}", *flags]
     started = time.monotonic()
     try:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
+        done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"{arm} seed {seed} ran past {args.timeout} s: {' '.join(cmd)}") from err
+        raise RuntimeError(f"{arm} seed {seed} ran past {timeout} s: {' '.join(cmd)}") from err
     (out / "output.log").write_text(done.stdout)
     if done.returncode != 0:
         raise RuntimeError(f"{arm} seed {seed} failed (exit {done.returncode}); output in {out / 'output.log'}:\n{done.stdout[-3000:]}")
     result = json.loads((out / "result.json").read_text())
-    row = {"arm": arm, "seed": seed, "eval_loss": result["final"]["eval_loss"], "wall_s": time.monotonic() - started}
+    return {"arm": arm, "seed": seed, "eval_loss": result["final"]["eval_loss"], "wall_s": time.monotonic() - started}, result
+
+
+def run(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+    flags = [f"--islands={args.islands}", f"--steps={args.steps}", *arm_flags(arm, args.islands, args.steps), *args.recipe_arg]
+    row, result = run_text_recipe(arm, seed, flags, out, args.timeout)
     if arm != "ddp":
         row.update(round_health(result, json.loads((out / "run-report.json").read_text())))
     return row

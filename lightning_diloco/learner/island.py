@@ -380,15 +380,17 @@ class IslandLearner:
             log.warning("island %d: none of its contributions was merged into the global model before training ended "
                         "(a run shorter than the sync schedule?); keeping the local weights", self.island)
             return None
-        try:
-            plan = {}
-            for p in range(self.layout.num_fragments):
+        plan, missed = {}, {}
+        for p in range(self.layout.num_fragments):
+            try:
                 version, self.fragments[p].base = self.link.pull(p)
                 plan[p] = version
-            return plan
-        except Exception as err:  # keep the local model rather than crash at the very end
-            log.warning("island %d: could not pull the final global model, keeping the local weights: %s", self.island, err)
-            return None
+            except Exception as err:  # keep the local values rather than crash at the very end
+                missed[p] = err
+        if missed:  # e.g. a dead shard: its fragments keep this island's own progress
+            log.warning("island %d: could not pull fragment(s) %s of the final global model, keeping their local "
+                        "weights: %s", self.island, sorted(missed), next(iter(missed.values())))
+        return plan or None
 
     def close(self) -> None:
         if self.leader is not None:
