@@ -1,0 +1,122 @@
+"""Multi-node islands started with torchrun, on hosts made of network namespaces: an island of
+two nodes (one process each) and a synchronizer on a third host, as docs/deployment.md writes them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.deploy.guide import bash, block
+from tests.deploy.hosts import tail, wait_all, wait_for_text
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NODES = ("node0", "node1")
+SYNC_HOST = "sync-host"
+PORT = 7470  # each host has a network of its own: the documented ports cannot collide with anything
+RUN_TIMEOUT = 480.0  # seconds for an island's nodes to train and exit; they take about 20 s on an idle 2-core machine
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _stop(proc: subprocess.Popen, log: Path) -> None:
+    """SIGTERM, as an operator stops a synchronizer: it writes a final checkpoint and exits 0."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the synchronizer still ran 60 s after SIGTERM:\n{tail(log)}")
+    assert code == 0, f"the synchronizer exited with {code} on SIGTERM:\n{tail(log)}"
+
+
+def _run_nodes(hosts, argv, tmp_path, cwd, env, name) -> set[str]:
+    """``argv`` on both nodes at once; asserts both exit 0. The addresses seen connected to the
+    synchronizer's port while they ran."""
+    logs = [tmp_path / f"{name}-{node}.log" for node in NODES]
+    procs = [hosts.start(node, argv, log, cwd=cwd, env=env, start_new_session=True) for node, log in zip(NODES, logs)]
+    peers: set[str] = set()
+    codes = wait_all(procs, RUN_TIMEOUT, probe=lambda: peers.update(hosts.peers(SYNC_HOST, PORT)))
+    for node, code, log in zip(NODES, codes, logs):
+        assert code == 0, f"{node} exited with {code}:\n{tail(log)}"
+    return peers
+
+
+ISLAND_COLUMNS = ("island", "live", "procs", "steps", "step s", "accepted", "seen s ago")
+
+
+def _island_row(table: str, island: int) -> dict[str, str]:
+    """Island ``island``'s row of `lightning-diloco status`'s table (the first table: the
+    fragments' rows come after it)."""
+    lines = table.splitlines()
+    assert any(line.split()[:3] == ["island", "live", "procs"] for line in lines), table
+    rows = [line.split() for line in lines if line.split() and line.split()[0] == str(island)]
+    assert rows, f"no row for island {island} in:\n{table}"
+    return dict(zip(ISLAND_COLUMNS, rows[0]))
+
+
+def test_an_island_of_two_nodes_from_the_guide_trains_and_only_its_rank_0_talks_to_the_synchronizer(
+        hosts_factory, clone, environment, tmp_path):
+    hosts = hosts_factory([*NODES, SYNC_HOST])
+    token = subprocess.run(hosts.command(SYNC_HOST, bash(block("secrets.token_hex"))), cwd=clone, env=environment,
+                           capture_output=True, text=True, timeout=120)
+    assert token.returncode == 0 and (clone / "run.token").read_text().strip(), token.stdout + token.stderr
+    sync_log = tmp_path / "synchronizer.log"
+    sync = hosts.start(SYNC_HOST, bash(block("synchronizer --host 0.0.0.0")), sync_log, cwd=clone, env=environment,
+                       start_new_session=True)
+    wait_for_text(sync_log, "synchronizer listening on", sync, timeout=120)
+
+    peers = _run_nodes(hosts, bash(block("torchrun --nnodes 2")), tmp_path, clone, environment, "island")
+
+    status = subprocess.run(hosts.command("node1", bash(block("lightning-diloco status sync-host"))), cwd=clone,
+                            env=environment, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    _stop(sync, sync_log)
+    table = status.stdout
+    outer_steps = int(table.split("outer steps")[1].split()[0])
+    island = _island_row(table, 0)
+    # what the operator sees: one island of 2 processes, its contributions merged into outer steps
+    assert island["procs"] == "2" and int(island["accepted"]) > 0 and outer_steps >= int(island["accepted"]) // 2, table
+    assert "refused {}" in table, table  # a second rank joining would have ended rank 0's session: its calls refused
+    # only the island's rank 0, on node0, ever connected to the synchronizer
+    assert peers == {hosts.address("node0")}, peers
+    node0 = (tmp_path / "island-node0.log").read_text()
+    assert "final val_loss" in node0 and "island 0 of 1 (2 process(es))" in node0, tail(tmp_path / "island-node0.log")
+    assert list((clone / "sync-ckpt").iterdir()), "SIGTERM wrote no final checkpoint"
+
+
+def test_an_fsdp2_island_of_two_nodes_keeps_its_ranks_equal(hosts_factory, environment, tmp_path):
+    """decoupled_diloco_fsdp over two nodes: each node holds half of every tensor; both end on the
+    same model and the synchronizer took outer steps from the island's rank 0 only."""
+    hosts = hosts_factory([*NODES, SYNC_HOST])
+    sync_log = tmp_path / "synchronizer.log"
+    sync = hosts.start(SYNC_HOST, [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--host", "0.0.0.0",
+                                   "--port", str(PORT), "--num-fragments", "2", "--sync-every", "4", "--uplink-codec", "fp32",
+                                   "--downlink-codec", "fp32"], sync_log, env=environment, start_new_session=True)
+    wait_for_text(sync_log, "synchronizer listening on", sync, timeout=120)
+    env = dict(environment, DILOCO_SYNCHRONIZER=f"{SYNC_HOST}:{PORT}", DILOCO_ISLAND="0", DILOCO_NUM_ISLANDS="1")
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", "fsdp-island"]
+    script = [str(ROOT / "tests" / "learner" / "island_script.py"), str(tmp_path / "out"), "--fsdp", "--num-nodes", "2",
+              "--max-steps", "16", "--epochs", "10", "--step-seconds", "0"]
+    peers = _run_nodes(hosts, torchrun + script, tmp_path, ROOT, env, "fsdp")
+    status = subprocess.run(hosts.command("node1", [sys.executable, "-m", "lightning_diloco.cli", "status",
+                                                    f"{SYNC_HOST}:{PORT}", "--json"]),
+                            env=environment, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    _stop(sync, sync_log)
+    import json
+
+    shard = json.loads(status.stdout)[0]
+    assert {i: isl["world_size"] for i, isl in shard["islands"].items()} == {"0": 2}, shard["islands"]
+    assert shard["outer_steps"] >= 4 and shard["refused"] == {}, shard
+    assert peers == {hosts.address("node0")}, peers
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["steps"] for r in ranks] == [16, 16]
+    assert ranks[0]["metrics"]["diloco/syncs_applied"] >= 4 and ranks[0]["metrics"]["diloco/syncs_failed"] == 0
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        assert torch.equal(a, b)
