@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,10 +88,12 @@ def test_the_sbatch_script_forms_one_island_across_two_nodes(hosts_factory, clon
         DILOCO_SYNCHRONIZER=f"{SYNC_HOST}:{PORT}", DILOCO_ISLAND="0", DILOCO_NUM_ISLANDS="1",
     )
     job_log = tmp_path / "island.log"
+    started = time.monotonic()
     batch = hosts.start(nodes[0], ["bash", str(SBATCH), "--steps", "24"], job_log, cwd=clone, env=job, start_new_session=True)
     peers: set[str] = set()
     [code] = wait_all([batch], RUN_TIMEOUT, probe=lambda: peers.update(hosts.peers(SYNC_HOST, PORT)))
     assert code == 0, f"the batch script exited with {code}:\n{tail(job_log)}"
+    seconds = time.monotonic() - started
 
     status = subprocess.run(hosts.command(nodes[1], bash(block("lightning-diloco status sync-host"))), cwd=clone,
                             env=environment, capture_output=True, text=True, timeout=120)
@@ -102,4 +105,7 @@ def test_the_sbatch_script_forms_one_island_across_two_nodes(hosts_factory, clon
     assert "final val_loss" in output and "island 0 of 1 (2 process(es))" in output, tail(job_log)
     island = _island_row(status.stdout, 0)
     assert island["procs"] == "2" and int(island["accepted"]) > 0 and "refused {}" in status.stdout, status.stdout
-    assert peers == {hosts.address("node0")}, peers  # rank 0's node only
+    assert peers == {hosts.address("node0")}, peers  # rank 0's node (SLURM_PROCID 0) only
+    outer_steps = int(status.stdout.split("outer steps")[1].split()[0])
+    print(f"SLURM island of 2 nodes (deploy/slurm/island.sbatch): {outer_steps} outer steps, {island['accepted']} "
+          f"contributions accepted, {island['steps']} steps, {seconds:.1f} s from the batch script's start to its exit")

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,20 +35,23 @@ def _stop(proc: subprocess.Popen, log: Path) -> None:
     assert code == 0, f"the synchronizer exited with {code} on SIGTERM:\n{tail(log)}"
 
 
-def _run_nodes(hosts, argv, tmp_path, cwd, env, name) -> set[str]:
+def _run_nodes(hosts, argv, tmp_path, cwd, env, name) -> float:
     """``argv`` on both nodes at once; asserts both exit 0 and that the only address seen connected
-    to the synchronizer's port while they ran was that of the node holding the island's rank 0."""
+    to the synchronizer's port while they ran was that of the node holding the island's rank 0.
+    Returns the seconds from their start to the last exit (printed for benchmarks/RESULTS.md)."""
     logs = [tmp_path / f"{name}-{node}.log" for node in NODES]
+    started = time.monotonic()
     procs = [hosts.start(node, argv, log, cwd=cwd, env=env, start_new_session=True) for node, log in zip(NODES, logs)]
     peers: set[str] = set()
     codes = wait_all(procs, RUN_TIMEOUT, probe=lambda: peers.update(hosts.peers(SYNC_HOST, PORT)))
+    seconds = time.monotonic() - started
     for node, code, log in zip(NODES, codes, logs):
         assert code == 0, f"{node} exited with {code}:\n{tail(log)}"
     # torchrun's rendezvous decides which node holds rank 0; Lightning says so in that node's output
     [leader] = [node for node, log in zip(NODES, logs) if "GLOBAL_RANK: 0, MEMBER: 1/2" in log.read_text()]
     # only the island's rank 0 ever connected to the synchronizer
     assert peers == {hosts.address(leader)}, (peers, leader)
-    return peers
+    return seconds
 
 
 ISLAND_COLUMNS = ("island", "live", "procs", "steps", "step s", "accepted", "seen s ago")
@@ -74,7 +78,7 @@ def test_an_island_of_two_nodes_from_the_guide_trains_and_only_its_rank_0_talks_
                        start_new_session=True)
     wait_for_text(sync_log, "synchronizer listening on", sync, timeout=120)
 
-    _run_nodes(hosts, bash(block("torchrun --nnodes 2")), tmp_path, clone, environment, "island")
+    seconds = _run_nodes(hosts, bash(block("torchrun --nnodes 2")), tmp_path, clone, environment, "island")
 
     status = subprocess.run(hosts.command("node1", bash(block("lightning-diloco status sync-host"))), cwd=clone,
                             env=environment, capture_output=True, text=True, timeout=120)
@@ -89,6 +93,8 @@ def test_an_island_of_two_nodes_from_the_guide_trains_and_only_its_rank_0_talks_
     output = "".join((tmp_path / f"island-{node}.log").read_text() for node in NODES)
     assert "final val_loss" in output and "island 0 of 1 (2 process(es))" in output, output[-4000:]
     assert list((clone / "sync-ckpt").iterdir()), "SIGTERM wrote no final checkpoint"
+    print(f"DDP island of 2 nodes (the guide's torchrun line): {outer_steps} outer steps, {island['accepted']} "
+          f"contributions accepted, {island['steps']} steps, {seconds:.1f} s from torchrun's start to both nodes' exit")
 
 
 def test_an_fsdp2_island_of_two_nodes_keeps_its_ranks_equal(hosts_factory, environment, tmp_path):
@@ -105,7 +111,7 @@ def test_an_fsdp2_island_of_two_nodes_keeps_its_ranks_equal(hosts_factory, envir
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", "fsdp-island"]
     script = [str(ROOT / "tests" / "learner" / "island_script.py"), str(tmp_path / "out"), "--fsdp", "--num-nodes", "2",
               "--max-steps", "16", "--epochs", "10", "--step-seconds", "0"]
-    _run_nodes(hosts, torchrun + script, tmp_path, ROOT, env, "fsdp")
+    seconds = _run_nodes(hosts, torchrun + script, tmp_path, ROOT, env, "fsdp")
     status = subprocess.run(hosts.command("node1", [sys.executable, "-m", "lightning_diloco.cli", "status",
                                                     f"{SYNC_HOST}:{PORT}", "--json"]),
                             env=environment, capture_output=True, text=True, timeout=120)
@@ -121,3 +127,5 @@ def test_an_fsdp2_island_of_two_nodes_keeps_its_ranks_equal(hosts_factory, envir
     assert ranks[0]["metrics"]["diloco/syncs_applied"] >= 4 and ranks[0]["metrics"]["diloco/syncs_failed"] == 0
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
         assert torch.equal(a, b)
+    print(f"FSDP2 island of 2 nodes: {shard['outer_steps']} outer steps, {shard['islands']['0']['accepted']} contributions "
+          f"accepted, 16 steps, {seconds:.1f} s from torchrun's start to both nodes' exit")
