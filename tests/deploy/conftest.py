@@ -13,15 +13,15 @@ from tests.docs.test_commands import _environment, _scratch
 
 @pytest.fixture
 def hosts_factory():
-    """``hosts_factory(names)``: a :class:`Hosts` entered for the test, left (everything in it
+    """``hosts_factory(names, aliases=None)``: a :class:`Hosts` entered for the test, left (everything in it
     killed, the namespaces removed) when the test ends, whatever happened."""
     reason = unavailable()
     if reason:
         pytest.skip(f"the deployment tests run commands on hosts made of network namespaces: {reason}")
     entered: list[Hosts] = []
 
-    def make(names):
-        hosts = Hosts(names).__enter__()
+    def make(names, aliases=None):
+        hosts = Hosts(names, aliases).__enter__()
         entered.append(hosts)
         return hosts
 

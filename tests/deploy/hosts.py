@@ -43,10 +43,12 @@ def unavailable() -> str | None:
 
 
 class Hosts:
-    """``names[i]`` is host i, at 10.78.0.(i + 2)."""
+    """``names[i]`` is host i, at 10.78.0.(i + 2); ``aliases``: more names of a host (a fully
+    qualified one, or a service's name standing for its address)."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], aliases: dict[str, Sequence[str]] | None = None) -> None:
         self.names = list(names)
+        self.aliases = dict(aliases or {})
         self.namespaces = Namespaces(len(self.names), prefix=PREFIX, net=NET)
         self._lock = None
         self.started: list[subprocess.Popen] = []
@@ -80,7 +82,8 @@ class Hosts:
         try:
             self._remove_host_files()
             self.namespaces.__enter__()
-            table = "127.0.0.1 localhost\n" + "".join(f"{self.address(n)} {n}\n" for n in self.names)
+            table = "127.0.0.1 localhost\n" + "".join(f"{self.address(n)} {' '.join([n, *self.aliases.get(n, ())])}\n"
+                                                       for n in self.names)
             for namespace in self.namespaces.names:
                 folder = Path("/etc/netns") / namespace
                 folder.mkdir(parents=True, exist_ok=True)

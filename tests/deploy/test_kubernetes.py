@@ -1,9 +1,13 @@
 """deploy/kubernetes/: the manifests are valid Kubernetes objects (the API's schema, strictly: an
-unknown or misspelt field fails), they refer to each other by the right names, and the commands
-their containers run are ones our CLI and torchrun accept."""
+unknown or misspelt field fails), they refer to each other by the right names, the commands their
+containers run are ones our CLI and torchrun accept, and those containers, run as pods on hosts
+made of network namespaces, form the run they describe."""
 
 from __future__ import annotations
 
+import secrets
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,8 @@ import yaml
 
 from lightning_diloco.cli import build_parser
 from lightning_diloco.synchronizer.main import run_config_from_args
+from tests.deploy.hosts import wait_for_text
+from tests.deploy.runs import island_row, outer_steps, run_island, stop_synchronizer
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
@@ -86,3 +92,67 @@ def _torchrun(container):
 
     assert container["command"] == ["torchrun"]
     return get_args_parser().parse_args(container["args"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_containers_run_as_pods_form_the_run_the_manifests_describe(hosts_factory, clone, environment, tmp_path):
+    """What the cluster would do, played on network namespaces: each pod a host with the pod's
+    hostname and DNS names (``<job>-<k>.<subdomain>`` for the Job's pods, the Service's name for
+    the synchronizer), each container's command, arguments and environment as the manifests write
+    them, the Secret's token where they read it and each volume a folder (its mountPath mapped
+    there). The image is this clone: its .venv's programs on the PATH, its folder the working
+    directory."""
+    objects = _objects()
+    sync_pod = objects[("Deployment", "diloco-synchronizer")]["spec"]["template"]["spec"]
+    [sync_container] = sync_pod["containers"]
+    service = objects[("Service", "diloco-synchronizer")]
+    [job] = [obj for (kind, _), obj in objects.items() if kind == "Job"]
+    name, subdomain = job["metadata"]["name"], job["spec"]["template"]["spec"]["subdomain"]
+    pods = [f"{name}-{k}" for k in range(job["spec"]["completions"])]
+    sync_host = service["metadata"]["name"]
+    hosts = hosts_factory([*pods, sync_host], aliases={pod: [f"{pod}.{subdomain}"] for pod in pods})
+    token = secrets.token_hex(16)  # the Secret diloco-token
+    image = dict(environment, PATH=f"{Path(sys.executable).parent}:{environment['PATH']}")
+
+    volumes = {}
+    for mount in sync_container["volumeMounts"]:
+        folder = tmp_path / "volumes" / mount["name"]
+        folder.mkdir(parents=True)
+        [volume] = [v for v in sync_pod["volumes"] if v["name"] == mount["name"]]
+        if "secret" in volume:
+            (folder / "token").write_text(token + "\n")  # the Secret's one key, a file of that name
+        volumes[mount["mountPath"]] = folder
+    args = [_on_volumes(arg, volumes) for arg in sync_container["command"] + sync_container["args"]]
+    sync_log = tmp_path / "synchronizer.log"
+    sync = hosts.start(sync_host, args, sync_log, cwd=clone, env=image, start_new_session=True)
+    wait_for_text(sync_log, "synchronizer listening on", sync, timeout=120)
+
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    env = dict(image)
+    for variable in container["env"]:
+        env[variable["name"]] = variable["value"] if "value" in variable else token  # secretKeyRef: diloco-token
+    logs = [tmp_path / f"{pod}.log" for pod in pods]
+    port = service["spec"]["ports"][0]["port"]
+    seconds = run_island(hosts, pods, container["command"] + container["args"], logs, sync_host, port, cwd=clone, env=env)
+
+    status = subprocess.run(hosts.command(pods[1], ["lightning-diloco", "status", f"{sync_host}:{port}"]), cwd=clone,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    stop_synchronizer(sync, sync_log)
+    island = island_row(status.stdout, int(env["DILOCO_ISLAND"]))
+    assert island["procs"] == "2" and int(island["accepted"]) > 0 and outer_steps(status.stdout) > 0, status.stdout
+    assert "refused {}" in status.stdout, status.stdout
+    checkpoints = [folder for mount, folder in volumes.items() if mount == "/checkpoints"]
+    assert checkpoints and any(checkpoints[0].rglob("*")), "the synchronizer wrote no checkpoint on its volume"
+    print(f"Kubernetes island of 2 pods (deploy/kubernetes/): {outer_steps(status.stdout)} outer steps, "
+          f"{island['accepted']} contributions accepted, {island['steps']} steps, {seconds:.1f} s from torchrun's start "
+          "to both pods' exit")
+
+
+def _on_volumes(arg: str, volumes: dict[str, Path]) -> str:
+    """``arg`` with a path under a volume's mountPath moved to the volume's folder."""
+    for mount, folder in volumes.items():
+        if arg == mount or arg.startswith(mount + "/"):
+            return str(folder) + arg[len(mount):]
+    return arg

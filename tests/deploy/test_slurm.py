@@ -20,13 +20,15 @@ import pytest
 
 from tests.deploy.guide import bash, block
 from tests.deploy.hosts import tail, wait_all, wait_for_text
-from tests.deploy.test_torchrun import PORT, RUN_TIMEOUT, SYNC_HOST, _island_row, _stop
+from tests.deploy.runs import RUN_TIMEOUT, island_row, outer_steps, stop_synchronizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "deploy" / "slurm" / "island.sbatch"
 JOB_ID = "4242"
+SYNC_HOST = "sync-host"
+PORT = 7470  # the guide's, on a host of its own
 
 SRUN = '''#!{python}
 """srun as the test plays it: the job step's command once per task, each on its node."""
@@ -98,14 +100,13 @@ def test_the_sbatch_script_forms_one_island_across_two_nodes(hosts_factory, clon
     status = subprocess.run(hosts.command(nodes[1], bash(block("lightning-diloco status sync-host"))), cwd=clone,
                             env=environment, capture_output=True, text=True, timeout=120)
     assert status.returncode == 0, status.stdout + status.stderr
-    _stop(sync, sync_log)
+    stop_synchronizer(sync, sync_log)
     output = job_log.read_text()
     # the ranks came from SLURM's variables (no RANK, WORLD_SIZE or MASTER_ADDR was set)
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in output and "GLOBAL_RANK: 1, MEMBER: 2/2" in output, tail(job_log)
     assert "final val_loss" in output and "island 0 of 1 (2 process(es))" in output, tail(job_log)
-    island = _island_row(status.stdout, 0)
+    island = island_row(status.stdout, 0)
     assert island["procs"] == "2" and int(island["accepted"]) > 0 and "refused {}" in status.stdout, status.stdout
     assert peers == {hosts.address("node0")}, peers  # rank 0's node (SLURM_PROCID 0) only
-    outer_steps = int(status.stdout.split("outer steps")[1].split()[0])
-    print(f"SLURM island of 2 nodes (deploy/slurm/island.sbatch): {outer_steps} outer steps, {island['accepted']} "
+    print(f"SLURM island of 2 nodes (deploy/slurm/island.sbatch): {outer_steps(status.stdout)} outer steps, {island['accepted']} "
           f"contributions accepted, {island['steps']} steps, {seconds:.1f} s from the batch script's start to its exit")
