@@ -13,8 +13,9 @@ from tests.docs.test_commands import _environment, _scratch
 
 @pytest.fixture
 def hosts_factory():
-    """``hosts_factory(names, aliases=None)``: a :class:`Hosts` entered for the test, left (everything in it
-    killed, the namespaces removed) when the test ends, whatever happened."""
+    """``hosts_factory(names, aliases=None)``: a :class:`Hosts` entered for the test, left
+    (everything in it killed, the namespaces removed) when the test ends, whatever happened. One
+    per test: every set of hosts takes the machine-wide lock."""
     reason = unavailable()
     if reason:
         pytest.skip(f"the deployment tests run commands on hosts made of network namespaces: {reason}")
@@ -45,6 +46,8 @@ def environment(tmp_path) -> dict[str, str]:
     (tmp_path / "tmp").mkdir()
     env["TMPDIR"] = str(tmp_path / "tmp")
     for name in list(env):
-        if name.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_", "GROUP_RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")) or name in ("RANK",):
+        # a test run inside a SLURM job or under torchrun must not hand its own ranks to the hosts
+        if name.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_", "GROUP_RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")) \
+                or name == "RANK":
             del env[name]
     return env

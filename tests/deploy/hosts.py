@@ -126,6 +126,10 @@ class Hosts:
     def _remove_host_files(self) -> None:
         for namespace in self.namespaces.names:
             shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+        try:
+            Path("/etc/netns").rmdir()  # when nothing else uses it
+        except OSError:
+            pass
 
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout: float, every: float = 0.5,
