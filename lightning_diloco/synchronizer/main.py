@@ -146,10 +146,11 @@ def format_status(st: SynchronizerStatus) -> str:
         f"shard {st.shard}/{st.num_shards}  layout {st.layout_hash or '-'}  outer steps {st.outer_steps}  "
         f"quorum K={st.min_quorum}  live islands {st.live_islands}",
         f"bytes in {st.bytes_in:,}  out {st.bytes_out:,}  accepted {st.accepted}  refused {st.refused}",
-        f"{'island':>6} {'live':>5} {'steps':>8} {'step s':>8} {'accepted':>9} {'seen s ago':>10}",
+        f"{'island':>6} {'live':>5} {'procs':>6} {'steps':>8} {'step s':>8} {'accepted':>9} {'seen s ago':>10}",
     ]
     for i, isl in st.islands.items():
-        lines.append(f"{i:>6} {'yes' if isl.live else 'no':>5} {isl.steps:>8} {isl.step_time_s:>8.3f} {isl.accepted:>9} {isl.seen_s_ago:>10.1f}")
+        lines.append(f"{i:>6} {'yes' if isl.live else 'no':>5} {isl.world_size:>6} {isl.steps:>8} {isl.step_time_s:>8.3f} "
+                     f"{isl.accepted:>9} {isl.seen_s_ago:>10.1f}")
     lines.append(f"{'frag':>6} {'version':>8} {'open':>5} {'last K':>7} {'grace s':>8}  reason")
     for p, r in st.rounds.items():
         last = r.last

@@ -1,4 +1,5 @@
-"""One learner island as a user would launch it: `python island_script.py OUT [--devices N] [--fsdp]`.
+"""One learner island as a user would launch it: `python island_script.py OUT [--devices N] [--fsdp]`
+(or one node of a multi-node island: `torchrun --nnodes 2 ... island_script.py OUT --num-nodes 2`).
 
 Reads DILOCO_* from the environment, trains TinyRegressor (sharded with FSDP2 by
 ``--fsdp``), and writes each rank's final weights (whole) and the island's metrics to
@@ -6,7 +7,6 @@ OUT/rank{R}.pt.
 """
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -52,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--num-nodes", type=int, default=1, help="nodes of the island (started by torchrun or SLURM)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-seconds", type=float, default=0.02)
@@ -72,9 +73,10 @@ def main() -> None:
     callbacks = [WaitForAllIslands(0 if args.no_wait else strategy.num_islands, args.step_seconds)]
     if args.checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True, save_top_k=0))
-    trainer(strategy, devices=args.devices, max_epochs=args.epochs, max_steps=args.max_steps, callbacks=callbacks,
-            enable_checkpointing=bool(args.checkpoint_dir)).fit(model, loader(regression_data(n=512)), ckpt_path=args.resume)
-    rank = int(os.environ.get("LOCAL_RANK", 0))
+    island = trainer(strategy, devices=args.devices, num_nodes=args.num_nodes, max_epochs=args.epochs,
+                     max_steps=args.max_steps, callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_dir))
+    island.fit(model, loader(regression_data(n=512)), ckpt_path=args.resume)
+    rank = island.global_rank  # LOCAL_RANK is 0 on every node of a multi-node island
     Path(args.out).mkdir(parents=True, exist_ok=True)
     weights = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # whole, sharded or not
     torch.save({"weights": [w.detach() for w in weights], "metrics": strategy.final_metrics,
