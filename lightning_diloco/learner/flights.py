@@ -52,6 +52,8 @@ class Apply:
 
     fragment: int
     version: int
+    base_version: int
+    """-1: the leader's value is the whole fragment; else the change from this version (the one held)."""
     ends_flight: bool
     included: bool
 
@@ -60,10 +62,8 @@ class Apply:
 class StartPlan:
     """How the island starts from the global model."""
 
-    versions: dict[int, int]
-    """Fragment -> the global version pulled."""
-    overwrite: list[int]
-    """Fragments whose local values the global ones replace (the others resume their checkpoint's)."""
+    pull: list[int]
+    """Fragments whose global value is pulled (it replaces ours unless a resumed checkpoint holds its version)."""
     absent: list[int]
     """Fragments of shards that did not answer: they keep their local values until a version arrives."""
     schedule_step: int

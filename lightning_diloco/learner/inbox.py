@@ -1,9 +1,9 @@
 """What the synchronizer sent an island, held until the training thread takes it (thread-safe).
 
-The subscription's reader threads put new global versions (reconstructed here from the delta
-against the last version received) and round requests in; the island leader takes them at step
-boundaries. Only the newest version of each fragment is kept: an island that was busy applies the
-latest and skips the ones in between.
+The subscription's reader threads put new global versions (as the delta from the version the
+island holds, or whole) and round requests in; the island leader takes them at step boundaries.
+Only the newest version of each fragment is kept (deltas received meanwhile are summed): an island
+that was busy applies the latest and skips the ones in between.
 """
 
 from __future__ import annotations
@@ -24,24 +24,31 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True, frozen=True)
 class Arrival:
-    """A new global version as the island takes it: the :class:`VersionUpdate` decoded into the
-    full value against the version held before."""
+    """A new global version as the island takes it: the :class:`VersionUpdate`s received since the
+    version the island holds, decoded and summed (or the full value)."""
 
     fragment: int
     version: int
     round: int
     """The round that produced this version (-1: none known, e.g. a pulled or seeded value)."""
     value: torch.Tensor
-    """The full global fragment: never modified in place."""
+    """The whole fragment's change since ``base_version`` (the version the island holds), or the
+    full global fragment when ``base_version`` is -1. Never modified in place."""
+    base_version: int
     included: bool
     """A contribution of this island was merged since the version it held before."""
 
 
 class Inbox:
-    def __init__(self, versions: list[int], values: list[torch.Tensor], block_size: int) -> None:
-        self.block_size = block_size
+    """Holds no copy of the global model: a version arriving as a delta stays a delta until the
+    island applies it to its own base (each rank to its part), so an island's leader needs no
+    whole model beside its parameters (issue 20: +56 MB of peak memory on an FSDP2 island's
+    leader, the global model it kept as the base of the next delta)."""
+
+    def __init__(self, versions: list[int], numels: list[int], block_size: int) -> None:
+        self.block_size, self.numels = block_size, numels
         self.cond = threading.Condition()
-        self.received = {p: (v, x) for p, (v, x) in enumerate(zip(versions, values))}  # newest known per fragment
+        self.received = dict(enumerate(versions))  # the newest version known per fragment
         self.fresh: dict[int, Arrival] = {}
         self.requests: dict[int, RoundRequest] = {}
         self.reconnects = 0
@@ -52,34 +59,34 @@ class Inbox:
     def held(self) -> dict[int, int]:
         """The version of each fragment received so far: what a reopened stream builds on."""
         with self.cond:
-            return {p: v for p, (v, _) in self.received.items()}
+            return dict(self.received)
 
     def on_version(self, event: VersionUpdate) -> None:
         """A new version from the subscription."""
         p = event.fragment
         with self.cond:
-            have, base = self.received[p]
-        numel = base.numel()
-        update = get_codec(event.codec, self.block_size).decode(event.payload, numel)
-        if event.base_version == -1:
-            value = update
-        elif event.base_version == have:
-            value = base + update
-        else:  # cannot happen on one stream; a reopened one says which version it builds on
+            have = self.received[p]
+        update = get_codec(event.codec, self.block_size).decode(event.payload, self.numels[p])
+        if event.base_version not in (-1, have):  # cannot happen on one stream; a reopened one says its base
             log.warning("fragment %d: version %d came as a delta against %d, but this island holds %d; ignored",
                         p, event.version, event.base_version, have)
             return
-        arrival = Arrival(fragment=p, version=event.version, round=event.round, value=value, included=event.included)
+        arrival = Arrival(fragment=p, version=event.version, round=event.round, value=update,
+                          base_version=event.base_version if event.base_version == -1 else have, included=event.included)
         self.put(arrival, payload_bytes=len(event.payload))
 
     def put(self, arrival: Arrival, payload_bytes: int = 0) -> None:
-        """Make ``arrival`` the newest known value of its fragment (pulled values come this way too)."""
+        """Make ``arrival`` the newest known version of its fragment: a delta is added to the one
+        not yet taken (the island holds the version before both)."""
         with self.cond:
             self.bytes_received += payload_bytes
             old = self.fresh.get(arrival.fragment)
-            if old is not None and old.included:  # keep the news that our work is in
-                arrival = dataclasses.replace(arrival, included=True)
-            self.received[arrival.fragment] = (arrival.version, arrival.value)
+            if old is not None:
+                if arrival.base_version != -1:  # chain it onto what waits: still against the island's version
+                    arrival = dataclasses.replace(arrival, value=old.value + arrival.value, base_version=old.base_version)
+                if old.included:  # keep the news that our work is in
+                    arrival = dataclasses.replace(arrival, included=True)
+            self.received[arrival.fragment] = arrival.version
             self.fresh[arrival.fragment] = arrival
             self.cond.notify_all()
 

@@ -140,46 +140,39 @@ class IslandLearner:
             whole = self.shards.gather(p, self.shards.read(p))  # the first island seeds the global model
             if self.is_leader:
                 self.link.seed(self.island, p, whole)
-        pulled = {}  # the leader's whole global fragments: the inbox's first values
-        plan = self._pull_global(resume, run_step, beat, pulled) if self.is_leader else None
-        plan = self._share(plan)
+        plan = self._share(self._start_plan(run_step, beat) if self.is_leader else None)
         if resume is None:
             for p in plan.absent:  # its shard is not answering: trained locally, sent once a version arrives
                 self.fragments[p].version = -1
-        for p, version in plan.versions.items():
+        adopted = 0
+        for p in plan.pull:  # one fragment at a time: no rank ever holds the whole global model
+            pulled = self.link.pull(p) if self.is_leader else None
+            version = self._share(pulled[0] if self.is_leader else None)
             f = self.fragments[p]
-            if p in plan.overwrite:
-                value = self._share_fragment(p, pulled.get(p))
-                f.adopt(value, version)
-                self.write_fragment(p, value)
-            else:  # resumed: the checkpoint's base and counters hold
-                f.version = version
+            if resume is not None and resume["versions"][p] == version:
+                f.version = version  # nothing merged since our checkpoint: its base and counters hold
+                continue
+            value = self._share_fragment(p, pulled[1] if self.is_leader else None)
+            f.adopt(value, version)
+            self.write_fragment(p, value)
+            adopted += 1
+            del pulled
         self.schedule_step = plan.schedule_step
         if self.is_leader:
-            self.inbox = Inbox(self.versions, [pulled[p] for p in range(self.layout.num_fragments)], self.config.codec.block_size)
+            numels = [self.layout.fragment_numel(p) for p in range(self.layout.num_fragments)]
+            self.inbox = Inbox(self.versions, numels, self.config.codec.block_size)
             self.link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
                                 on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
             self.leader.start_heartbeat()
         log.info("island %d joined at schedule step %d, versions %s (%d fragments from the global model)",
-                 self.island, self.schedule_step, self.versions, len(plan.overwrite))
+                 self.island, self.schedule_step, self.versions, adopted)
 
-    def _pull_global(self, resume: dict | None, run_step: int, beat: Beat, values: dict[int, torch.Tensor]) -> StartPlan:
-        """Pull every global fragment into ``values``; the plan says which ones replace ours."""
-        overwrite, absent = [], []
-        pulled = {}
-        for p in range(self.layout.num_fragments):
-            if p not in beat.versions:  # its shard did not answer the join: no global value yet
-                values[p] = torch.zeros(self.layout.fragment_numel(p))  # never a base: its first version comes whole
-                absent.append(p)
-                continue
-            version, values[p] = self.link.pull(p)
-            pulled[p] = version
-            if resume is not None and resume["versions"][p] == version:
-                continue  # nothing merged since our checkpoint: keep local progress
-            overwrite.append(p)
+    def _start_plan(self, run_step: int, beat: Beat) -> StartPlan:
+        """Which fragments to pull (those of the shards that answered) and the step to start at."""
+        pull = [p for p in range(self.layout.num_fragments) if p in beat.versions]
+        absent = [p for p in range(self.layout.num_fragments) if p not in beat.versions]  # no global value yet
         # the run's clock wins, unless this island's own (resumed) clock is ahead of it
-        schedule_step = max(self.schedule_step, run_step, beat.run_step)
-        return StartPlan(versions=pulled, overwrite=overwrite, absent=absent, schedule_step=schedule_step)
+        return StartPlan(pull=pull, absent=absent, schedule_step=max(self.schedule_step, run_step, beat.run_step))
 
     # ---- the inner-step hook ------------------------------------------------------------------
 
@@ -251,7 +244,8 @@ class IslandLearner:
         newest value may be a later version by then (it is still fresh, to be applied next)."""
         ends = ends and self.fragments[a.fragment].flight.ended_by(a)
         self._taken[a.fragment] = a
-        return Apply(fragment=a.fragment, version=a.version, ends_flight=ends, included=a.included)
+        return Apply(fragment=a.fragment, version=a.version, base_version=a.base_version, ends_flight=ends,
+                     included=a.included)
 
     def _failed_flights(self) -> list[int]:
         """Flights whose push was refused or unreachable (at their apply step), or that waited too long."""
@@ -301,6 +295,8 @@ class IslandLearner:
         value = self._taken.pop(p).value if self.is_leader else None
         value = self._share_fragment(p, value)
         f = self.fragments[p]
+        if a.base_version >= 0:  # a delta from the version this island holds: onto each rank's own part
+            value = f.base + value
         reference = f.flight.snapshot if (a.ends_flight and f.flight.snapshot is not None) else f.base
         current = self.shards.read(p)
         self.write_fragment(p, apply_global(sched.apply, current, value, reference, alpha=sched.mix_alpha))
