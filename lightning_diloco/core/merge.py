@@ -9,9 +9,9 @@ parameter in the fragment) and a weight w_m = c_tok**2 / c_steps.
   with normalize(0) = 0 and norms taken per tensor. Unlike a plain mean, RDA keeps the typical
   step length when islands disagree in direction.
 
-Norms are taken in float64: the fp32 norm of finite values overflows from about 1e19 per element,
-and no finite input may make a merge non-finite. How far one contribution can move a merge is
-bounded in core/guard.py.
+Norms are taken in float64 (:func:`norm64`): the fp32 norm of finite values overflows from about
+1e19 per element, and no finite input may make a merge non-finite. How far one contribution can
+move a merge is bounded in core/guard.py.
 """
 
 from __future__ import annotations
@@ -21,6 +21,23 @@ from collections.abc import Sequence
 import torch
 
 from lightning_diloco.core.fragments import EMBEDDING
+
+NORM_PIECE = 1 << 18  # values per piece of norm64: its float64 copy (2 MB) stays in cache
+
+
+def norm64(x: torch.Tensor) -> float:
+    """The 2-norm of ``x`` computed in float64, piece by piece.
+
+    ``vector_norm(x, dtype=float64)`` first makes a float64 copy of the whole tensor: twice the
+    fragment's size in fresh memory, 54 ms of page faults and copying for a 16M-parameter
+    fragment against 4-11 ms in pieces (benchmarks/RESULTS.md, issue 24). The pieces' norms are
+    combined in float64, so the result differs from the one-pass norm only by summation order.
+    """
+    flat = x.reshape(-1)
+    if flat.numel() <= NORM_PIECE:
+        return float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+    pieces = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float64) for p in flat.split(NORM_PIECE)])
+    return float(torch.linalg.vector_norm(pieces))
 
 
 def contribution_weight(tokens: float, steps: int, *, age: int = 0, staleness_discount: float = 0.0) -> float:
@@ -64,11 +81,11 @@ def radial_directional_average(
     for delta, w in zip(deltas, weights):
         if not w:
             continue
-        norm = float(torch.linalg.vector_norm(delta, dtype=torch.float64))
+        norm = norm64(delta)
         radius += w * norm / total
         if norm > 0:
             direction.add_(delta, alpha=w / norm)
-    direction_norm = float(torch.linalg.vector_norm(direction, dtype=torch.float64))
+    direction_norm = norm64(direction)
     # normalize(0) = 0. Opposite islands cancel only up to rounding, and normalizing that residue
     # would point the full radius in a random direction, so a sum of unit vectors shorter than
     # 1e-6 of its largest possible length counts as zero.
