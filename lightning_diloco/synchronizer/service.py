@@ -336,10 +336,11 @@ class Synchronizer:
         delta = self._decode(c.codec, c.payload, self.state.layout.fragment_numel(c.fragment))
         with self.lock:
             self.bytes_in += payload_size(c.payload)
+        # outside the fragment's lock: pushes of one fragment measure their gradients in parallel
+        gradient = outer_gradient(delta)
+        norm = norm64(gradient)
         with rounds.cond:
             self._seeded(rounds)
-            gradient = outer_gradient(delta)
-            norm = norm64(gradient)
             clock, offset = self.membership.run_step(now), self.offsets[c.fragment]
             sent_for = admitted_round(c.round, next_round=rounds.index, clock_step=clock, offset=offset,
                                       lead_steps=self.membership.lead_steps, sync_every=H)
