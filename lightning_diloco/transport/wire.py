@@ -118,16 +118,20 @@ class Event:
     size: int
 
 
-def _chunk(buf: memoryview, header_type: type[Message], size: int) -> Chunk:
+def _chunk(buf: memoryview, header_type: type[Message], size: int, default_header: bool = False) -> Chunk:
     fields = _fields(buf)
     data = fields.get(2)
-    return Chunk(header=_message(fields.get(1), header_type), data=data[-1] if data else memoryview(b""), size=size)
+    header = _message(fields.get(1), header_type)
+    if header is None and default_header:
+        header = header_type()
+    return Chunk(header=header, data=data[-1] if data else memoryview(b""), size=size)
 
 
-def chunk_reader(header_type: type[Message]) -> Callable[[bytes], Chunk]:
+def chunk_reader(header_type: type[Message], *, default_header: bool = False) -> Callable[[bytes], Chunk]:
     """A gRPC deserializer of ``PushChunk`` (``header_type`` PushHeader) or ``FragmentChunk``
-    (FragmentHeader) messages."""
-    return lambda raw: _chunk(memoryview(raw), header_type, len(raw))
+    (FragmentHeader) messages. ``default_header``: a chunk without a header reads as protobuf
+    reads it, a header of defaults (the server refuses a stream that starts so with a reason)."""
+    return lambda raw: _chunk(memoryview(raw), header_type, len(raw), default_header)
 
 
 def read_event(raw: bytes) -> Event:
@@ -230,8 +234,8 @@ class _Built:
 
 # what each chunked method reads and writes instead of protobuf objects (the others keep protobuf's)
 _SERVER_WIRE = {
-    "Seed": {"request_deserializer": chunk_reader(pb.FragmentHeader)},
-    "Push": {"request_deserializer": chunk_reader(pb.PushHeader)},
+    "Seed": {"request_deserializer": chunk_reader(pb.FragmentHeader, default_header=True)},
+    "Push": {"request_deserializer": chunk_reader(pb.PushHeader, default_header=True)},
     "Subscribe": {"response_serializer": serialize},
     "Pull": {"response_serializer": serialize},
 }
