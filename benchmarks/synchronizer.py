@@ -1,7 +1,7 @@
 """Synchronizer throughput on loopback: one shard in its own process, learners as threads.
 
     python -m benchmarks.synchronizer [--learners 1 4 16 64] [--sizes 1000000 16000000] [--codec bf16]
-                                      [--plain] [--json]
+                                      [--budget-mb MB] [--max-rounds N] [--plain] [--json]
 
 Every round waits for all M learners (K = M, no grace), so a round's latency is the time from
 the first push to the new version's arrival through the learners' subscriptions (the downlink
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--learners", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 16_000_000], help="fragment sizes in parameters")
     parser.add_argument("--codec", default="bf16", help="payload codec (default %(default)s)")
-    parser.add_argument("--budget-mb", type=float, default=4000, help="payload MB per case; sets the rounds (1 to 20)")
+    parser.add_argument("--budget-mb", type=float, default=4000, help="payload MB per case; sets the rounds (1 to --max-rounds)")
+    parser.add_argument("--max-rounds", type=int, default=20, help="at most this many rounds per case (default %(default)s)")
     parser.add_argument("--plain", action="store_true", help="also measure plain gRPC streaming of the same bytes")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON only")
     parser.add_argument("--plain-server", action="store_true", help=argparse.SUPPRESS)
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         base = None
         for m in args.learners:
             size = get_codec(args.codec).encoded_size(numel)
-            rounds = int(max(1, min(20, args.budget_mb // max(size / 1e6 * m, 1e-9))))
+            rounds = int(max(1, min(args.max_rounds, args.budget_mb // max(size / 1e6 * m, 1e-9))))
             row = run_case(m, numel, rounds, args.codec)
             base = base or row
             row["mb_per_s_vs_one"] = row["mb_per_s"] / base["mb_per_s"]
