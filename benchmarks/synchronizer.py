@@ -1,16 +1,26 @@
 """Synchronizer throughput on loopback: one shard in its own process, learners as threads.
 
     python -m benchmarks.synchronizer [--learners 1 4 16 64] [--sizes 1000000 16000000] [--codec bf16]
+                                      [--budget-mb MB] [--max-rounds N] [--plain] [--json]
 
 Every round waits for all M learners (K = M, no grace), so a round's latency is the time from
 the first push to the new version's arrival through the learners' subscriptions (the downlink
 in the same codec). Prints contributions/s, MB/s of payload ingested and round latency per
 (M, fragment size), and the ratio of each M against M = 1 measured in the same run.
+
+``--plain``: also plain gRPC streaming of the same bytes, in the same run: each of M threads
+streams its payload to a bare gRPC server in another process (raw bytes, no protobuf, 3 MiB
+messages), which streams it straight back, so as many bytes go in and out as in a round. Its
+MB/s in is the ceiling Python gRPC sets on this machine; ``vs plain`` is the shard's share of it.
+The learner side keeps freed memory (synchronizer.main.keep_freed_memory) so that its receive
+buffers cost it no page faults that the synchronizer's figure would pay for. ``--json``: the
+rows as JSON on stdout, nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +31,11 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.synchronizer.main import keep_freed_memory
 from lightning_diloco.transport.client import SynchronizerClient
+
+PLAIN_CHUNK = 3 << 20
+PLAIN_METHOD = "/bench.Plain/Echo"
 
 
 def _start_server(min_quorum: int, codec: str) -> tuple[subprocess.Popen, str]:
@@ -105,30 +119,107 @@ def run_case(learners: int, numel: int, rounds: int, codec_name: str) -> dict:
         proc.stdout.close()
 
 
+def _plain_server() -> None:
+    """A bare gRPC server that streams every request message straight back (--plain-server)."""
+    import grpc
+    from concurrent import futures
+
+    def echo(requests, context):
+        yield from requests
+
+    handler = grpc.method_handlers_generic_handler("bench.Plain", {"Echo": grpc.stream_stream_rpc_method_handler(echo)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=256), handlers=(handler,),
+                         options=[("grpc.max_receive_message_length", 4 * PLAIN_CHUNK), ("grpc.max_send_message_length", 4 * PLAIN_CHUNK)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"plain listening on 127.0.0.1:{port}", flush=True)
+    server.wait_for_termination()
+
+
+def run_plain(learners: int, payload_bytes: int, rounds: int) -> float:
+    """MB/s in of plain gRPC streaming: M threads each send ``payload_bytes`` per round and read
+    them back, rounds in step (a barrier), as in the synchronizer's rounds."""
+    import grpc
+
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.synchronizer", "--plain-server"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    address = proc.stdout.readline().split()[-1]
+    options = [("grpc.max_receive_message_length", 4 * PLAIN_CHUNK), ("grpc.max_send_message_length", 4 * PLAIN_CHUNK)]
+    channels = [grpc.insecure_channel(address, options) for _ in range(learners)]
+    payload = os.urandom(payload_bytes)
+    barrier, errors = threading.Barrier(learners), []
+
+    def learner(i: int) -> None:
+        echo = channels[i].stream_stream(PLAIN_METHOD)
+        try:
+            for _ in range(rounds):
+                barrier.wait()
+                chunks = (payload[s : s + PLAIN_CHUNK] for s in range(0, payload_bytes, PLAIN_CHUNK))
+                received = sum(len(m) for m in echo(chunks, timeout=600))
+                assert received == payload_bytes, (received, payload_bytes)
+        except BaseException as err:  # reported after the join
+            errors.append(err)
+            barrier.abort()
+
+    try:
+        threads = [threading.Thread(target=learner, args=(i,)) for i in range(learners)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - start
+        if errors:
+            raise errors[0]
+        return learners * rounds * payload_bytes / elapsed / 1e6
+    finally:
+        for c in channels:
+            c.close()
+        proc.terminate()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--learners", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 16_000_000], help="fragment sizes in parameters")
     parser.add_argument("--codec", default="bf16", help="payload codec (default %(default)s)")
-    parser.add_argument("--budget-mb", type=float, default=4000, help="payload MB per case; sets the rounds (1 to 20)")
+    parser.add_argument("--budget-mb", type=float, default=4000, help="payload MB per case; sets the rounds (1 to --max-rounds)")
+    parser.add_argument("--max-rounds", type=int, default=20, help="at most this many rounds per case (default %(default)s)")
+    parser.add_argument("--plain", action="store_true", help="also measure plain gRPC streaming of the same bytes")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON only")
+    parser.add_argument("--plain-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.plain_server:
+        _plain_server()
+        return []
+    say = (lambda *a, **k: None) if args.json else print
 
     rows = []
-    print(f"synchronizer benchmark: one shard on loopback, {args.codec} payloads, {os.cpu_count()} cores")
-    print(f"{'learners':>8} {'params':>11} {'rounds':>6} {'contrib/s':>10} {'MB/s in':>9} {'round s':>8} {'MB/s vs M=1':>12}")
+    say(f"synchronizer benchmark: one shard on loopback, {args.codec} payloads, {os.cpu_count()} cores")
+    say(f"{'learners':>8} {'params':>11} {'rounds':>6} {'contrib/s':>10} {'MB/s in':>9} {'round s':>8} {'MB/s vs M=1':>12}"
+        + (f" {'plain MB/s':>10} {'vs plain':>8}" if args.plain else ""))
     for numel in args.sizes:
         base = None
         for m in args.learners:
-            size_mb = get_codec(args.codec).encoded_size(numel) / 1e6
-            rounds = int(max(1, min(20, args.budget_mb // max(size_mb * m, 1e-9))))
+            size = get_codec(args.codec).encoded_size(numel)
+            rounds = int(max(1, min(args.max_rounds, args.budget_mb // max(size / 1e6 * m, 1e-9))))
             row = run_case(m, numel, rounds, args.codec)
             base = base or row
             row["mb_per_s_vs_one"] = row["mb_per_s"] / base["mb_per_s"]
+            if args.plain:
+                row["plain_mb_per_s"] = run_plain(m, size, rounds)
+                row["vs_plain"] = row["mb_per_s"] / row["plain_mb_per_s"]
             rows.append(row)
-            print(f"{m:>8} {numel:>11,} {rounds:>6} {row['contrib_per_s']:>10.1f} {row['mb_per_s']:>9.1f} "
-                  f"{row['round_latency_s']:>8.3f} {row['mb_per_s_vs_one']:>12.2f}", flush=True)
+            say(f"{m:>8} {numel:>11,} {rounds:>6} {row['contrib_per_s']:>10.1f} {row['mb_per_s']:>9.1f} "
+                f"{row['round_latency_s']:>8.3f} {row['mb_per_s_vs_one']:>12.2f}"
+                + (f" {row['plain_mb_per_s']:>10.1f} {row['vs_plain']:>8.2f}" if args.plain else ""), flush=True)
+    if args.json:
+        print(json.dumps({"codec": args.codec, "cores": os.cpu_count(), "rows": rows}))
     return rows
 
 
 if __name__ == "__main__":
+    keep_freed_memory()
     main()

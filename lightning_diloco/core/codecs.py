@@ -9,8 +9,9 @@ Error bounds (per element, x the input, x' the decoded value), tested in tests/u
 
 ``encode`` returns the payload as a 1-D uint8 tensor (the fp32 codec may share memory with
 its input); ``decode`` takes that, or any bytes-like object, and returns an fp32 tensor the
-caller owns. A ``bytearray`` payload (a buffer just received) is consumed: the result may share
-its memory, which saves a copy of every fp32 fragment on the synchronizer.
+caller owns. A ``bytearray`` or writable ``memoryview`` payload (a buffer just received,
+transport/wire.py) is consumed: the result may share its memory, which saves a copy of every fp32
+fragment on the synchronizer.
 
 Layout of the quantized forms: ``nblocks`` bf16 scales, then the values (int8: one byte each;
 int4: two per byte, low nibble first, stored as q + 8). The tail block is zero-padded. Non-finite
@@ -58,7 +59,8 @@ class Codec:
             return torch.zeros(0, dtype=torch.uint8), True
         with warnings.catch_warnings():  # decoding reads the received bytes and never writes to them
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            return torch.frombuffer(data, dtype=torch.uint8), isinstance(data, bytearray)
+            consumed = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+            return torch.frombuffer(data, dtype=torch.uint8), consumed
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

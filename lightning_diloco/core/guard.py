@@ -37,6 +37,8 @@ from collections.abc import Iterable
 import torch
 from dataclasses import dataclass
 
+from lightning_diloco.core.merge import norm64
+
 TOKENS_PER_STEP_FACTOR = 4.0
 STEPS_FACTOR = 4
 NORM_FLOOR = 1e-3
@@ -99,7 +101,7 @@ def agreeing(weights: list[float], gradients: list[torch.Tensor], norms: list[fl
     if len(gradients) < 3:
         return list(weights)
     if norms is None:
-        norms = [float(torch.linalg.vector_norm(g, dtype=torch.float64)) for g in gradients]
+        norms = [norm64(g) for g in gradients]
     directions = torch.zeros_like(gradients[0], dtype=torch.float32)
     for g, n in zip(gradients, norms):
         if n > 0:

@@ -9,18 +9,40 @@ parameter in the fragment) and a weight w_m = c_tok**2 / c_steps.
   with normalize(0) = 0 and norms taken per tensor. Unlike a plain mean, RDA keeps the typical
   step length when islands disagree in direction.
 
-Norms are taken in float64: the fp32 norm of finite values overflows from about 1e19 per element,
-and no finite input may make a merge non-finite. How far one contribution can move a merge is
-bounded in core/guard.py.
+Norms have float64's range (:func:`norm64`): the fp32 norm of finite values overflows from about
+1e19 per element, and no finite input may make a merge non-finite. How far one contribution can
+move a merge is bounded in core/guard.py.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from lightning_diloco.core.fragments import EMBEDDING
+
+NORM_PIECE = 1 << 18  # values per piece of norm64: each piece's squares (1 MB) stay in cache
+SAFE_SQUARES = (1e-30, 1e30)  # a float32 sum of squares strictly inside this is neither overflowed nor underflowed
+
+
+def norm64(x: torch.Tensor) -> float:
+    """The 2-norm of ``x``, with float64's range: finite for every finite input.
+
+    Piece by piece: each piece's squares are summed in float32 (pairwise, relative error about
+    1e-8 measured on 16M Gaussian values) and the pieces' sums in float64; a piece whose float32
+    sum could have overflowed or underflowed is taken in float64 instead. ``vector_norm(x,
+    dtype=float64)`` made a float64 copy of the whole tensor first: twice the fragment's size in
+    fresh memory, 54 ms for a 16M-parameter fragment, against 4 ms here (issue 24).
+    """
+    total = 0.0
+    for piece in x.reshape(-1).split(NORM_PIECE):
+        squares = float(torch.square(piece).sum())
+        if not SAFE_SQUARES[0] < squares < SAFE_SQUARES[1]:  # also NaN, inf, and an all-zero piece
+            squares = float(torch.linalg.vector_norm(piece, dtype=torch.float64)) ** 2
+        total += squares
+    return math.sqrt(total)
 
 
 def contribution_weight(tokens: float, steps: int, *, age: int = 0, staleness_discount: float = 0.0) -> float:
@@ -64,11 +86,11 @@ def radial_directional_average(
     for delta, w in zip(deltas, weights):
         if not w:
             continue
-        norm = float(torch.linalg.vector_norm(delta, dtype=torch.float64))
+        norm = norm64(delta)
         radius += w * norm / total
         if norm > 0:
             direction.add_(delta, alpha=w / norm)
-    direction_norm = float(torch.linalg.vector_norm(direction, dtype=torch.float64))
+    direction_norm = norm64(direction)
     # normalize(0) = 0. Opposite islands cancel only up to rounding, and normalizing that residue
     # would point the full radius in a random direction, so a sum of unit vectors shorter than
     # 1e-6 of its largest possible length counts as zero.

@@ -29,7 +29,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
 from lightning_diloco.core.guard import InfluenceGuard, agreeing, capped_weights
-from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
+from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients, norm64
 from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.state import FragmentState
 from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
@@ -261,7 +261,7 @@ class FragmentRounds:
         """Each entry's merge weight, its outer gradient scaled down to the norm bound in place;
         and how many were scaled."""
         frag = self.frag
-        fragment_norm = float(torch.linalg.vector_norm(frag.value, dtype=torch.float64))
+        fragment_norm = norm64(frag.value)
         discount = self.config.merge.staleness_discount
         weights, ages, norms, clipped = [], [], [], 0
         for e in entries:

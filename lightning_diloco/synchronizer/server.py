@@ -28,8 +28,9 @@ from lightning_diloco.synchronizer.requests import Contribution, Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
-from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
-from lightning_diloco.transport.messages import join_reply, to_message, version_header
+from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES
+from lightning_diloco.transport.messages import join_reply, to_message
+from lightning_diloco.transport.wire import DownlinkMessages, add_servicer, assemble, chunk_messages
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +71,15 @@ def _abort(context: grpc.ServicerContext, refusal: Refusal) -> None:
     context.abort(code, f"{refusal.reason}: {refusal}"[:MAX_DETAILS])
 
 
-def _events(events: Iterator, context: grpc.ServicerContext, release) -> Iterator[pb.SyncEvent]:
-    """Subscription events as messages; a version is streamed in chunks, its header on the first."""
+def _events(events: Iterator, context: grpc.ServicerContext, release, downlink: DownlinkMessages) -> Iterator[pb.SyncEvent | bytes]:
+    """Subscription events as messages; a version is streamed in chunks, its header on the first,
+    serialized once for every island that gets the same delta."""
     try:
         for event in events:
             if isinstance(event, RoundRequest):
                 yield pb.SyncEvent(request=to_message(event, pb.RoundRequest()))
                 continue
-            header = version_header(event, event.payload.numel())
-            yield from iter_chunks(header, event.payload, lambda header=None, data=b"": pb.SyncEvent(chunk=pb.FragmentChunk(header=header, data=data)))
+            yield from downlink.messages(event)
     except Refusal as refusal:
         _abort(context, refusal)
     finally:
@@ -122,6 +123,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.long_calls = threading.BoundedSemaphore(max(1, max_workers - RESERVE))
         self.streams = IslandStreams(service)
         self.deadlines = ReadDeadlines()
+        self.downlink = DownlinkMessages()
 
     def _long_call(self, what: str):
         if not self.long_calls.acquire(blocking=False):
@@ -146,7 +148,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot act as island "
                                       f"{island}; each island presents its own (`lightning-diloco credential --island {island}`)")
 
-    def _payload(self, context, first, rest, expected: int, declared: int, what: str) -> bytearray:
+    def _payload(self, context, first, rest, expected: int, declared: int, what: str) -> memoryview:
         """The payload after its header; a client that sends it too slowly is cancelled (deadlines.py)."""
         if declared != expected:
             raise self.service.refuse(
@@ -155,7 +157,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         seconds = payload_deadline(expected)
         done = self.deadlines.watch(context, seconds)
         try:
-            return assemble(first.data, rest, expected, what)
+            return assemble(first, rest, expected, what)
         except ValueError as err:
             raise self.service.refuse(Reason.BAD_PAYLOAD, str(err)) from None
         except grpc.RpcError:  # cancelled by its deadline (or by the client): counted, the stream is gone
@@ -216,14 +218,14 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         except Refusal:
             own()
             raise
-        return _events(events, context, lambda: (shared(), own()))
+        return _events(events, context, lambda: (shared(), own()), self.downlink)
 
     @_handler
     def Pull(self, request, context, caller):
         version, value = self.service.pull(request.fragment)
         payload = get_codec("fp32").encode(value)
         header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec="fp32", payload_bytes=payload.numel())
-        return iter_chunks(header, payload, pb.FragmentChunk)
+        return chunk_messages(header, payload)
 
     @_handler
     def Heartbeat(self, request, context, caller):
@@ -267,7 +269,7 @@ class SynchronizerServer:
             ],
         )
         self.servicer = SynchronizerServicer(service, token, max_workers)
-        pb_grpc.add_SynchronizerServicer_to_server(self.servicer, self.server)
+        add_servicer(self.servicer, self.server)
         address = f"{host}:{port}"
         if tls_cert or tls_key:
             if not (tls_cert and tls_key):

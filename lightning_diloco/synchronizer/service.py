@@ -31,6 +31,7 @@ import torch
 from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec
 from lightning_diloco.core.config import CODECS, RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
+from lightning_diloco.core.merge import norm64
 from lightning_diloco.core.outer import outer_gradient
 from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.schedule import due_step, fragment_offsets, latest_round
@@ -335,10 +336,11 @@ class Synchronizer:
         delta = self._decode(c.codec, c.payload, self.state.layout.fragment_numel(c.fragment))
         with self.lock:
             self.bytes_in += payload_size(c.payload)
+        # outside the fragment's lock: pushes of one fragment measure their gradients in parallel
+        gradient = outer_gradient(delta)
+        norm = norm64(gradient)
         with rounds.cond:
             self._seeded(rounds)
-            gradient = outer_gradient(delta)
-            norm = float(torch.linalg.vector_norm(gradient, dtype=torch.float64))
             clock, offset = self.membership.run_step(now), self.offsets[c.fragment]
             sent_for = admitted_round(c.round, next_round=rounds.index, clock_step=clock, offset=offset,
                                       lead_steps=self.membership.lead_steps, sync_every=H)

@@ -35,11 +35,12 @@ from lightning_diloco.core.state import shard_of
 from lightning_diloco.reasons import REJOIN, Reason
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
-from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES, assemble, iter_chunks
+from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES
 from lightning_diloco.transport.messages import from_message, join_info
 from lightning_diloco.transport.shard_check import shard_mismatch
 from lightning_diloco.transport.subscription import Subscription
 from lightning_diloco.transport.tls_hint import tls_mismatch_hint
+from lightning_diloco.transport.wire import Chunk, assemble, chunk_messages, stub
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,7 +101,7 @@ class SynchronizerClient:
             grpc.secure_channel(a, grpc.ssl_channel_credentials(root), options) if root else grpc.insecure_channel(a, options)
             for a in self.addresses
         ]
-        self.stubs = [pb_grpc.SynchronizerStub(c) for c in self.channels]
+        self.stubs = [stub(c) for c in self.channels]
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
         self._join_request: pb.JoinRequest | None = None
@@ -289,7 +290,7 @@ class SynchronizerClient:
         def call():
             header = pb.FragmentHeader(fragment=fragment, island=island, codec="fp32", payload_bytes=payload.numel(),
                                        session=self.sessions[self.shard_of(fragment)])
-            reply = self._stub(fragment).Seed(self._counted(iter_chunks(header, payload, pb.FragmentChunk)), timeout=self.timeout, metadata=self.metadata)
+            reply = self._stub(fragment).Seed(self._counted(chunk_messages(header, payload)), timeout=self.timeout, metadata=self.metadata)
             return reply.seeded, reply.version
 
         return self._call(f"seed of fragment {fragment}", call, self.shard_of(fragment))
@@ -319,7 +320,7 @@ class SynchronizerClient:
                 session=self.sessions[self.shard_of(fragment)],
             )
             ack = self._stub(fragment).Push(
-                self._counted(iter_chunks(header, payload, pb.PushChunk)), timeout=self.timeout, metadata=self.metadata
+                self._counted(chunk_messages(header, payload)), timeout=self.timeout, metadata=self.metadata
             )
             self._count(received=ack.ByteSize())
             return from_message(ack, PushAck)
@@ -399,19 +400,19 @@ class SynchronizerClient:
 
     # ---- streaming helpers ----------------------------------------------------------------------
 
-    def _counted(self, messages: Iterator) -> Iterator:
+    def _counted(self, messages: Iterator[bytes]) -> Iterator[bytes]:
         for message in messages:
-            self._count(sent=message.ByteSize())
+            self._count(sent=len(message))
             yield message
 
-    def _receive(self, replies: Iterator, what: str) -> tuple[pb.FragmentHeader, bytearray]:
+    def _receive(self, replies: Iterator[Chunk], what: str) -> tuple[pb.FragmentHeader, memoryview]:
         first = next(replies)
-        self._count(received=first.ByteSize())
-        header = first.header
-        data = assemble(first.data, self._counted_in(replies), header.payload_bytes, what)
+        self._count(received=first.size)
+        header = first.header or pb.FragmentHeader()
+        data = assemble(first, self._counted_in(replies), header.payload_bytes, what)
         return header, data
 
-    def _counted_in(self, messages: Iterator) -> Iterator:
-        for message in messages:
-            self._count(received=message.ByteSize())
-            yield message
+    def _counted_in(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        for chunk in chunks:
+            self._count(received=chunk.size)
+            yield chunk

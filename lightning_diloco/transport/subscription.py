@@ -18,6 +18,7 @@ from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import REJOIN, Reason
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport.messages import from_message, version_update
+from lightning_diloco.transport.wire import NO_CHUNK
 
 if TYPE_CHECKING:
     from lightning_diloco.transport.client import SynchronizerClient
@@ -105,14 +106,14 @@ class Subscription:
     def _consume(self, call) -> bool:
         """Hand the stream's events to the callbacks until it ends; True if any arrived."""
         header, buffer, filled, any_event = None, None, 0, False
-        for event in call:
+        for event in call:  # transport/wire.py's events: a chunk's data is a view of the received bytes
             any_event = True
-            self.client._count(received=event.ByteSize())
-            if event.HasField("request"):
+            self.client._count(received=event.size)
+            if event.request is not None:
                 self.on_request(from_message(event.request, RoundRequest))
                 continue
-            chunk = event.chunk
-            if chunk.HasField("header"):
+            chunk = event.chunk or NO_CHUNK
+            if chunk.header is not None:
                 header, buffer, filled = chunk.header, bytearray(chunk.header.payload_bytes), 0
             if header is None:
                 raise ValueError("a version chunk arrived without its header")

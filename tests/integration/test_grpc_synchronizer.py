@@ -443,3 +443,17 @@ def test_sixteen_concurrent_learners_merge_exactly_like_the_reference(started):
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_push_or_seed_stream_without_a_header_is_refused_with_a_reason(started):
+    """The chunk readers (transport/wire.py) read a missing header as protobuf does, all defaults,
+    so such a stream gets a refusal naming its reason, not an unhandled error."""
+    config = run_config()
+    server, client = started(config)
+    _seeded(client, config)
+    stub = client.stubs[0]
+    for call, chunk in [(stub.Push, pb.PushChunk(data=b"\0" * 16)), (stub.Seed, pb.FragmentChunk(data=b"\0" * 16))]:
+        with pytest.raises(grpc.RpcError) as err:
+            call(iter([chunk]), timeout=5)
+        assert err.value.code() != grpc.StatusCode.UNKNOWN and ":" in err.value.details(), err.value.details()
+    assert server.service.versions() == {0: 0, 1: 0}

@@ -9,6 +9,7 @@ from lightning_diloco.core.fragments import DENSE, EMBEDDING
 from lightning_diloco.core.merge import (
     contribution_weight,
     merge_outer_gradients,
+    norm64,
     radial_directional_average,
     weighted_mean,
 )
@@ -88,3 +89,18 @@ def test_rda_of_finite_but_huge_inputs_stays_finite():
     huge = torch.full((1000,), 1e20)
     merged = radial_directional_average([huge, torch.full((1000,), 1e-3)], [1.0, 1.0])
     assert torch.isfinite(merged).all() and float(merged.norm()) > 0
+
+
+@pytest.mark.parametrize("numel", [0, 5, (1 << 18) + 3, 3_000_000])
+def test_norm64_is_the_float64_norm(numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e-3
+    exact = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    assert norm64(x) == pytest.approx(exact, rel=1e-7, abs=0.0)
+
+
+def test_norm64_keeps_float64_range_for_huge_and_tiny_values_and_propagates_non_finite_ones():
+    huge = torch.full((1 << 19,), 3e38)  # float32 squares overflow: the pieces are taken in float64
+    assert norm64(huge) == pytest.approx(float(torch.linalg.vector_norm(huge, dtype=torch.float64)), rel=1e-9)
+    tiny = torch.full((1000,), 1e-30)  # float32 squares underflow to 0
+    assert 0 < norm64(tiny) == pytest.approx(float(torch.linalg.vector_norm(tiny, dtype=torch.float64)), rel=1e-9)
+    assert math.isnan(norm64(torch.tensor([1.0, float("nan")]))) and norm64(torch.tensor([1.0, float("inf")])) == float("inf")
