@@ -31,6 +31,7 @@ from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.protocol import Beat
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
+from lightning_diloco.core.threads import torch_on_this_thread
 from lightning_diloco.learner.collective import Collective
 from lightning_diloco.learner.flights import Apply, Flight, StartPlan, StepPlan
 from lightning_diloco.learner.fragment_sync import FragmentSync, fragments_from_state_dict, fragments_state_dict
@@ -178,6 +179,10 @@ class IslandLearner:
 
     def after_step(self, tokens: float) -> None:
         """Call after every inner optimizer step with the tokens this rank consumed in it."""
+        with torch_on_this_thread():  # its copies are short: not worth waking the training loop's thread team
+            self._step_boundary(tokens)
+
+    def _step_boundary(self, tokens: float) -> None:
         started = time.perf_counter()
         if self._last_step_at is not None:
             dt = started - self._last_step_at
