@@ -1,13 +1,19 @@
-"""Step-time overhead of decoupled_diloco against plain Lightning, one island, one process.
+"""Step-time overhead of decoupled_diloco against plain Lightning: a one-process island and a
+2-process DDP island.
 
-    python -m benchmarks.overhead [--steps 150] [--hidden 256] [--layers 4] [--repeats 2]
+    python -m benchmarks.overhead [--processes 1 2] [--steps 150] [--hidden 256] [--layers 4] [--repeats 4]
 
-The same tiny Llama on the same random tokens, trained with Lightning's default single-device
-strategy (what a user switches from; a one-process island takes the same path) and with ``DecoupledDiLoCoStrategy`` at the paper's schedule (P = 24, H = 24,
-tau = 2, int4 uplink) against its embedded synchronizer. Each arm runs in a fresh process and
-the arms alternate ``--repeats`` times: on a shared 2-core VM, identical runs in one process
-drift by +-20% (allocator and scheduler state), which would swamp the figure. The figure is the
-ratio of the medians of the per-run median step times (warm-up steps excluded).
+The same tiny Llama on the same random tokens, trained by plain Lightning and by
+``DecoupledDiLoCoStrategy`` at the paper's schedule (P = 24, H = 24, tau = 2, int4 uplink)
+against its embedded synchronizer (in the island leader's process, as
+``Trainer(strategy="decoupled_diloco")`` runs a one-island job). With one process the plain arm
+is Lightning's default single-device strategy (what a user switches from; a one-process island
+takes the same path); with 2 processes it is Lightning's DDP (gloo, one torch thread per
+process) against a 2-process island, DDP inside, whose leader also plans, broadcasts its plan
+and streams to the synchronizer. Each arm runs in fresh processes and the arms alternate
+``--repeats`` times: on a shared 2-core VM, identical runs in one process drift by +-20%
+(allocator and scheduler state), which would swamp the figure. The figure per process count is
+the ratio of the medians of the per-run median step times of rank 0 (warm-up steps excluded).
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -26,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_diloco  # noqa: F401
 from lightning_diloco import DecoupledDiLoCoStrategy
 from lightning_diloco.launch.supervisor import clean_environment
+from lightning_diloco.learner.collective import leave_process_group
 
 
 class RandomTokens(Dataset):
@@ -69,26 +78,30 @@ class StepTimer(pl.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def run_arm(strategy, args) -> tuple[float, dict]:
+def run_arm(strategy, args, processes: int = 1) -> tuple[float, dict, int]:
+    """Rank 0's median step time, the island's final metrics, and this process's rank."""
     timer = StepTimer()
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
+        strategy=strategy, accelerator="cpu", devices=processes, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
     )
-    data = RandomTokens(args.steps * args.batch, args.seq, args.vocab)
+    data = RandomTokens(args.steps * args.batch * processes, args.seq, args.vocab)
     trainer.fit(LM(args.hidden, args.layers, args.vocab), DataLoader(data, batch_size=args.batch))
     warm = min(args.warmup, len(timer.times) - 1)
     metrics = getattr(trainer.strategy, "final_metrics", {})
-    return statistics.median(timer.times[warm:]), metrics
+    return statistics.median(timer.times[warm:]), metrics, trainer.global_rank
 
 
-def _arm_in_subprocess(arm: str, argv: list[str]) -> dict:
+def _arm_in_subprocess(arm: str, processes: int, argv: list[str]) -> dict:
     # a clean environment: a caller that ran DDP itself has MASTER_PORT, LOCAL_RANK... set
-    out = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "--arm", arm, *argv],
-                         capture_output=True, text=True, env=clean_environment({}))
-    if out.returncode != 0:
-        raise RuntimeError(f"{arm} arm failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as results:
+        out = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "--arm", arm, "--processes", str(processes),
+                              "--results", results, *argv], capture_output=True, text=True, env=clean_environment({}),
+                             timeout=1800)
+        if out.returncode != 0:
+            raise RuntimeError(f"{arm} arm ({processes} process(es)) failed ({out.returncode}):\n{out.stdout[-2000:]}\n"
+                               f"{out.stderr[-3000:]}")
+        return json.loads((Path(results) / "rank0.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -101,44 +114,57 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--num-fragments", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=4, help="alternations of the two arms, each a fresh process")
+    parser.add_argument("--repeats", type=int, default=4, help="alternations of the two arms, each in fresh processes")
+    parser.add_argument("--processes", type=int, nargs="+", choices=[1, 2], default=[1, 2],
+                        help="island sizes to measure: 1 (one process) and/or 2 (DDP inside); default both")
     parser.add_argument("--arm", choices=["plain", "diloco"], help=argparse.SUPPRESS)  # one run, JSON out
+    parser.add_argument("--results", help=argparse.SUPPRESS)  # where rank 0 of an arm writes its figures
     args = parser.parse_args(argv)
 
     if args.arm:
-        strategy = "auto"
+        processes = args.processes[0]
+        strategy = "ddp" if processes > 1 else "auto"
         if args.arm == "diloco":
             strategy = DecoupledDiLoCoStrategy(sync_every=24, num_fragments=args.num_fragments, overlap_steps=2, uplink_codec="int4")
-        step, metrics = run_arm(strategy, args)
-        print(json.dumps({"step_s": step, **metrics}))
+        step, metrics, rank = run_arm(strategy, args, processes)
+        leave_process_group()  # the ranks of a 2-process arm exit together
+        if rank == 0:
+            (Path(args.results) / "rank0.json").write_text(json.dumps({"step_s": step, "threads": torch.get_num_threads(),
+                                                                        **metrics}))
         return {}
 
     forwarded = [f"--{name.replace('_', '-')}={getattr(args, name)}"
                  for name in ("steps", "warmup", "hidden", "layers", "vocab", "seq", "batch", "num_fragments")]
-    plain, diloco, metrics = [], [], {}
-    for _ in range(args.repeats):
-        plain.append(_arm_in_subprocess("plain", forwarded)["step_s"])
-        metrics = _arm_in_subprocess("diloco", forwarded)
-        diloco.append(metrics["step_s"])
-    result = {
-        "plain_step_s": statistics.median(plain),
-        "diloco_step_s": statistics.median(diloco),
-        "plain_runs_s": plain,
-        "diloco_runs_s": diloco,
-        "syncs_applied": metrics.get("diloco/syncs_applied", 0.0),
-        "blocked_s": metrics.get("diloco/blocked_s", 0.0),
-    }
-    result["ratio"] = result["diloco_step_s"] / result["plain_step_s"]
     params = sum(p.numel() for p in LM(args.hidden, args.layers, args.vocab).parameters())
-    print(f"overhead benchmark: {params / 1e6:.1f}M-parameter Llama, batch {args.batch}x{args.seq}, {args.steps} steps, "
-          f"{args.repeats} alternations of fresh processes, {torch.get_num_threads()} threads")
-    print(f"plain Lightning median step  {result['plain_step_s'] * 1e3:8.2f} ms  runs: "
-          + " ".join(f"{t * 1e3:.0f}" for t in plain))
-    print(f"decoupled_diloco median step {result['diloco_step_s'] * 1e3:8.2f} ms  runs: "
-          + " ".join(f"{t * 1e3:.0f}" for t in diloco)
-          + f"  ({result['syncs_applied']:.0f} syncs applied, {result['blocked_s']:.3f} s in the sync hook)")
-    print(f"step-time ratio diloco / plain: {result['ratio']:.3f}")
-    return result
+    print(f"overhead benchmark: {params / 1e6:.1f}M-parameter Llama, batch {args.batch}x{args.seq} per process, "
+          f"{args.steps} steps, {args.repeats} alternations of fresh processes")
+    results = {}
+    for processes in args.processes:
+        plain, diloco, metrics, threads = [], [], {}, 0
+        for _ in range(args.repeats):
+            plain.append(_arm_in_subprocess("plain", processes, forwarded)["step_s"])
+            metrics = _arm_in_subprocess("diloco", processes, forwarded)
+            diloco.append(metrics["step_s"])
+            threads = metrics["threads"]
+        result = {
+            "plain_step_s": statistics.median(plain),
+            "diloco_step_s": statistics.median(diloco),
+            "plain_runs_s": plain,
+            "diloco_runs_s": diloco,
+            "syncs_applied": metrics.get("diloco/syncs_applied", 0.0),
+            "blocked_s": metrics.get("diloco/blocked_s", 0.0),
+        }
+        result["ratio"] = result["diloco_step_s"] / result["plain_step_s"]
+        results[processes] = result
+        kind = "one-process island vs single-device" if processes == 1 else f"{processes}-process island vs DDP"
+        print(f"{kind} ({threads} torch thread(s) per process):")
+        print(f"  plain Lightning median step  {result['plain_step_s'] * 1e3:8.2f} ms  runs: "
+              + " ".join(f"{t * 1e3:.0f}" for t in plain))
+        print(f"  decoupled_diloco median step {result['diloco_step_s'] * 1e3:8.2f} ms  runs: "
+              + " ".join(f"{t * 1e3:.0f}" for t in diloco)
+              + f"  ({result['syncs_applied']:.0f} syncs applied, {result['blocked_s']:.3f} s in the sync hook)")
+        print(f"  step-time ratio diloco / plain ({processes} process(es)): {result['ratio']:.3f}")
+    return results
 
 
 if __name__ == "__main__":

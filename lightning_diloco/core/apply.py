@@ -19,17 +19,26 @@ import torch
 from lightning_diloco.core.config import APPLY_MODES
 
 
-def apply_global(mode: str, local: torch.Tensor, new_global: torch.Tensor, reference: torch.Tensor | None = None,
+def apply_global(mode: str, local: torch.Tensor | None, new_global: torch.Tensor, reference: torch.Tensor | None = None,
                  *, alpha: float = 0.5) -> torch.Tensor:
-    """The island's new local fragment. ``local`` may be consumed (the result can share its memory)."""
+    """The island's new local fragment. ``local`` may be consumed, and the result can share memory
+    with ``local`` or ``new_global``: copy it before changing it. ``local`` may be None where
+    :func:`reads_local` says the mode does not need it."""
     if mode == "overwrite":
-        return new_global.clone()
+        return new_global
+    assert local is not None, f"apply mode {mode!r} needs the local fragment"
     if mode == "mix":
         return local.mul_(alpha).add_(new_global, alpha=1.0 - alpha)
     if mode == "rebase":
         assert reference is not None, "rebase needs the reference the local progress is measured from"
         return local.sub_(reference).add_(new_global)
     raise ValueError(f"apply mode {mode!r} is not one of {', '.join(APPLY_MODES)}")
+
+
+def reads_local(mode: str) -> bool:
+    """Whether the new local fragment depends on the local one: overwrite's does not, so an island
+    need not read its parameters to apply one (a copy of the fragment saved on the training thread)."""
+    return mode != "overwrite"
 
 
 def keeps_counters(mode: str) -> bool:

@@ -24,13 +24,14 @@ from contextlib import contextmanager
 
 import torch
 
-from lightning_diloco.core.apply import apply_global
+from lightning_diloco.core.apply import apply_global, reads_local
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.protocol import Beat
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
+from lightning_diloco.core.threads import torch_on_this_thread
 from lightning_diloco.learner.collective import Collective
 from lightning_diloco.learner.flights import Apply, Flight, StartPlan, StepPlan
 from lightning_diloco.learner.fragment_sync import FragmentSync, fragments_from_state_dict, fragments_state_dict
@@ -178,6 +179,10 @@ class IslandLearner:
 
     def after_step(self, tokens: float) -> None:
         """Call after every inner optimizer step with the tokens this rank consumed in it."""
+        with torch_on_this_thread():  # its copies are short: not worth waking the training loop's thread team
+            self._step_boundary(tokens)
+
+    def _step_boundary(self, tokens: float) -> None:
         started = time.perf_counter()
         if self._last_step_at is not None:
             dt = started - self._last_step_at
@@ -277,17 +282,25 @@ class IslandLearner:
         return (arrival is not None and flight.ended_by(arrival)) or flight.failed()
 
     def _send(self, p: int, r: int) -> None:
-        snapshot = self.shards.read(p)  # host copy of this rank's part, 1/P of it
-        keep = snapshot if self.config.schedule.apply == "rebase" else None
-        f, future = self.fragments[p], None
-        delta = self.shards.gather(p, island_delta(snapshot, f.base))  # whole on the leader only
+        f, future, snapshot = self.fragments[p], None, None
+        rebase, sharded = self.config.schedule.apply == "rebase", self.shards.any_sharded(p)
+        if self.is_leader or sharded or rebase:  # a whole non-sharded fragment is sent from the leader's copy alone
+            snapshot = self.shards.read(p)  # host copy of this rank's part, 1/P of the model
+        if sharded or rebase:
+            # sharded: every rank's part of the outer gradient is gathered whole on the leader (a
+            # collective, so here); rebase: its apply changes the kept snapshot in place, so the
+            # outer gradient is taken from it now
+            local, base = self.shards.gather(p, island_delta(snapshot, f.base)), None
+        else:  # the push thread forms the outer gradient: the snapshot is the push's alone, the base is never changed
+            local, base = snapshot, f.base
         if self.is_leader:
             self.seq += 1
-            future = self.leader.push(fragment=p, round=r, delta=delta, base_version=f.version,
+            future = self.leader.push(fragment=p, round=r, local=local, base=base, base_version=f.version,
                                       tokens=f.tokens, steps=f.steps, seq=self.seq)
             future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
-        f.sent(Flight(fragment=p, round=r, apply_at=self.step + self.config.schedule.overlap_steps, snapshot=keep,
-                      tokens_at_send=f.tokens, steps_at_send=f.steps, sent_at=time.monotonic(), future=future))
+        f.sent(Flight(fragment=p, round=r, apply_at=self.step + self.config.schedule.overlap_steps,
+                      snapshot=snapshot if rebase else None, tokens_at_send=f.tokens, steps_at_send=f.steps,
+                      sent_at=time.monotonic(), future=future))
         self._count("sent")
 
     def _apply(self, a: Apply) -> None:
@@ -298,7 +311,7 @@ class IslandLearner:
         if a.base_version >= 0:  # a delta from the version this island holds: onto each rank's own part
             value = f.base + value
         reference = f.flight.snapshot if (a.ends_flight and f.flight.snapshot is not None) else f.base
-        current = self.shards.read(p)
+        current = self.shards.read(p) if reads_local(sched.apply) else None  # overwrite: no copy of the parameters
         self.write_fragment(p, apply_global(sched.apply, current, value, reference, alpha=sched.mix_alpha))
         self.staleness = f.applied(value, a.version, sched.apply, a.ends_flight)
         self.merged_any = self.merged_any or a.included

@@ -1,8 +1,8 @@
 """The island leader's background work: pushes on a small thread pool and a heartbeat thread.
 
 Only rank 0 of an island talks to the synchronizer. Its training loop never waits for the
-network: a send hands the snapshot to :meth:`LeaderSync.push`, which encodes the outer gradient
-and pushes it on a pool thread; the heartbeat thread reports the island's progress every second.
+network: a send hands the snapshot to :meth:`LeaderSync.push`, which forms the outer gradient,
+encodes it and pushes it on a pool thread; the heartbeat thread reports the island's progress every second.
 Both record whether the synchronizer answered, through one method with one meaning:
 :attr:`LeaderSync.reachable` is whether its latest answer to this island, to a heartbeat or a
 push, was a success.
@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from lightning_diloco.core.codecs import Codec
+from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.learner.link import SynchronizerLink
 
@@ -44,20 +45,22 @@ class LeaderSync:
     def start_heartbeat(self) -> None:
         self._heartbeat.start()
 
-    def push(self, *, fragment: int, round: int, delta: torch.Tensor, base_version: int,
+    def push(self, *, fragment: int, round: int, local: torch.Tensor, base: torch.Tensor | None, base_version: int,
              tokens: float, steps: int, seq: int) -> Future:
-        """Encode and push ``delta`` (the whole fragment's progress since its base,
-        :func:`~lightning_diloco.core.outer.island_delta`) in the background; the future holds
-        the ack (or the refusal)."""
-        return self._pool.submit(self._push, fragment, round, delta, base_version, tokens, steps, seq)
+        """Form, encode and push the whole fragment's progress since its base
+        (:func:`~lightning_diloco.core.outer.island_delta` of ``local`` and ``base``; ``base``
+        None: ``local`` is that progress already) in the background; the future holds the ack (or
+        the refusal). Neither tensor may change until the push is done: the training thread hands
+        over a snapshot and a base it replaces, never changes."""
+        return self._pool.submit(self._push, fragment, round, local, base, base_version, tokens, steps, seq)
 
     def answered(self, ok: bool) -> None:
         """Record the synchronizer's latest answer (False: a push the island gave up on)."""
         with self.lock:
             self.reachable = ok
 
-    def _push(self, fragment, round, delta, base_version, tokens, steps, seq):
-        payload = self.uplink.encode(delta)
+    def _push(self, fragment, round, local, base, base_version, tokens, steps, seq):
+        payload = self.uplink.encode(local if base is None else island_delta(local, base))
         with self.lock:
             self.bytes_up += payload.numel()
         ack = self.link.push(

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.core.threads import single_threaded_torch, torch_on_this_thread
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
 
@@ -51,3 +51,12 @@ def test_the_synchronizer_pool_runs_torch_single_threaded(two_torch_threads):
     finally:
         server.stop(grace=0)
     assert torch.get_num_threads() == 2
+
+
+def test_the_training_thread_runs_a_step_boundary_alone_and_gets_its_team_back(two_torch_threads):
+    with torch_on_this_thread():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError), torch_on_this_thread():
+        raise RuntimeError("a failing step boundary")
+    assert torch.get_num_threads() == 2  # given back on the way out of an error too
