@@ -38,6 +38,19 @@ PLAIN_CHUNK = 3 << 20
 PLAIN_METHOD = "/bench.Plain/Echo"
 
 
+
+def timed_threads(learner, learners: int, errors: list) -> float:
+    """Seconds for ``learners`` threads running ``learner(i)``; the first error they recorded is raised."""
+    threads = [threading.Thread(target=learner, args=(i,), name=f"diloco-bench-{i}") for i in range(learners)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
+
 def _start_server(min_quorum: int, codec: str) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", "0",
@@ -93,15 +106,7 @@ def run_case(learners: int, numel: int, rounds: int, codec_name: str) -> dict:
                 errors.append(err)
                 barrier.abort()
 
-        threads = [threading.Thread(target=learner, args=(i,), name=f"diloco-bench-{i}") for i in range(learners)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - start
-        if errors:
-            raise errors[0]
+        elapsed = timed_threads(learner, learners, errors)
         contributions = learners * rounds
         return {
             "learners": learners,
@@ -162,15 +167,7 @@ def run_plain(learners: int, payload_bytes: int, rounds: int) -> float:
             barrier.abort()
 
     try:
-        threads = [threading.Thread(target=learner, args=(i,)) for i in range(learners)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - start
-        if errors:
-            raise errors[0]
+        elapsed = timed_threads(learner, learners, errors)
         return learners * rounds * payload_bytes / elapsed / 1e6
     finally:
         for c in channels:
