@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.processes import run_tree
 from lightning_diloco.launch.supervisor import clean_environment
 
 ROOT = Path(__file__).resolve().parents[1]
+ARM_TIMEOUT_S = 3600  # seconds per arm before it counts as failed (and is stopped with its islands)
 DEFAULT_SCHEDULE = "kill 1 at 25s; pause 2 at 32s for 6s; kill 3 at 38s"
 
 
@@ -35,7 +36,7 @@ def run_arm(args: argparse.Namespace, baseline: bool, workdir: Path) -> dict:
         "--step-seconds", str(args.step_seconds), "--hidden", "32", "--layers", "1",
         "--checkpoint-every", str(args.checkpoint_every),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=clean_environment({}))
+    done = run_tree(cmd, capture_output=True, text=True, cwd=ROOT, env=clean_environment({}), timeout=ARM_TIMEOUT_S)
     if done.returncode != 0 or not report.exists():
         raise RuntimeError(f"{'ddp' if baseline else 'diloco'} arm failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
     return json.loads(report.read_text())

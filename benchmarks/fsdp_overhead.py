@@ -19,7 +19,6 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch.utils.data import DataLoader
 
 import lightning_diloco  # noqa: F401
 from benchmarks.overhead import LM, RandomTokens, StepTimer
+from benchmarks.processes import run_tree
 from lightning_diloco import DecoupledDiLoCoFSDPStrategy
 from lightning_diloco.core.settings import config_with
 from lightning_diloco.launch.supervisor import clean_environment
@@ -86,8 +86,8 @@ def run_arm(arm: str, args) -> None:
 def _arm(arm: str, argv: list[str], synchronizer: str) -> list[dict]:
     env = clean_environment({"OMP_NUM_THREADS": "1", **({"DILOCO_SYNCHRONIZER": synchronizer} if arm == "diloco" else {})})
     with tempfile.TemporaryDirectory() as results:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.fsdp_overhead", "--arm", arm, "--results", results, *argv],
-                             capture_output=True, text=True, env=env, timeout=1200)
+        out = run_tree([sys.executable, "-m", "benchmarks.fsdp_overhead", "--arm", arm, "--results", results, *argv],
+                       capture_output=True, text=True, env=env, timeout=1200)
         if out.returncode != 0:
             raise RuntimeError(f"{arm} arm failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
         return [json.loads((Path(results) / f"rank{r}.json").read_text()) for r in range(2)]

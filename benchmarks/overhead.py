@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_diloco  # noqa: F401
+from benchmarks.processes import run_tree
 from lightning_diloco import DecoupledDiLoCoStrategy
 from lightning_diloco.launch.supervisor import clean_environment
 from lightning_diloco.learner.collective import leave_process_group
@@ -95,9 +95,9 @@ def run_arm(strategy, args, processes: int = 1) -> tuple[float, dict, int]:
 def _arm_in_subprocess(arm: str, processes: int, argv: list[str]) -> dict:
     # a clean environment: a caller that ran DDP itself has MASTER_PORT, LOCAL_RANK... set
     with tempfile.TemporaryDirectory() as results:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "--arm", arm, "--processes", str(processes),
-                              "--results", results, *argv], capture_output=True, text=True, env=clean_environment({}),
-                             timeout=1800)
+        out = run_tree([sys.executable, "-m", "benchmarks.overhead", "--arm", arm, "--processes", str(processes),
+                        "--results", results, *argv], capture_output=True, text=True, env=clean_environment({}),
+                       timeout=1800)
         if out.returncode != 0:
             raise RuntimeError(f"{arm} arm ({processes} process(es)) failed ({out.returncode}):\n{out.stdout[-2000:]}\n"
                                f"{out.stderr[-3000:]}")

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.processes import run_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT_OF_PHASE = ["--stagger=3", "--slow-island=1", "--slowdown=1.5"]
 
@@ -70,7 +72,7 @@ def run_text_recipe(arm: str, seed: int, flags: list[str], out: Path, timeout: f
     cmd = [sys.executable, "-m", "recipes.text_lm", "--preset=cpu-tiny", f"--seed={seed}", f"--out={out}", *flags]
     started = time.monotonic()
     try:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        done = run_tree(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         raise RuntimeError(f"{arm} seed {seed} ran past {timeout} s: {' '.join(cmd)}") from err
     (out / "output.log").write_text(done.stdout)
