@@ -20,9 +20,6 @@ from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds
 log = logging.getLogger(__name__)
 
 CLOSER_TICK = 0.25  # seconds between a closer's looks at liveness while a round waits
-# With no round open only a push opens one, and it wakes the closer: this is a safety net only
-# (24 closers looking 4 times a second took CPU from a training loop sharing the cores, issue 24)
-IDLE_WAIT = 5.0
 
 
 class Closers:
@@ -60,7 +57,7 @@ class Closers:
             with rounds.cond:
                 wait = self._poll_fragment(rounds, self.clock())
                 if wait > 0 and not self.closing.is_set():
-                    rounds.cond.wait(wait)
+                    rounds.cond.wait(min(wait, CLOSER_TICK))
 
     def poll(self, now: float) -> list[ClosedRound]:
         """Close every round that is due to close at ``now``, on the caller's thread."""
@@ -81,10 +78,7 @@ class Closers:
         if decision.close:
             self._close(rounds, decision.reason, now)
             return 0.0
-        if rounds.opened_at is None:
-            return IDLE_WAIT
-        # an open round: liveness changes with time alone, so look again within a tick
-        return CLOSER_TICK if decision.deadline is None else min(CLOSER_TICK, max(0.0, decision.deadline - now))
+        return CLOSER_TICK if decision.deadline is None else max(0.0, decision.deadline - now)
 
     def _close(self, rounds: FragmentRounds, reason: str, now: float) -> None:
         started = time.perf_counter()

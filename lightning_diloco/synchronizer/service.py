@@ -219,10 +219,9 @@ class Synchronizer:
         now = self.clock()
         self._check_session(island, session, "heartbeat")
         self.membership.seen(island, now, steps=steps, schedule_step=schedule_step, step_time=step_time)
-        for rounds in self.rounds.values():  # liveness may have changed what an open round waits for
+        for rounds in self.rounds.values():  # liveness may have changed what a round waits for
             with rounds.cond:
-                if rounds.opened_at is not None:
-                    rounds.cond.notify_all()
+                rounds.cond.notify_all()
         return Beat(versions=self.versions(), run_step=self.run_step(now))
 
     def live_islands(self, now: float | None = None) -> set[int]:
