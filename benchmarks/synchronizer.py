@@ -51,6 +51,13 @@ def timed_threads(learner, learners: int, errors: list) -> float:
         raise errors[0]
     return time.perf_counter() - start
 
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a server the benchmark started and close its pipe."""
+    proc.terminate()
+    proc.wait(timeout=60)
+    proc.stdout.close()
+
 def _start_server(min_quorum: int, codec: str) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", "0",
@@ -119,9 +126,7 @@ def run_case(learners: int, numel: int, rounds: int, codec_name: str) -> dict:
     finally:
         for c in clients:
             c.close()
-        proc.terminate()
-        proc.wait(timeout=60)
-        proc.stdout.close()
+        _stop(proc)
 
 
 def _plain_server() -> None:
@@ -172,9 +177,7 @@ def run_plain(learners: int, payload_bytes: int, rounds: int) -> float:
     finally:
         for c in channels:
             c.close()
-        proc.terminate()
-        proc.wait(timeout=60)
-        proc.stdout.close()
+        _stop(proc)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
