@@ -134,14 +134,16 @@ class CodecConfig:
 
     uplink: Codec = "int4"
     """Encoding of island -> synchronizer fragment deltas. int4 is near-lossless per the paper."""
-    downlink: Codec = "bf16"
-    """Encoding of synchronizer -> island updates. A lossy downlink never touches the global
-    state, and it does not let an island's copy drift from it: each version is sent once as a step
-    from the value the islands hold, carrying what the last step could not (error feedback,
-    core/downlink.py), so every island holds the same published value, within one quantisation
-    step of the global model. The synchronizer keeps the published value and S - 1 encoded steps
-    instead of S - 1 exact past versions (``history``); an island several versions behind is sent
-    the steps in between, or the published value whole (fp32) when that is fewer bytes."""
+    downlink: Codec = "int4"
+    """Encoding of synchronizer -> island updates. int4 trained as well as bf16 over 3 seeds with
+    about a quarter of the bytes (benchmarks/RESULTS.md, Bandwidth). A lossy downlink never
+    touches the global state, and it does not let an island's copy drift from it: each version is
+    sent once as a step from the value the islands hold, carrying what the last step could not
+    (error feedback, core/downlink.py), so every island holds the same published value, within
+    one quantisation step of the global model. The synchronizer keeps the published value and
+    S - 1 encoded steps instead of S - 1 exact past versions (``history``); an island several
+    versions behind is sent the steps in between, or the published value whole (fp32) when that
+    is fewer bytes."""
     block_size: int = 64
     """Values sharing one scale in int8/int4. Smaller blocks: lower error, more scale bytes."""
 
