@@ -50,9 +50,11 @@ class FragmentState:
         self._deltas: dict[int, torch.Tensor] = {}  # fp32 downlink: base version -> current value - base, once per version
 
     def apply(self, outer_gradient: torch.Tensor) -> int | None:
-        """One outer step; publishes and returns the new version. Keeps the last S versions (the
-        ``history`` setting, whatever the number of islands: issue 21 measured members + 1 kept
-        after 2,000 made-up joins, 2 GB). An island further behind is sent the full value.
+        """One outer step; publishes and returns the new version. Keeps what the last S versions
+        (the ``history`` setting, whatever the number of islands: issue 21 measured members + 1
+        kept after 2,000 made-up joins, 2 GB) need to be sent the new one as deltas: the exact
+        versions (fp32 downlink) or the published chain's steps. An island further behind is sent
+        the full value.
 
         A step that would make the value or the momentum non-finite is not taken: the state stays
         exactly as it was and None is returned.
