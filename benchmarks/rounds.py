@@ -15,7 +15,9 @@ at equal tokens. The Decoupled DiLoCo arms start island i at i x 3 s and make is
 * ``k1-mix``: the same, islands mixing the global fragment into their own (alpha 0.5), the apply
   mode the CPU presets used;
 * ``k1-kill``: the defaults with islands 2 and 3 SIGKILLed at their step 300 and kept down 20 s
-  (they resume from their last checkpoint and rejoin).
+  (they resume from their last checkpoint and rejoin);
+* ``k1-mix-bf16-down``, ``k1-mix-int4-down``: ``k1-mix`` with the downlink codec named (the
+  quality an int4 downlink costs, beside the same DDP).
 
 Per arm, the mean and standard deviation over seeds of the final eval loss of the global model,
 and the health of its rounds from the synchronizer's last status and the islands' counters: outer
@@ -58,6 +60,8 @@ ARMS = {
     "k1": (any_island, ["--apply=overwrite", *OUT_OF_PHASE]),
     "k1-mix": (any_island, ["--apply=mix", *OUT_OF_PHASE]),
     "k1-kill": (any_island, ["--apply=overwrite", *OUT_OF_PHASE, "--chaos={kill}"]),
+    "k1-mix-bf16-down": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--downlink-codec=bf16"]),
+    "k1-mix-int4-down": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--downlink-codec=int4"]),
 }
 
 
@@ -165,10 +169,10 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "rounds.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
     print(f"rounds: text {args.preset}, M = {args.islands}, {args.steps} steps, seeds {args.seeds}; DiLoCo islands started 3 s "
           "apart, island 1 1.5x slower")
-    print(f"{'arm':<8} {'eval loss':>16} {'vs DDP':>7} {'outer/P/H':>9} {'skipped':>8} {'late':>6} {'K seen':>6} "
+    print(f"{'arm':<16} {'eval loss':>16} {'vs DDP':>7} {'outer/P/H':>9} {'skipped':>8} {'late':>6} {'K seen':>6} "
           f"{'grace s':>8} {'stall s':>8} {'stall steps':>11}")
     for arm, s in summary.items():
-        line = f"{arm:<8} {s['eval_loss_mean']:>8.4f} +- {s['eval_loss_std']:.4f} {s['vs_ddp'] * 100:>+6.1f}%"
+        line = f"{arm:<16} {s['eval_loss_mean']:>8.4f} +- {s['eval_loss_std']:.4f} {s['vs_ddp'] * 100:>+6.1f}%"
         if "outer_steps_per_fragment_per_h" in s:
             line += (f" {s['outer_steps_per_fragment_per_h']:>9.3f} {s['skipped_share'] * 100:>7.1f}% {s['late_share'] * 100:>5.1f}%"
                      f" {s['contributors_per_round']:>6.2f} {s['grace_wait_mean_s']:>8.3f} {s['longest_stall_s']:>8.2f}"

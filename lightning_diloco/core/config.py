@@ -81,9 +81,11 @@ class MergeConfig:
     """gamma in [0, 1): after quorum, wait at most gamma * max(0, tau * step_time - time_to_quorum
     - sync_time) for more islands. 0 closes at quorum."""
     history: int = 4
-    """S: versions of each fragment kept (at least one more than the islands that joined), so an
-    island holding one of them is sent the next version as a delta; one holding an older version
-    gets the full value. Costs S copies of the model in synchronizer memory."""
+    """S: versions of each fragment an island may hold and still be sent the next one as deltas;
+    one holding an older version gets the full value. Synchronizer memory: with the fp32 downlink
+    S copies of the model (the exact versions); with a lossy one, two (the exact current version
+    and the value the islands hold, core/downlink.py) and S - 1 encoded steps (int4: about 1/7.5
+    of a copy each, bf16 1/2)."""
     staleness_discount: float = 1.0
     """lambda >= 0: a contribution whose base is ``age`` versions old (it missed a round and is
     merged into the next one) weighs w / (1 + lambda * age). 0 disables the discount."""
@@ -132,9 +134,16 @@ class CodecConfig:
 
     uplink: Codec = "int4"
     """Encoding of island -> synchronizer fragment deltas. int4 is near-lossless per the paper."""
-    downlink: Codec = "bf16"
-    """Encoding of synchronizer -> island updates. A lossy downlink only perturbs that island's
-    starting point, never the global state."""
+    downlink: Codec = "int4"
+    """Encoding of synchronizer -> island updates. int4 trained as well as bf16 over 3 seeds with
+    about a quarter of the bytes (benchmarks/RESULTS.md, Bandwidth). A lossy downlink never
+    touches the global state, and it does not let an island's copy drift from it: each version is
+    sent once as a step from the value the islands hold, carrying what the last step could not
+    (error feedback, core/downlink.py), so every island holds the same published value, within
+    one quantisation step of the global model. The synchronizer keeps the published value and
+    S - 1 encoded steps instead of S - 1 exact past versions (``history``); an island several
+    versions behind is sent the steps in between, or the published value whole (fp32) when that
+    is fewer bytes."""
     block_size: int = 64
     """Values sharing one scale in int8/int4. Smaller blocks: lower error, more scale bytes."""
 

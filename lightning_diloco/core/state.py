@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from lightning_diloco.core import checkpoints
+from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.downlink import Downlink, PublishedChain, whole
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment
 from lightning_diloco.core.outer import OuterOptimizer
 
@@ -27,8 +29,13 @@ def all_finite(x: torch.Tensor) -> bool:
 
 
 class FragmentState:
-    """One global fragment: its current value, the last S versions, its outer momentum, and the
-    round of the run the synchronizer collects next (-1 before the first send)."""
+    """One global fragment: its current value, its outer momentum, the round of the run the
+    synchronizer collects next (-1 before the first send), and what the islands are sent of it.
+
+    With the fp32 downlink the last S exact versions are kept (``history``): an island holding one
+    is sent the exact delta. With a lossy one only the current exact version is, beside the
+    published chain (core/downlink.py): the value the islands hold and the steps leading to it.
+    """
 
     def __init__(self, value: torch.Tensor, config: RunConfig, version: int = 0) -> None:
         self.value = value.detach().to(torch.float32).reshape(-1).clone()
@@ -37,15 +44,17 @@ class FragmentState:
         self.depth = config.merge.history
         self.outer = OuterOptimizer(self.value, config.outer)
         self.next_round = -1
-
-    def base(self, version: int) -> torch.Tensor | None:
-        """The fragment at ``version`` if still kept, else None (stale or from the future)."""
-        return self.history.get(version)
+        codec = config.codec
+        self.downlink_codec = get_codec(codec.downlink, codec.block_size)
+        self.published = None if codec.downlink == "fp32" else PublishedChain(self.value, version, self.downlink_codec, self.depth)
+        self._deltas: dict[int, torch.Tensor] = {}  # fp32 downlink: base version -> current value - base, once per version
 
     def apply(self, outer_gradient: torch.Tensor) -> int | None:
-        """One outer step; publishes and returns the new version. Keeps the last S versions (the
-        ``history`` setting, whatever the number of islands: issue 21 measured members + 1 kept
-        after 2,000 made-up joins, 2 GB). An island further behind is sent the full value.
+        """One outer step; publishes and returns the new version. Keeps what the last S versions
+        (the ``history`` setting, whatever the number of islands: issue 21 measured members + 1
+        kept after 2,000 made-up joins, 2 GB) need to be sent the new one as deltas: the exact
+        versions (fp32 downlink) or the published chain's steps. An island further behind is sent
+        the full value.
 
         A step that would make the value or the momentum non-finite is not taken: the state stays
         exactly as it was and None is returned.
@@ -60,9 +69,32 @@ class FragmentState:
             return None
         self.version += 1
         self.history[self.version] = self.value.clone()
-        for old in [v for v in self.history if v <= self.version - self.depth]:
+        kept = self.version - (self.depth if self.published is None else 1)
+        for old in [v for v in self.history if v <= kept]:
             del self.history[old]
+        if self.published is not None:
+            self.published.advance(self.value, self.version)
+        self._deltas.clear()
         return self.version
+
+    def downlink(self, have: int) -> list[Downlink]:
+        """What an island holding version ``have`` is sent to hold the current version: nothing
+        when it has it, deltas (one, or a chain of steps for a lossy codec), or the whole value."""
+        if self.published is not None:
+            return self.published.updates(have)
+        if have == self.version:
+            return []
+        base = self.history.get(have) if 0 <= have < self.version else None
+        if base is None:
+            return [whole(self.value.clone(), self.version)]
+        delta = self._deltas.get(have)
+        if delta is None:
+            delta = self._deltas[have] = self.value - base
+        return [Downlink(version=self.version, base_version=have, codec="fp32", payload=self.downlink_codec.encode(delta))]
+
+    def published_value(self) -> torch.Tensor:
+        """A copy of the current version as the islands hold it: what a pull gets."""
+        return (self.value if self.published is None else self.published.value).clone()
 
     def state_dict(self) -> dict:
         return {
@@ -70,6 +102,7 @@ class FragmentState:
             "history": dict(self.history),
             "momentum": self.outer.momentum_buffer,
             "next_round": self.next_round,
+            "published": None if self.published is None else self.published.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -77,10 +110,14 @@ class FragmentState:
         history = {int(v): t.to(torch.float32) for v, t in state["history"].items()}
         assert version in history, f"checkpoint lacks the current version {version}"
         self.version = version
-        self.history = {v: t.clone() for v, t in history.items()}
+        self.history = {v: t.clone() for v, t in history.items() if self.published is None or v == version}
         self.value.copy_(history[version])
         self.outer.momentum_buffer = state["momentum"]
         self.next_round = int(state.get("next_round", -1))
+        self._deltas.clear()
+        if self.published is not None:  # none saved before chains existed: islands are sent whole values once
+            self.published = PublishedChain.from_state_dict(state.get("published"), self.value, version,
+                                                            self.downlink_codec, self.depth)
 
 
 class SynchronizerState:

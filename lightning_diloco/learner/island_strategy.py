@@ -135,7 +135,7 @@ class IslandStrategy:
             mix_alpha: For ``apply="mix"``: the weight the local fragment keeps, in [0, 1).
             uplink_codec: Codec of outer gradients sent: ``fp32``, ``bf16``, ``int8``, ``int4``
                 (run setting, default int4).
-            downlink_codec: Codec of global fragments received (run setting, default bf16).
+            downlink_codec: Codec of global fragments received (run setting, default int4).
             run_config: Every run setting at once: a ``RunConfig``, its ``to_dict()`` form, or
                 the path of such a JSON file (the synchronizer's ``--config``). The run
                 settings above override it.

@@ -1,18 +1,17 @@
 """What one island's subscription carries: round requests, and every new global version of each
-fragment as a delta against the version that island last received."""
+fragment as deltas from the version that island last received (rounds.py ``publish``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from lightning_diloco.core.config import CodecConfig
 from lightning_diloco.synchronizer.membership import Membership
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 from lightning_diloco.synchronizer.rounds import FragmentRounds
 
 
 def island_events(island: int, subscription: int, delivered: dict[int, int], membership: Membership,
-                  rounds: Mapping[int, FragmentRounds], codec: CodecConfig, count_bytes: Callable[[int], None],
+                  rounds: Mapping[int, FragmentRounds], count_bytes: Callable[[int], None],
                   active: Callable[[], bool], tick: float) -> Iterator[RoundRequest | VersionUpdate]:
     """Events for ``island`` until ``active()`` turns False or the island subscribes again or
     rejoins (``subscription`` is no longer its current one). ``delivered``: fragment -> the
@@ -30,7 +29,8 @@ def island_events(island: int, subscription: int, delivered: dict[int, int], mem
         yield from requests
         for p in behind:
             with rounds[p].cond:
-                update = rounds[p].publish(island, delivered[p], codec)
-            count_bytes(update.payload.numel())
-            delivered[p] = update.version
-            yield update
+                updates = rounds[p].publish(island, delivered[p])
+            for update in updates:
+                count_bytes(update.payload.numel())
+                delivered[p] = update.version
+                yield update

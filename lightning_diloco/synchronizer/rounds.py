@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
 from lightning_diloco.core.guard import InfluenceGuard, agreeing, capped_weights
@@ -129,9 +128,6 @@ class FragmentRounds:
         self.totals = RoundTotals()
         merge = config.merge
         self.guard = InfluenceGuard(merge.outlier_z, merge.outlier_window, config.schedule.sync_every)
-        # Every island whose last version was the same gets the same downlink payload: encoded
-        # once per (version, base version), dropped when the next round closes.
-        self.downlink_cache: dict[tuple[int, int], torch.Tensor] = {}
 
     # ---- the round now collecting ------------------------------------------------------------
 
@@ -243,7 +239,7 @@ class FragmentRounds:
                                 clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now)
         if version is not None:
             self.rounds_of[version] = index
-        for old in [v for v in self.rounds_of if v not in frag.history]:
+        for old in [v for v in self.rounds_of if v <= frag.version - frag.depth]:  # no island is sent them again
             del self.rounds_of[old]
         t = self.totals
         t.closed, t.entries, t.late = t.closed + 1, t.entries + len(kept), t.late + late
@@ -252,7 +248,6 @@ class FragmentRounds:
         t.grace_wait_max_s = max(t.grace_wait_max_s, grace)
         frag.next_round = index + 1
         self.entries.clear()
-        self.downlink_cache.clear()
         self.opened_at = self.quorum_at = None
         self.cond.notify_all()
         return self.last
@@ -280,24 +275,22 @@ class FragmentRounds:
         weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=discount) for w, a in zip(capped_weights(weights), ages)]
         return agreeing(weights, [e.outer_gradient for e in entries], norms), clipped
 
-    def publish(self, island: int, have: int, codec_config) -> VersionUpdate:
-        """The current version for an island that holds version ``have``: a delta against it in
-        the downlink codec (encoded once per (version, base) pair), or the full value in fp32 when
-        this fragment no longer keeps (or never issued) that version."""
+    def publish(self, island: int, have: int) -> list[VersionUpdate]:
+        """What an island holding version ``have`` is sent to hold the current version, in order:
+        deltas in the downlink codec (each encoded once, whatever the number of islands), or the
+        value the islands hold, whole in fp32, when this fragment no longer keeps (or never
+        issued) ``have`` (core/state.py, core/downlink.py)."""
         frag = self.frag
-        base = frag.base(have) if 0 <= have < frag.version else None
-        if base is None:
-            codec, base_version = get_codec("fp32"), -1
-            payload = codec.encode(frag.value.clone())
-        else:
-            codec, base_version = get_codec(codec_config.downlink, codec_config.block_size), have
-            key = (frag.version, have)
-            payload = self.downlink_cache.get(key)
-            if payload is None:
-                payload = self.downlink_cache[key] = codec.encode(frag.value - base)
-        produced_by = self.rounds_of.get(frag.version, max(-1, self.index - 1))
-        return VersionUpdate(fragment=self.fragment, version=frag.version, base_version=base_version, round=produced_by,
-                             codec=codec.name, payload=payload, included=self.merged_in.get(island, -1) > have)
+        merged = self.merged_in.get(island, -1)
+        updates = []
+        for d in frag.downlink(have):
+            since = have if d.base_version < 0 else d.base_version
+            current = d.version == frag.version
+            produced_by = self.rounds_of.get(d.version, max(-1, self.index - 1) if current else -1)
+            updates.append(VersionUpdate(fragment=self.fragment, version=d.version, base_version=d.base_version,
+                                         round=produced_by, codec=d.codec, payload=d.payload,
+                                         included=since < merged <= d.version))
+        return updates
 
     def status(self) -> RoundStatus:
         t = self.totals

@@ -287,12 +287,13 @@ class Synchronizer:
         return seeded
 
     def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
-        """(version, fp32 copy) of a fragment: what a joining island starts from (new versions
-        reach it through its subscription)."""
+        """(version, fp32 copy) of a fragment as the islands hold it (with a lossy downlink the
+        published value, core/downlink.py, so the next version's delta lands on it): what a
+        joining island starts from (new versions reach it through its subscription)."""
         rounds = self._rounds(fragment)
         with rounds.cond:
             frag = self._seeded(rounds)
-            return frag.version, frag.value.clone()
+            return frag.version, frag.published_value()
 
     # ---- contributions ---------------------------------------------------------------------
 
@@ -396,7 +397,7 @@ class Synchronizer:
         self._check_session(island, session, "subscription")
         delivered = {p: int(versions.get(p, -1)) for p in self.rounds}
         return island_events(island, self.membership.subscribed(island), delivered, self.membership, self.rounds,
-                             self.config.codec, self._count_bytes_out, lambda: active() and not self.closing.is_set(), tick)
+                             self._count_bytes_out, lambda: active() and not self.closing.is_set(), tick)
 
     def _count_bytes_out(self, n: int) -> None:
         with self.lock:

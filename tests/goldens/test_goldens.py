@@ -43,7 +43,7 @@ def test_outer_step_golden():
 
 def test_short_strategy_run_golden():
     """48 steps of the tiny regressor: H = 4, P = 2, tau = 0 (no timing in the numbers), the
-    default int4 uplink and bf16 downlink, embedded synchronizer."""
+    default int4 uplink and int4 downlink, embedded synchronizer."""
     from lightning_diloco import DecoupledDiLoCoStrategy
     from tests.learner.models import TinyRegressor, loader, regression_data, trainer
 

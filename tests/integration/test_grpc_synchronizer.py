@@ -129,6 +129,35 @@ def test_join_seed_push_and_every_version_reaches_the_subscription(started):
     assert _timeless(over_grpc) == _timeless(in_process)
 
 
+def test_an_island_behind_on_an_int4_downlink_gets_the_steps_since_and_holds_what_a_pull_gives(started):
+    """Each version goes down once as an int4 step from the value the islands hold
+    (core/downlink.py): a subscription that holds an older version gets the steps in between, in
+    order, and adding them lands exactly on the value a pull gives (the published value, within one
+    quantisation step of the global one; never the global one itself, or the next step would miss)."""
+    config = run_config(downlink="int4")
+    server, client = started(config)
+    _seeded(client, config)
+    _, held = client.pull(1)
+    numel = held.numel()
+    g = torch.Generator().manual_seed(3)
+    for v in range(3):
+        _push(client, config, 0, 1, 0.05 * torch.randn(numel, generator=g), round=v, base_version=v, seq=v)
+        wait_for_version(client.pull, 1, v + 1)
+    events = Events()
+    events.subscribe(client, 0, {0: 0, 1: 0})
+    events.version(1, 3)
+    chain = [e for e in events.versions if e.fragment == 1]
+    assert [(e.version, e.base_version, e.codec, e.round) for e in chain] == [(1, 0, "int4", 0), (2, 1, "int4", 1), (3, 2, "int4", 2)]
+    assert [e.included for e in chain] == [False, False, True]  # island 0's last merge is in version 3
+    for e in chain:
+        held = held + get_codec("int4").decode(e.payload, numel)
+    version, pulled = client.pull(1)
+    frag = server.service.state.fragments[1]
+    assert version == 3 and torch.equal(held, pulled) and torch.equal(pulled, frag.published_value())
+    assert 0 < float((pulled - frag.value).abs().max()) < 0.05  # outer steps here move values by ~0.2
+    assert client.bytes_received > 0 and server.service.bytes_out == 3 * get_codec("int4").encoded_size(numel)
+
+
 def test_a_large_fragment_is_streamed_in_chunks(started):
     """A fragment far above gRPC's 4 MB message limit goes through in 1 MB chunks, both ways."""
     from lightning_diloco.core.fragments import TensorSpec

@@ -33,3 +33,27 @@ def test_a_delta_from_another_version_than_the_one_received_is_ignored():
     inbox = Inbox([3], [4], block_size=64)
     inbox.on_version(_update(5, 4, [1, 1, 1, 1]))
     assert inbox.take(lambda a: True) == [] and inbox.held() == {0: 3}
+
+
+def test_a_chain_of_lossy_steps_taken_at_once_lands_on_the_published_value():
+    """An island several versions behind is sent the steps since, in order (core/downlink.py);
+    the inbox sums them, and the island's copy is the synchronizer's published value but for fp32
+    rounding."""
+    from lightning_diloco.core.downlink import PublishedChain
+
+    g = torch.Generator().manual_seed(0)
+    held = torch.randn(1000, generator=g)
+    chain = PublishedChain(held, 0, get_codec("int4"), depth=8)
+    value = held
+    for v in range(1, 6):
+        value = value + 0.01 * torch.randn(1000, generator=g)
+        chain.advance(value, v)
+    inbox = Inbox([0], [1000], block_size=64)
+    for d in chain.updates(0):
+        inbox.on_version(VersionUpdate(fragment=0, version=d.version, base_version=d.base_version, round=d.version,
+                                       codec=d.codec, payload=d.payload, included=False))
+    [a] = inbox.take(lambda a: True)
+    assert (a.version, a.base_version) == (5, 0)
+    eps = torch.finfo(torch.float32).eps * float(held.abs().max())
+    assert float((held + a.value - chain.value).abs().max()) <= 4 * eps
+    assert float((held + a.value - value).abs().max()) > 100 * eps  # int4: the published value is not the global one

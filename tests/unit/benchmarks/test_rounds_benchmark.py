@@ -22,5 +22,6 @@ def test_each_arm_names_its_quorum_rule_and_the_kill_scales_with_the_run():
     assert rounds.arm_flags("sync", 4, 800)[:2] == ["--min-quorum=4", "--apply=overwrite"]
     assert rounds.arm_flags("k1-mix", 4, 800)[:2] == ["--min-quorum=1", "--apply=mix"]
     assert rounds.arm_flags("ddp", 4, 800) == ["--strategy=ddp"]
+    assert rounds.arm_flags("k1-mix-int4-down", 4, 800)[-1] == "--downlink-codec=int4"
     assert rounds.arm_flags("k1-kill", 4, 800)[-1] == "--chaos=kill 2 at step 300 for 20s; kill 3 at step 300 for 20s"
     assert "step 75 " in rounds.arm_flags("k1-kill", 4, 200)[-1]

@@ -3,19 +3,20 @@ import json
 import pytest
 import torch
 
-from lightning_diloco.core.config import MergeConfig, RunConfig, ScheduleConfig
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.config import CodecConfig, MergeConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import DENSE, TensorSpec, build_layout
 from lightning_diloco.core.checkpoints import LATEST
 from lightning_diloco.core.outer import island_delta, outer_gradient
 from lightning_diloco.core.state import SynchronizerState, owned_by_shard
 
 
-def _state(history=3, seed=0):
+def _state(history=3, seed=0, downlink="bf16"):
     g = torch.Generator().manual_seed(seed)
     specs = [TensorSpec(name=f"t{i}", shape=(i + 2, 3), dtype="float32", role=DENSE) for i in range(6)]
     layout = build_layout(specs, 3)
     config = RunConfig(schedule=ScheduleConfig(num_fragments=3, sync_every=6),
-                       merge=MergeConfig(history=history))
+                       merge=MergeConfig(history=history), codec=CodecConfig(downlink=downlink))
     params = [torch.randn(s.shape, generator=g) for s in specs]
     return SynchronizerState.from_parameters(config, layout, params)
 
@@ -27,14 +28,33 @@ def _advance(state, rounds, seed=1):
             frag.apply(torch.randn(frag.value.shape, generator=g))
 
 
-def test_versions_count_outer_steps_and_history_keeps_the_last_s():
-    state = _state(history=3)
+def _bases(updates):
+    return [(u.version, u.base_version, u.codec) for u in updates]
+
+
+def test_versions_count_outer_steps_and_an_island_holding_one_of_the_last_s_gets_deltas():
+    state = _state(history=3, downlink="fp32")
     _advance(state, 5)
     assert state.versions() == {0: 5, 1: 5, 2: 5} and state.outer_steps == 15
     frag = state.fragments[0]
-    assert sorted(frag.history) == [3, 4, 5]
-    assert frag.base(2) is None and frag.base(6) is None
-    assert torch.equal(frag.base(5), frag.value)
+    assert sorted(frag.history) == [3, 4, 5] and frag.published is None  # fp32: the exact versions, no second copy
+    assert _bases(frag.downlink(4)) == [(5, 4, "fp32")] and frag.downlink(5) == []
+    [delta] = frag.downlink(3)
+    assert torch.allclose(frag.history[3] + get_codec("fp32").decode(delta.payload, frag.value.numel()), frag.value,
+                          rtol=1e-6, atol=1e-6)  # exact but for fp32 rounding
+    assert _bases(frag.downlink(2)) == _bases(frag.downlink(6)) == [(5, -1, "fp32")]
+    assert torch.equal(frag.published_value(), frag.value)
+
+
+def test_a_lossy_downlink_keeps_the_current_version_and_the_steps_from_the_last_s():
+    state = _state(history=3, downlink="int4")
+    _advance(state, 5)
+    frag = state.fragments[0]
+    assert sorted(frag.history) == [5] and sorted(frag.published.steps) == [4, 5]
+    assert _bases(frag.downlink(3)) == [(4, 3, "int4"), (5, 4, "int4")]
+    assert _bases(frag.downlink(2)) == [(5, -1, "fp32")]
+    assert torch.equal(frag.published_value(), frag.published.value)
+    assert 0 < float((frag.published_value() - frag.value).abs().max()) < 0.5  # lossy, within a step of it
 
 
 def test_outer_gradient_is_measured_against_the_islands_own_base_even_when_stale():
@@ -48,14 +68,15 @@ def test_outer_gradient_is_measured_against_the_islands_own_base_even_when_stale
 
 
 def test_history_keeps_the_setting_s_depth_however_many_islands_joined():
-    state = _state(history=2)
+    state = _state(history=2, downlink="fp32")
     for _ in range(5):
         state.fragments[0].apply(torch.zeros_like(state.fragments[0].value))
     assert sorted(state.fragments[0].history) == [4, 5]
 
 
-def test_checkpoint_round_trip_is_bit_exact(tmp_path):
-    state = _state()
+@pytest.mark.parametrize("downlink", ["fp32", "int4"])
+def test_checkpoint_round_trip_is_bit_exact(tmp_path, downlink):
+    state = _state(downlink=downlink)
     _advance(state, 4)
     state.save(tmp_path)
     loaded = SynchronizerState.load(tmp_path)
@@ -67,10 +88,34 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
         assert frag.history.keys() == other.history.keys()
         assert all(torch.equal(frag.history[v], other.history[v]) for v in frag.history)
         assert torch.equal(frag.outer.momentum_buffer, other.outer.momentum_buffer)
+        # the chains go on: an island holding an older version is sent the same steps
+        assert torch.equal(frag.published_value(), other.published_value())
+        for have in range(5):
+            assert [(u.base_version, u.payload.tolist()) for u in frag.downlink(have)] == \
+                   [(u.base_version, u.payload.tolist()) for u in other.downlink(have)]
     # and they keep evolving identically
     _advance(state, 2, seed=9)
     _advance(loaded, 2, seed=9)
     assert all(torch.equal(state.fragments[p].value, loaded.fragments[p].value) for p in state.fragments)
+    assert all(torch.equal(state.fragments[p].published_value(), loaded.fragments[p].published_value()) for p in state.fragments)
+
+
+def test_a_checkpoint_written_before_published_chains_loads_and_islands_get_whole_values(tmp_path):
+    state = _state(downlink="int4")
+    _advance(state, 3)
+    data = state.state_dict()
+    for f in data["fragments"].values():
+        del f["published"]  # as written before the chains
+    loaded = SynchronizerState.from_state_dict(data)
+    frag = loaded.fragments[0]
+    assert frag.version == 3 and torch.equal(frag.value, state.fragments[0].value)
+    # nobody is known to hold what it would build on: the value the chain starts from goes out whole
+    assert _bases(frag.downlink(2)) == [(3, -1, "fp32")]
+    assert torch.equal(frag.published_value(), frag.value)
+    _advance(loaded, 1)
+    assert _bases(frag.downlink(3)) == _bases(frag.downlink(2)) == [(4, -1, "fp32")]
+    _advance(loaded, 1)
+    assert _bases(frag.downlink(4)) == [(5, 4, "int4")]  # chains from the first value sent whole on
 
 
 def test_checkpoint_loads_with_weights_only_and_has_a_readable_summary(tmp_path):
