@@ -130,8 +130,8 @@ class IslandStrategy:
                 most gamma x what is left of tau step times; 0 closes at quorum (run setting,
                 default 0.5).
             merge: ``rda`` (radial-directional averaging) or ``mean`` (run setting).
-            apply: How an island takes a global fragment: ``overwrite``, ``mix`` or ``rebase``
-                (run setting, default overwrite).
+            apply: How an island takes a global fragment: ``mix``, ``overwrite`` (the paper's)
+                or ``rebase`` (run setting, default mix).
             mix_alpha: For ``apply="mix"``: the weight the local fragment keeps, in [0, 1).
             uplink_codec: Codec of outer gradients sent: ``fp32``, ``bf16``, ``int8``, ``int4``
                 (run setting, default int4).

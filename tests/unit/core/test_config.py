@@ -7,7 +7,7 @@ def test_defaults_are_the_paper_settings():
     cfg = RunConfig()
     assert (cfg.schedule.num_fragments, cfg.schedule.sync_every, cfg.schedule.overlap_steps) == (24, 24, 2)
     assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == (0.7, 0.9, True)
-    assert cfg.merge.method == "rda" and cfg.schedule.apply == "overwrite"
+    assert cfg.merge.method == "rda" and cfg.schedule.apply == "mix"
 
 
 @pytest.mark.parametrize(
