@@ -199,11 +199,12 @@ def test_every_step_sync_with_plain_averaging_equals_plain_lightning_training():
 
 
 def test_synchronous_diloco_matches_a_plain_pytorch_reference_loop():
-    """P = 1, tau = 0, fp32, H = 4: inner AdamW, outer Nesterov on Delta = Theta - theta."""
+    """P = 1, tau = 0, fp32, H = 4, the paper's overwrite: inner AdamW, outer Nesterov on Delta = Theta - theta."""
     data = regression_data()
     H, lr, mu = 4, 0.7, 0.9
     diloco = TinyRegressor()
-    strategy = DecoupledDiLoCoStrategy(sync_every=H, num_fragments=1, overlap_steps=0, end_with_global_model=False, **FP32)
+    strategy = DecoupledDiLoCoStrategy(sync_every=H, num_fragments=1, overlap_steps=0, end_with_global_model=False,
+                                       apply="overwrite", **FP32)
     trainer(strategy, max_epochs=2, use_distributed_sampler=False).fit(diloco, loader(data))  # the loop's order
 
     reference = TinyRegressor()
