@@ -104,7 +104,7 @@ def _args(recipe, *argv):
 def test_presets_fill_what_the_user_left_out():
     a = _args(TEXT, "--islands", "4")
     assert (a.steps, a.batch, a.hidden, a.arch) == (800, 16, 64, "llama")
-    assert given_settings(a) == {"num_fragments": 8, "apply": "mix", "data_seed": 0}  # the library's quorum 1
+    assert given_settings(a) == {"num_fragments": 8, "data_seed": 0}  # the library's quorum 1
     assert _args(TEXT, "--seed", "2").data_seed == 2  # the islands shuffle as DDP's ranks of the same seed
     assert given_settings(_args(TEXT, "--islands", "2", "--min-quorum", "2"))["min_quorum"] == 2
     a = _args(TEXT, "--preset", "cpu-tiny-moe", "--steps", "5", "--outer-lr", "1.0")
