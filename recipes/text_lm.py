@@ -33,7 +33,7 @@ PRESETS = {
     # 6.5x cpu-tiny's parameters (0.85M) at twice its steps: what a 2-core machine trains in minutes,
     # to see which way the gap to DDP moves with size (issue 24; benchmarks/RESULTS.md)
     "cpu-small": Preset(model={**TINY, "hidden": 128, "layers": 4, "intermediate": 384},
-                        batch=16, steps=1600, lr=3e-3, run_config=small_model(8)),
+                        batch=16, steps=1600, lr=3e-3, run_config=small_model(8), reference=Reference(4, 1.5477, 0.0072)),
     # GPU sizes: unchanged code, bigger configs. About 125M and 1.1B parameters (dense), 1.3B (MoE).
     "gpu-125m": Preset(model=dict(arch="llama", hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048,
                                   seq=1024, tokenizer="bpe", vocab=16384), batch=16, steps=20_000, lr=6e-4,
