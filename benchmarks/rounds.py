@@ -17,7 +17,11 @@ at equal tokens. The Decoupled DiLoCo arms start island i at i x 3 s and make is
 * ``k1-kill``: ``k1`` with islands 2 and 3 SIGKILLed three eighths into the run and kept down
   20 s (they resume from their last checkpoint and rejoin);
 * ``k1-mix-bf16-down``, ``k1-mix-int4-down``: ``k1-mix`` with the downlink codec named (the
-  quality an int4 downlink costs, beside the same DDP).
+  quality an int4 downlink costs, beside the same DDP);
+* ``k1-mix-int4-no-feedback``: int4 both ways without the uplink's error feedback (the default
+  before it);
+* ``k1-mix-int2``: int2 both ways, blocks of 128, with error feedback both ways (the codec that
+  reaches the paper's byte reduction at H = 24).
 
 Per arm, the mean and standard deviation over seeds of the final eval loss of the global model,
 and the health of its rounds from the synchronizer's last status and the islands' counters: outer
@@ -62,6 +66,10 @@ ARMS = {
     "k1-kill": (any_island, ["--apply=overwrite", *OUT_OF_PHASE, "--chaos={kill}"]),
     "k1-mix-bf16-down": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--downlink-codec=bf16"]),
     "k1-mix-int4-down": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--downlink-codec=int4"]),
+    "k1-mix-int4-no-feedback": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--uplink-codec=int4",
+                                             "--downlink-codec=int4", "--no-uplink-feedback"]),
+    "k1-mix-int2": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--uplink-codec=int2", "--downlink-codec=int2",
+                                 "--block-size=128", "--uplink-feedback"]),
 }
 
 

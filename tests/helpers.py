@@ -96,7 +96,7 @@ def sample_setting_value(s):
     if s.name in ("num_fragments", "overlap_steps"):
         return 1
     if s.type is int:
-        return s.default + 2
+        return s.default + 4  # block_size is a multiple of 4
     return {"grace_gamma": 0.25, "mix_alpha": 0.25, "outer_momentum": 0.5, "outlier_z": 4.0}.get(s.name, s.default * 2)
 
 

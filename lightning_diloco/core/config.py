@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 # Literal types give each choice setting its choices once: validation, flags and help read them.
-Codec = Literal["fp32", "bf16", "int8", "int4"]
+Codec = Literal["fp32", "bf16", "int8", "int4", "int2"]
 MergeMethod = Literal["rda", "mean"]
 ApplyMode = Literal["overwrite", "mix", "rebase"]
 CODECS: tuple[str, ...] = get_args(Codec)
@@ -147,15 +147,20 @@ class CodecConfig:
     S - 1 encoded steps instead of S - 1 exact past versions (``history``); an island several
     versions behind is sent the steps in between, or the published value whole (fp32) when that
     is fewer bytes."""
+    uplink_feedback: bool = True
+    """Error feedback on the uplink: an island adds what the codec could not carry of a
+    fragment's last push to its next one (one fp32 copy of each fragment on the island's leader;
+    core/feedback.py). Needed for int2; with int4 it trained as well as without
+    (benchmarks/RESULTS.md, Bandwidth)."""
     block_size: int = 64
-    """Values sharing one scale in int8/int4. Smaller blocks: lower error, more scale bytes."""
+    """Values sharing one scale in int8/int4/int2. Smaller blocks: lower error, more scale bytes."""
 
     def __post_init__(self) -> None:
         _check_choice("uplink codec", self.uplink, CODECS)
         _check_choice("downlink codec", self.downlink, CODECS)
         _check(
-            self.block_size >= 8 and self.block_size % 2 == 0,
-            f"block_size={self.block_size} must be an even number >= 8",
+            self.block_size >= 8 and self.block_size % 4 == 0,
+            f"block_size={self.block_size} must be a multiple of 4, at least 8 (int2 packs 4 values a byte)",
         )
 
 

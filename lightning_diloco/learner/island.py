@@ -96,7 +96,8 @@ class IslandLearner:
         self.leader: LeaderSync | None = None
         if self.is_leader:
             self.leader = LeaderSync(
-                link, island=island, uplink=self.uplink, layout_hash=layout.hash, workers=min(P, sched.overlap_steps + 2),
+                link, island=island, uplink=self.uplink, feedback=config.codec.uplink_feedback, layout_hash=layout.hash,
+                workers=min(P, sched.overlap_steps + 2),
                 progress=lambda: (self.step, self._step_time, self.schedule_step), heartbeat_every=heartbeat_every,
             )
 

@@ -133,8 +133,8 @@ class IslandStrategy:
             apply: How an island takes a global fragment: ``mix``, ``overwrite`` (the paper's)
                 or ``rebase`` (run setting, default mix).
             mix_alpha: For ``apply="mix"``: the weight the local fragment keeps, in [0, 1).
-            uplink_codec: Codec of outer gradients sent: ``fp32``, ``bf16``, ``int8``, ``int4``
-                (run setting, default int4).
+            uplink_codec: Codec of outer gradients sent: ``fp32``, ``bf16``, ``int8``, ``int4``,
+                ``int2`` (run setting, default int4; with error feedback, ``uplink_feedback``).
             downlink_codec: Codec of global fragments received (run setting, default int4).
             run_config: Every run setting at once: a ``RunConfig``, its ``to_dict()`` form, or
                 the path of such a JSON file (the synchronizer's ``--config``). The run

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from lightning_diloco.core.codecs import Codec
+from lightning_diloco.core.feedback import UplinkFeedback
 from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.learner.link import SynchronizerLink
@@ -26,10 +27,13 @@ log = logging.getLogger(__name__)
 
 
 class LeaderSync:
-    def __init__(self, link: SynchronizerLink, *, island: int, uplink: Codec, layout_hash: str, workers: int,
-                 progress: Callable[[], tuple[int, float, int]], heartbeat_every: float = 1.0) -> None:
-        """``progress()``: (inner steps, seconds per step, schedule step), read by the heartbeat."""
+    def __init__(self, link: SynchronizerLink, *, island: int, uplink: Codec, feedback: bool, layout_hash: str,
+                 workers: int, progress: Callable[[], tuple[int, float, int]], heartbeat_every: float = 1.0) -> None:
+        """``progress()``: (inner steps, seconds per step, schedule step), read by the heartbeat;
+        ``feedback``: carry what a lossy ``uplink`` could not send into the next push
+        (core/feedback.py)."""
         self.link, self.island, self.uplink, self.layout_hash = link, island, uplink, layout_hash
+        self.feedback = UplinkFeedback(uplink) if feedback and uplink.name != "fp32" else None
         self.progress = progress
         self.lock = threading.Lock()  # the counters below, written from pool threads
         self.bytes_up = 0
@@ -60,7 +64,8 @@ class LeaderSync:
             self.reachable = ok
 
     def _push(self, fragment, round, local, base, base_version, tokens, steps, seq):
-        payload = self.uplink.encode(local if base is None else island_delta(local, base))
+        delta = local if base is None else island_delta(local, base)
+        payload = self.uplink.encode(delta) if self.feedback is None else self.feedback.encode(fragment, delta)
         with self.lock:
             self.bytes_up += payload.numel()
         ack = self.link.push(

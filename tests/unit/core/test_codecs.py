@@ -7,7 +7,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 
-CODECS = ["fp32", "bf16", "int8", "int4"]
+CODECS = ["fp32", "bf16", "int8", "int4", "int2"]
 
 
 def _gaussian(n, seed=0):
@@ -91,7 +91,8 @@ def test_block_quant_error_bound_per_element(bits, block):
     assert bool(((x - out).abs() <= bound * (1 + 1e-6)).all())
 
 
-@pytest.mark.parametrize("name,max_bytes,max_rel_rms", [("int8", 1.1, 0.01), ("int4", 0.56, 0.12)])
+@pytest.mark.parametrize("name,max_bytes,max_rel_rms", [("int8", 1.1, 0.01), ("int4", 0.56, 0.12),
+                                                              ("int2", 0.29, 0.36)])
 def test_quantized_codecs_meet_bytes_and_error_aims_on_gaussian_data(name, max_bytes, max_rel_rms):
     codec = get_codec(name)
     x = _gaussian(1 << 16)
@@ -110,8 +111,41 @@ def test_corrupt_scale_is_refused_on_decode():
 
 
 def test_unknown_codec_name_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="fp32, bf16, int8, int4"):
-        get_codec("int2")
+    with pytest.raises(ValueError, match="fp32, bf16, int8, int4, int2"):
+        get_codec("int3")
+
+
+def test_int2_uses_all_four_levels_and_packs_four_values_a_byte():
+    codec = get_codec("int2", 8)
+    x = torch.tensor([-1.5, -0.5, 0.5, 1.25, 3.0, -1.0, 0.1, -0.1])  # rms 1.3385
+    s = float(x.pow(2).mean().sqrt().to(torch.bfloat16))
+    payload = codec.encode(x)
+    assert payload.numel() == 2 + 2  # one bf16 scale, 8 values in 2 bytes
+    assert codec.decode(payload, 8).tolist() == [k * s for k in (-1.5, -0.5, 0.5, 0.5, 1.5, -0.5, 0.5, -0.5)]
+    assert payload[2:].tolist() == [0b10_10_01_00, 0b01_10_01_11]  # k + 2, lowest bits first
+
+
+@pytest.mark.parametrize("block", [8, 64, 128])
+def test_int2_error_bound_within_two_rms_and_clipping_beyond(block):
+    """|x - x'| <= (1 + 2**-8) / 2 * rms(block) where |x| <= 2 rms; beyond, x' = +-1.5 rms."""
+    codec = get_codec("int2", block)
+    x = _gaussian(block * 50 + 4) * torch.logspace(-6, 3, block * 50 + 4)
+    out = codec.decode(codec.encode(x), x.numel())
+    padded = torch.nn.functional.pad(x, (0, -x.numel() % block)).view(-1, block)
+    rms = (padded.double().pow(2).mean(dim=1).sqrt().float()).repeat_interleave(block)[: x.numel()]
+    inside = x.abs() <= 2 * rms * (1 - 2**-7)
+    assert bool(((x - out).abs()[inside] <= rms[inside] * (1 + 2**-8) / 2 * (1 + 1e-5)).all())
+    outside = ~inside & (x.abs() > 2 * rms * (1 + 2**-7))
+    assert outside.any()
+    assert torch.allclose(out[outside].abs(), 1.5 * rms[outside], rtol=2**-7)
+
+
+def test_int2_scale_of_huge_finite_values_does_not_overflow():
+    codec = get_codec("int2")
+    x = torch.full((64,), 1e38)
+    assert torch.allclose(codec.decode(codec.encode(x), 64), x * 1.5, rtol=2**-7)  # all values clipped to 1.5 rms
+    with pytest.raises(ValueError, match="int2 input's largest level"):  # 1.5 rms past fp32: refused on encode
+        codec.encode(torch.full((64,), 3e38))
 
 
 def test_int4_size_formula():

@@ -24,7 +24,7 @@ def test_defaults_are_the_paper_settings():
         (lambda: MergeConfig(outlier_z=0.5), "outlier_z"),
         (lambda: OuterConfig(lr=float("nan")), "outer lr"),
         (lambda: OuterConfig(momentum=1.0), "outer momentum"),
-        (lambda: CodecConfig(uplink="int2"), "uplink codec='int2'"),
+        (lambda: CodecConfig(uplink="int3"), "uplink codec='int3'"),
         (lambda: CodecConfig(block_size=7), "block_size=7"),
     ],
 )
