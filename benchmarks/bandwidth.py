@@ -8,8 +8,8 @@ veth link; the synchronizer listens in the root namespace. The bytes are the lin
 counters (TCP/IP headers, HTTP/2 and gRPC framing, heartbeats included) over each unit's
 steady-state window (from its step 10 to 2 steps before its end: joins and final pulls excluded;
 the totals with them are printed too). Arms: DDP (fp32 gradient all-reduce over gloo), and Decoupled DiLoCo
-at the paper's defaults (P = 24, H = 24, int4 uplink, bf16 downlink), with an int4 downlink, and
-at H = 100; quorum 1 (the library's) and apply mix, the recipes' CPU setting. Needs root; prints why and exits 0 where namespaces are not available.
+at the paper's defaults (P = 24, H = 24, int4 uplink, bf16 downlink), with an int4 downlink, at
+H = 100, and with int2 both ways (blocks of 64 and 128); quorum 1 (the library's) and apply mix, the recipes' CPU setting. Needs root; prints why and exits 0 where namespaces are not available.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ ARMS = {
     "diloco H=24 int4 up / bf16 down": ["--sync-every=24", "--uplink-codec=int4", "--downlink-codec=bf16"],
     "diloco H=24 int4 up / int4 down": ["--sync-every=24", "--uplink-codec=int4", "--downlink-codec=int4"],
     "diloco H=100 int4 up / int4 down": ["--sync-every=100", "--uplink-codec=int4", "--downlink-codec=int4"],
+    "diloco H=24 int2 up / int2 down, blocks of 64": ["--sync-every=24", "--uplink-codec=int2", "--downlink-codec=int2"],
+    "diloco H=24 int2 up / int2 down, blocks of 128": ["--sync-every=24", "--uplink-codec=int2", "--downlink-codec=int2",
+                                                      "--block-size=128"],
 }
 
 
