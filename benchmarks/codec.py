@@ -16,7 +16,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 
-CODECS = ("fp32", "bf16", "int8", "int4")
+CODECS = ("fp32", "bf16", "int8", "int4", "int2")
 
 
 def measure(name: str, x: torch.Tensor, repeats: int, block_size: int) -> dict:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=int, default=1 << 24, help="values in the test tensor (default 16M)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported")
-    parser.add_argument("--block-size", type=int, default=64, help="values per scale for int8/int4")
+    parser.add_argument("--block-size", type=int, default=64, help="values per scale for int8/int4/int2")
     args = parser.parse_args(argv)
 
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
