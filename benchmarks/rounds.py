@@ -21,7 +21,8 @@ at equal tokens. The Decoupled DiLoCo arms start island i at i x 3 s and make is
 * ``k1-mix-int4-no-feedback``: int4 both ways without the uplink's error feedback (the default
   before it);
 * ``k1-mix-int2``: int2 both ways, blocks of 128, with error feedback both ways (the codec that
-  reaches the paper's byte reduction at H = 24).
+  reaches the paper's byte reduction at H = 24); ``k1-mix-int2-up``, ``k1-mix-int2-down``: int2
+  one way and int4 the other, blocks of 128 (which direction costs what).
 
 Per arm, the mean and standard deviation over seeds of the final eval loss of the global model,
 and the health of its rounds from the synchronizer's last status and the islands' counters: outer
@@ -70,6 +71,10 @@ ARMS = {
                                              "--downlink-codec=int4", "--no-uplink-feedback"]),
     "k1-mix-int2": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--uplink-codec=int2", "--downlink-codec=int2",
                                  "--block-size=128", "--uplink-feedback"]),
+    "k1-mix-int2-up": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--uplink-codec=int2", "--downlink-codec=int4",
+                                    "--block-size=128", "--uplink-feedback"]),
+    "k1-mix-int2-down": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--uplink-codec=int4", "--downlink-codec=int2",
+                                      "--block-size=128", "--uplink-feedback"]),
 }
 
 
