@@ -150,8 +150,8 @@ class CodecConfig:
     uplink_feedback: bool = True
     """Error feedback on the uplink: an island adds what the codec could not carry of a
     fragment's last push to its next one (one fp32 copy of each fragment on the island's leader;
-    core/feedback.py). Needed for int2; with int4 it trained as well as without
-    (benchmarks/RESULTS.md, Bandwidth)."""
+    core/feedback.py). Needed for int2; with int4 it trained as well as without over 3 seeds
+    (+4.4% of DDP's loss against +4.8%: benchmarks/RESULTS.md, int2 and uplink error feedback)."""
     block_size: int = 64
     """Values sharing one scale in int8/int4/int2. Smaller blocks: lower error, more scale bytes."""
 
