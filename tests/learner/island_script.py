@@ -7,7 +7,6 @@ OUT/rank{R}.pt.
 """
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from lightning_diloco import DecoupledDiLoCoFSDPStrategy, DecoupledDiLoCoStrateg
 from lightning_diloco.learner.collective import leave_process_group  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
+from tests.helpers import exit_now  # noqa: E402
 from tests.learner.models import ShardedTinyRegressor, TinyRegressor, loader, regression_data, trainer  # noqa: E402
 
 
@@ -83,15 +83,6 @@ def main() -> None:
     torch.save({"weights": [w.detach() for w in weights], "metrics": strategy.final_metrics,
                 "steps": len(model.losses), "losses": model.losses}, Path(args.out) / f"rank{rank}.pt")
     leave_process_group()
-
-
-def exit_now() -> None:
-    """Exit without the interpreter's teardown: its results are written, and gloo's threads are
-    sometimes still joinable when C++'s static destructors run, which aborts the process
-    ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Run by test_shards.py under `torchrun --standalone --nproc-per-node 2`: IslandShards over FSDP2
 parameters (uneven and empty shards, a root module owning parameters), on gloo."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
 from lightning_diloco.core.fragments import build_layout, split_fragment, tensor_specs  # noqa: E402
 from lightning_diloco.learner.collective import TorchCollective  # noqa: E402
 from lightning_diloco.learner.shards import IslandShards  # noqa: E402
+from tests.helpers import exit_now  # noqa: E402
 
 
 def main() -> None:
@@ -69,15 +69,6 @@ def main() -> None:
         torch.testing.assert_close(model(x), plain(x))
     print(f"rank {rank} ok stale_without_reshard={stale}", flush=True)
     dist.destroy_process_group()
-
-
-def exit_now() -> None:
-    """Exit without the interpreter's teardown: its results are written, and gloo's threads are
-    sometimes still joinable when C++'s static destructors run, which aborts the process
-    ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
