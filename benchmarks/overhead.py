@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=4, help="alternations of the two arms, each in fresh processes")
     parser.add_argument("--processes", type=int, nargs="+", choices=[1, 2], default=[1, 2],
                         help="island sizes to measure: 1 (one process) and/or 2 (DDP inside); default both")
+    parser.add_argument("--json", action="store_true", help="also print the results, every run's figures included, as JSON")
     parser.add_argument("--arm", choices=["plain", "diloco"], help=argparse.SUPPRESS)  # one run, JSON out
     parser.add_argument("--results", help=argparse.SUPPRESS)  # where rank 0 of an arm writes its figures
     args = parser.parse_args(argv)
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
             "hook_ms_per_step_runs": hook_ms,
             "plain_cpu_ms_per_step": _median_by_group(plain_cpu),
             "diloco_cpu_ms_per_step": _median_by_group(diloco_cpu),
+            "plain_cpu_runs": plain_cpu,
+            "diloco_cpu_runs": diloco_cpu,
         }
         result["ratio"] = result["diloco_step_s"] / result["plain_step_s"]
         results[processes] = result
@@ -230,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  CPU ms per step, {arm} (medians of runs): training loop {cpu.get('training loop', 0.0):.1f}, "
                   f"beside it {sum(beside.values()):.1f}: "
                   + ", ".join(f"{group} {ms:.2f}" for group, ms in sorted(beside.items(), key=lambda kv: -kv[1]) if ms >= 0.05))
+    if args.json:
+        print(json.dumps(results))
     return results
 
 
