@@ -299,8 +299,8 @@ class IslandStrategy:
     def _start_embedded(self):
         """A synchronizer in this process and a link that calls it directly. No gRPC server: no
         one outside the process is told of it (the island says "embedded"), and over loopback
-        gRPC the island's own traffic cost 6.6-7.3 ms of CPU per step beside the training loop
-        (issue 24, benchmarks/RESULTS.md)."""
+        gRPC the island's own traffic cost 3-4 ms of CPU per 170 ms step beside the training
+        loop (issue 24, benchmarks/RESULTS.md)."""
         from lightning_diloco.core.state import SynchronizerState
         from lightning_diloco.synchronizer.local_link import LocalLink
         from lightning_diloco.synchronizer.service import Synchronizer

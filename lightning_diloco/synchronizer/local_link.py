@@ -1,10 +1,11 @@
 """An island's link to a synchronizer in its own process: direct calls, no gRPC.
 
 An island given no synchronizer address runs an embedded one (learner/island_strategy.py). Over
-loopback gRPC its own traffic cost the training process 6.6-7.3 ms of CPU per ~240 ms step in
-gRPC's workers and threads (benchmarks/RESULTS.md, issue 24); :class:`LocalLink` calls the
-:class:`~lightning_diloco.synchronizer.service.Synchronizer` instead, and keeps what the gRPC
-client gives an island (tests/learner/test_link_conformance.py runs one exchange against both):
+loopback gRPC its own traffic cost the training process 3-4 ms of CPU per 170 ms step beside the
+training loop, in gRPC's workers and threads and in serializing (benchmarks/RESULTS.md, issue 24);
+:class:`LocalLink` calls the :class:`~lightning_diloco.synchronizer.service.Synchronizer`
+instead, and keeps what the gRPC client gives an island (tests/learner/test_link_conformance.py
+runs one exchange against both):
 
 - the same checks: a payload reaches the service as the bytes the island encoded, and the service
   validates them as it does the server's (codec, size, layout hash, non-finite values);
