@@ -14,16 +14,25 @@ and streams to the synchronizer. Each arm runs in fresh processes and the arms a
 ``--repeats`` times: on a shared 2-core VM, identical runs in one process drift by +-20%
 (allocator and scheduler state), which would swamp the figure. The figure per process count is
 the ratio of the medians of the per-run median step times of rank 0 (warm-up steps excluded).
+
+Beside the wall clock, each arm reports the CPU its process's threads spent per step after the
+warm-up (rank 0's process; Linux's per-thread ``schedstat``), by thread: the training loop (the
+main thread), Python threads by name (``diloco-closer-N``...), native threads by their OS name
+(the OpenMP team, gRPC's core). CPU time moves far less than step times with what else runs on a
+shared machine, so it shows what a change moves where the step-time ratio cannot.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -66,21 +75,57 @@ class LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+def thread_cpu() -> Counter[str]:
+    """CPU seconds so far of this process's threads, grouped by what they are (numbers in names
+    dropped: ``diloco-closer-N``); empty where /proc has no per-thread ``schedstat``."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    out: Counter[str] = Counter()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
+            comm = (task / "comm").read_text().strip()
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+        tid = int(task.name)
+        if tid == main:
+            group = "training loop"
+        elif tid in names:
+            group = re.sub(r"\d+", "N", names[tid])
+        else:
+            group = f"native {re.sub(r'[0-9_-]+$', '', comm)}"
+        out[group] += seconds
+    return out
+
+
 class StepTimer(pl.Callback):
-    def __init__(self) -> None:
+    """Each step's wall time, and the threads' CPU time from the end of the warm-up to the last step."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.steps = warmup, steps
         self.times: list[float] = []
         self._start = 0.0
+        self._cpu_start: Counter[str] | None = None
+        self.cpu_ms_per_step: dict[str, float] = {}
 
     def on_train_batch_start(self, *args) -> None:
+        if len(self.times) == self.warmup:
+            self._cpu_start = thread_cpu()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, *args) -> None:
         self.times.append(time.perf_counter() - self._start)
+        if len(self.times) == self.steps and self._cpu_start is not None:
+            measured = self.steps - self.warmup
+            spent = thread_cpu()
+            spent.subtract(self._cpu_start)
+            self.cpu_ms_per_step = {group: round(s * 1e3 / measured, 3) for group, s in sorted(spent.items())}
 
 
 def run_arm(strategy, args, processes: int = 1) -> tuple[float, dict, int]:
-    """Rank 0's median step time, the island's final metrics, and this process's rank."""
-    timer = StepTimer()
+    """Rank 0's median step time, the island's final metrics with the threads' CPU per step, and
+    this process's rank."""
+    timer = StepTimer(min(args.warmup, args.steps - 1), args.steps)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=processes, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
@@ -88,7 +133,7 @@ def run_arm(strategy, args, processes: int = 1) -> tuple[float, dict, int]:
     data = RandomTokens(args.steps * args.batch * processes, args.seq, args.vocab)
     trainer.fit(LM(args.hidden, args.layers, args.vocab), DataLoader(data, batch_size=args.batch))
     warm = min(args.warmup, len(timer.times) - 1)
-    metrics = getattr(trainer.strategy, "final_metrics", {})
+    metrics = {**getattr(trainer.strategy, "final_metrics", {}), "cpu_ms_per_step": timer.cpu_ms_per_step}
     return statistics.median(timer.times[warm:]), metrics, trainer.global_rank
 
 
@@ -104,6 +149,12 @@ def _arm_in_subprocess(arm: str, processes: int, argv: list[str]) -> dict:
         return json.loads((Path(results) / "rank0.json").read_text())
 
 
+def _median_by_group(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each thread group's median CPU per step over runs (0 in a run where it did not run)."""
+    groups = sorted({group for run in runs for group in run})
+    return {group: round(statistics.median(run.get(group, 0.0) for run in runs), 3) for group in groups}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
@@ -117,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=4, help="alternations of the two arms, each in fresh processes")
     parser.add_argument("--processes", type=int, nargs="+", choices=[1, 2], default=[1, 2],
                         help="island sizes to measure: 1 (one process) and/or 2 (DDP inside); default both")
+    parser.add_argument("--json", action="store_true", help="also print the results, every run's figures included, as JSON")
     parser.add_argument("--arm", choices=["plain", "diloco"], help=argparse.SUPPRESS)  # one run, JSON out
     parser.add_argument("--results", help=argparse.SUPPRESS)  # where rank 0 of an arm writes its figures
     args = parser.parse_args(argv)
@@ -141,10 +193,15 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     for processes in args.processes:
         plain, diloco, metrics, threads = [], [], {}, 0
+        plain_cpu, diloco_cpu, hook_ms = [], [], []
         for _ in range(args.repeats):
-            plain.append(_arm_in_subprocess("plain", processes, forwarded)["step_s"])
+            baseline = _arm_in_subprocess("plain", processes, forwarded)
+            plain.append(baseline["step_s"])
+            plain_cpu.append(baseline["cpu_ms_per_step"])
             metrics = _arm_in_subprocess("diloco", processes, forwarded)
             diloco.append(metrics["step_s"])
+            diloco_cpu.append(metrics["cpu_ms_per_step"])
+            hook_ms.append(metrics.get("diloco/blocked_s", 0.0) * 1e3 / args.steps)
             threads = metrics["threads"]
         result = {
             "plain_step_s": statistics.median(plain),
@@ -153,6 +210,11 @@ def main(argv: list[str] | None = None) -> dict:
             "diloco_runs_s": diloco,
             "syncs_applied": metrics.get("diloco/syncs_applied", 0.0),
             "blocked_s": metrics.get("diloco/blocked_s", 0.0),
+            "hook_ms_per_step_runs": hook_ms,
+            "plain_cpu_ms_per_step": _median_by_group(plain_cpu),
+            "diloco_cpu_ms_per_step": _median_by_group(diloco_cpu),
+            "plain_cpu_runs": plain_cpu,
+            "diloco_cpu_runs": diloco_cpu,
         }
         result["ratio"] = result["diloco_step_s"] / result["plain_step_s"]
         results[processes] = result
@@ -164,6 +226,15 @@ def main(argv: list[str] | None = None) -> dict:
               + " ".join(f"{t * 1e3:.0f}" for t in diloco)
               + f"  ({result['syncs_applied']:.0f} syncs applied, {result['blocked_s']:.3f} s in the sync hook)")
         print(f"  step-time ratio diloco / plain ({processes} process(es)): {result['ratio']:.3f}")
+        print("  sync hook ms per step, runs: " + " ".join(f"{h:.2f}" for h in hook_ms))
+        for arm in ("plain", "diloco"):
+            cpu = result[f"{arm}_cpu_ms_per_step"]
+            beside = {group: ms for group, ms in cpu.items() if group != "training loop"}
+            print(f"  CPU ms per step, {arm} (medians of runs): training loop {cpu.get('training loop', 0.0):.1f}, "
+                  f"beside it {sum(beside.values()):.1f}: "
+                  + ", ".join(f"{group} {ms:.2f}" for group, ms in sorted(beside.items(), key=lambda kv: -kv[1]) if ms >= 0.05))
+    if args.json:
+        print(json.dumps(results))
     return results
 
 

@@ -1,6 +1,8 @@
 """Why a request was refused (or a call failed): one vocabulary for the synchronizer, its server, the
 client and the island. Counted in Status, sent as the start of a gRPC status's details, asserted in
-tests. Which gRPC status code carries each lives in the server only."""
+tests. Which gRPC status code carries each lives in the server only; :class:`SynchronizerError`,
+how a refusal reaches an island whichever link carried it, lives here so that a link without gRPC
+(synchronizer/local_link.py) raises the same exception as the gRPC client."""
 
 from __future__ import annotations
 
@@ -46,3 +48,14 @@ class Reason(str, enum.Enum):
 
 
 REJOIN = (Reason.NOT_JOINED, Reason.WRONG_SESSION)  # answered by joining again, then retrying
+
+
+class SynchronizerError(RuntimeError):
+    """The synchronizer refused a request (``reason``), or could not be reached in time.
+
+    ``code``: the gRPC status code that carried it (a ``grpc.StatusCode``), or None where no gRPC
+    call did (a refusal through the in-process link, or the client's own verdict)."""
+
+    def __init__(self, code: object | None, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason = code, reason

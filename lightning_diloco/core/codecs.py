@@ -37,6 +37,11 @@ import torch
 Payload = "torch.Tensor | bytes | bytearray | memoryview"
 
 
+def payload_size(payload: Payload) -> int:
+    """Bytes of an encoded payload, a uint8 tensor (in-process) or bytes (off the wire)."""
+    return payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
+
+
 class Codec:
     """Encode a flat fp32 tensor to a byte payload and back. Subclasses are stateless."""
 
@@ -54,7 +59,7 @@ class Codec:
     def _as_uint8(self, data: Payload, numel: int) -> tuple[torch.Tensor, bool]:
         """(payload as uint8 tensor, whether it may be aliased by the output) after a size check."""
         expected = self.encoded_size(numel)
-        size = data.numel() if isinstance(data, torch.Tensor) else len(data)
+        size = payload_size(data)
         if size != expected:
             raise ValueError(
                 f"{self.name} payload of {size} bytes does not match {numel} values "

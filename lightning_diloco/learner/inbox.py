@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.codecs import get_codec, payload_size
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Inbox:
             return
         arrival = Arrival(fragment=p, version=event.version, round=event.round, value=update,
                           base_version=event.base_version if event.base_version == -1 else have, included=event.included)
-        self.put(arrival, payload_bytes=len(event.payload))
+        self.put(arrival, payload_bytes=payload_size(event.payload))
 
     def put(self, arrival: Arrival, payload_bytes: int = 0) -> None:
         """Make ``arrival`` the newest known version of its fragment: a delta is added to the one

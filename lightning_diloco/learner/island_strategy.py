@@ -30,7 +30,7 @@ from lightning_diloco.learner.arguments import as_run_config, env_int, refuse_un
 from lightning_diloco.learner.collective import Collective, TorchCollective
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.learner.tokens import default_tokens_per_batch
-from lightning_diloco.reasons import Reason
+from lightning_diloco.reasons import Reason, SynchronizerError
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,8 @@ class IslandStrategy:
 
         Args:
             synchronizer: The synchronizer's address, ``host:port``, comma-separated for shards
-                (``DILOCO_SYNCHRONIZER``). None starts an embedded synchronizer on loopback for
-                a one-island run (refused when num_islands > 1).
+                (``DILOCO_SYNCHRONIZER``). None starts an embedded synchronizer in this process,
+                called directly, for a one-island run (refused when num_islands > 1).
             island: This island's index i in [0, num_islands) (``DILOCO_ISLAND``, default 0); it
                 trains on shard i of the data.
             num_islands: M, the islands in the run (``DILOCO_NUM_ISLANDS``, default 1).
@@ -184,7 +184,7 @@ class IslandStrategy:
         self.join_wait = join_wait
         self.learner: IslandLearner | None = None
         self.final_metrics: dict[str, float] = {}  # the learner's metrics when fit ended
-        self.embedded = None
+        self.embedded = None  # the embedded synchronizer (a Synchronizer service), when this island runs one
         self._tokens = 0.0
         self._resume: dict | None = None
 
@@ -276,38 +276,41 @@ class IslandStrategy:
                 f"ended on global versions from {m['diloco/min_version']:.0f}")
 
     def _connect(self, specs):
-        from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
+        if self.address is None:
+            link, where = self._start_embedded(), "the embedded synchronizer"
+        else:
+            from lightning_diloco.transport.client import SynchronizerClient
 
-        address = self.address
-        if address is None:
-            address = self._start_embedded()
-        link = SynchronizerClient(address, token=self.token)
+            link, where = SynchronizerClient(self.address, token=self.token), f"the synchronizer at {self.address}"
         try:
             info = link.join(self.island, self.world_size, specs, patience=self.join_wait)
         except SynchronizerError as err:
             link.close()
             if err.reason == Reason.UNREACHABLE:
-                raise RuntimeError(f"island {self.island}: no synchronizer answered at {address} within "
+                raise RuntimeError(f"island {self.island}: no synchronizer answered at {self.address} within "
                                    f"join_wait={self.join_wait:g}s ({err}); start it, check the address, or raise "
                                    "join_wait") from None
-            message = f"island {self.island}: the synchronizer at {address} refused it ({err.reason}): {err}"
+            message = f"island {self.island}: {where} refused it ({err.reason}): {err}"
             log.error(message)
             raise RefusedByRun(message) from None
         self._warn_on_conflicts(info.config)
         return link, info
 
-    def _start_embedded(self) -> str:
+    def _start_embedded(self):
+        """A synchronizer in this process and a link that calls it directly. No gRPC server: no
+        one outside the process is told of it (the island says "embedded"), and over loopback
+        gRPC the island's own traffic cost 3-4 ms of CPU per 170 ms step beside the training
+        loop (issue 24, benchmarks/RESULTS.md)."""
         from lightning_diloco.core.state import SynchronizerState
-        from lightning_diloco.synchronizer.server import SynchronizerServer
+        from lightning_diloco.synchronizer.local_link import LocalLink
         from lightning_diloco.synchronizer.service import Synchronizer
 
         # a model of fewer tensors than num_fragments gets one fragment each: the synchronizer
         # lowers P at the first join, as a remote one does
         saved = (self._resume or {}).get("embedded")
         state = SynchronizerState.from_state_dict(saved) if saved else None
-        self.embedded = SynchronizerServer(Synchronizer(self.run_config, state=state), host="127.0.0.1", port=0,
-                                           token=self.token).start()
-        return self.embedded.address
+        self.embedded = Synchronizer(self.run_config, state=state).start()
+        return LocalLink(self.embedded)
 
     def _warn_on_conflicts(self, authoritative: RunConfig) -> None:
         # what the user asked for: the named settings, and all of a run_config they passed
@@ -363,7 +366,7 @@ class IslandStrategy:
         if self.learner is not None:
             checkpoint[CHECKPOINT_KEY] = {
                 "learner": self._learner_checkpoint(checkpoint),
-                "embedded": self.embedded.service.snapshot().state_dict() if self.embedded and self.embedded.service.state else None,
+                "embedded": self.embedded.snapshot().state_dict() if self.embedded and self.embedded.state else None,
             }
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -392,7 +395,7 @@ class IslandStrategy:
 
             rank_zero_info(self._summary())
         if self.embedded is not None:
-            self.embedded.stop(grace=0)
+            self.embedded.shutdown()
             self.embedded = None
         super().teardown()
 

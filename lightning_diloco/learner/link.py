@@ -1,9 +1,10 @@
 """What an island needs from its synchronizer, as a protocol.
 
-:class:`~lightning_diloco.transport.client.SynchronizerClient` implements it over gRPC; tests
-drive islands through an in-process double that implements it too, and one conformance test
-(tests/learner/test_link_conformance.py) runs the same exchange against both, so the double
-cannot drift from the client that users run.
+:class:`~lightning_diloco.transport.client.SynchronizerClient` implements it over gRPC (a remote
+synchronizer), :class:`~lightning_diloco.synchronizer.local_link.LocalLink` by direct calls (an
+embedded one; the island tests drive it with fault switches). One conformance test
+(tests/learner/test_link_conformance.py) runs the same exchange against each, so an island cannot
+tell them apart.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_diloco.core.codecs import Payload
+from lightning_diloco.core.codecs import Payload, payload_size
 from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.reasons import Reason
 
@@ -72,10 +72,6 @@ def payload_digest(payload: Payload) -> bytes:
     """
     data = payload.numpy() if isinstance(payload, torch.Tensor) else payload
     return payload_size(payload).to_bytes(8, "little") + zlib.crc32(data).to_bytes(4, "little")
-
-
-def payload_size(payload: Payload) -> int:
-    return payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
 
 
 def layout_difference(run: FragmentLayout, other: FragmentLayout) -> str:

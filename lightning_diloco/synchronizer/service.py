@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec
+from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec, payload_size
 from lightning_diloco.core.config import CODECS, RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
 from lightning_diloco.core.merge import norm64
@@ -48,7 +48,6 @@ from lightning_diloco.synchronizer.requests import (
     contribution_problem,
     layout_difference,
     payload_digest,
-    payload_size,
 )
 from lightning_diloco.synchronizer.rounds import ClosedRound, Entry, FragmentRounds, RoundFull, SequenceError
 

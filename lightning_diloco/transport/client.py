@@ -32,7 +32,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.state import shard_of
-from lightning_diloco.reasons import REJOIN, Reason
+from lightning_diloco.reasons import REJOIN, Reason, SynchronizerError
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES
@@ -46,14 +46,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
-
-
-class SynchronizerError(RuntimeError):
-    """The synchronizer refused a request (``reason``), or could not be reached in time."""
-
-    def __init__(self, code: grpc.StatusCode | None, reason: Reason, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason = code, reason
 
 
 def parse_addresses(addresses: str | Sequence[str]) -> list[str]:

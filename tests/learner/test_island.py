@@ -37,8 +37,8 @@ def islands():
         g = torch.Generator().manual_seed(seed)
         params = [torch.randn(s.shape, generator=g) for s in SPECS]
         layout = build_layout(SPECS, config.schedule.num_fragments)
-        info = service.join(island, 1, SPECS)
         link = ServiceLink(service)
+        info = link.join(island, 1, SPECS)
         learner = IslandLearner(params, layout, config, island=island, link=link, heartbeat_every=60)
         made.append(learner)
         learner.start(run_step=info.run_step)

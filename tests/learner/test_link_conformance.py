@@ -1,6 +1,8 @@
-"""One exchange against both links an island can hold: the real gRPC client, and the in-process
-double (tests/learner/service_link.py) that the island tests inject faults through. Whatever the
-double answers differently from the client would make those tests prove the wrong thing."""
+"""One exchange against every link an island can hold: the gRPC client (a remote synchronizer),
+the in-process link (an embedded one, synchronizer/local_link.py), and that link with the fault
+switches the island tests use (tests/learner/service_link.py). An island must not be able to
+tell them apart: whatever the in-process links answered differently from the client would train
+one-process runs differently, and make the island tests prove the wrong thing."""
 
 from __future__ import annotations
 
@@ -9,35 +11,35 @@ import threading
 import pytest
 import torch
 
-from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.codecs import get_codec, payload_size
 from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.core.protocol import Beat, PushAck
-from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
+from lightning_diloco.reasons import SynchronizerError
+from lightning_diloco.synchronizer.local_link import LocalLink
+from lightning_diloco.transport.client import SynchronizerClient
 from tests.helpers import SPECS, initial_fragments, layout, run_config
 from tests.learner.service_link import ServiceLink
 
 CONFIG = run_config(num_fragments=2)
 
 
-@pytest.fixture(params=["grpc client", "in-process double"])
+@pytest.fixture(params=["grpc client", "in-process link", "in-process test double"])
 def link(request):
     service = Synchronizer(CONFIG)
     if request.param == "grpc client":
         server = SynchronizerServer(service, host="127.0.0.1", port=0).start()
         client = SynchronizerClient(server.address)
-        client.join(0, 1, SPECS)
-        yield client
+        yield client, service
         client.close()
         server.stop(grace=0)
     else:
         service.start()
-        service.join(0, 1, SPECS)
-        double = ServiceLink(service)
-        yield double
-        double.close()
+        local = LocalLink(service) if request.param == "in-process link" else ServiceLink(service)
+        yield local, service
+        local.close()
         service.shutdown()
 
 
@@ -46,8 +48,11 @@ def _push(link, delta, *, seq, layout_hash=None):
                      payload=get_codec("fp32").encode(delta), layout_hash=layout_hash or layout(CONFIG).hash)
 
 
-def test_both_links_answer_an_exchange_alike(link):
+def test_every_link_answers_an_exchange_alike(link):
+    link, _ = link
     assert isinstance(link, SynchronizerLink)
+    info = link.join(0, 1, SPECS, patience=1.0)
+    assert info.config == CONFIG and info.layout_hash == layout(CONFIG).hash and info.versions == {0: -1, 1: -1}
     beat = link.heartbeat(0, 0, 0.0, 0)
     assert isinstance(beat, Beat) and beat.versions == {0: -1, 1: -1} and beat.run_step == 0
 
@@ -72,10 +77,48 @@ def test_both_links_answer_an_exchange_alike(link):
     assert arrived.wait(20), "no new version reached the subscription"
     event = events[0]
     assert (event.fragment, event.version, event.base_version, event.round, event.included) == (0, 1, 0, 0, True)
-    assert isinstance(event.payload, bytearray) and event.codec == CONFIG.codec.downlink
+    assert event.codec == CONFIG.codec.downlink and payload_size(event.payload) == 4 * values[0].numel()
     version, value = link.pull(0)
     assert version == 1 and not torch.equal(value, values[0])
+    assert torch.equal(get_codec(event.codec).decode(event.payload, value.numel()), value - values[0])
 
     with pytest.raises(SynchronizerError) as refused:
         _push(link, delta, seq=2, layout_hash="another model")
     assert refused.value.reason == Reason.LAYOUT_MISMATCH and "rejoin with the run's model" in str(refused.value)
+
+
+def _joined_and_seeded(link):
+    link.join(0, 1, SPECS)
+    for p, value in initial_fragments(CONFIG).items():
+        link.seed(0, p, value)
+
+
+@pytest.mark.parametrize("payload, reason", [
+    (lambda numel: torch.full((numel,), float("nan")).view(torch.uint8), Reason.NON_FINITE),  # fp32 NaNs
+    (lambda numel: torch.zeros(4 * numel - 1, dtype=torch.uint8), Reason.BAD_PAYLOAD),  # a byte short
+], ids=["non-finite", "wrong size"])
+def test_every_link_refuses_a_bad_payload_with_the_servers_reason(link, payload, reason):
+    link, service = link
+    _joined_and_seeded(link)
+    payload = payload(layout(CONFIG).fragment_numel(0))
+    with pytest.raises(SynchronizerError) as refused:
+        link.push(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
+                  payload=payload, layout_hash=layout(CONFIG).hash)
+    assert refused.value.reason == reason
+    assert service.refused[reason.value] == 1 and service.versions()[0] == 0  # counted, nothing merged
+
+
+def test_every_link_joins_again_when_its_island_joined_elsewhere(link):
+    """Another join as the same island ends this link's session: its next call joins again and
+    goes through, and its subscription is reopened (said through on_reconnect), as the client's."""
+    link, service = link
+    _joined_and_seeded(link)
+    opened, reopened = threading.Event(), threading.Event()
+    # holding no version of fragment 0, the island is sent it whole: the stream is open
+    link.subscribe(0, lambda: {0: -1, 1: 0}, on_request=lambda *r: None, on_version=lambda *v: opened.set(),
+                   on_reconnect=reopened.set)
+    assert opened.wait(20), "the subscription delivered nothing"
+    service.join(0, 1, SPECS)
+    assert link.heartbeat(0, 1, 0.1, 1).versions == {0: 0, 1: 0}
+    assert reopened.wait(20), "the subscription was not reopened after the island joined again"
+    assert link.pull(1)[0] == 0

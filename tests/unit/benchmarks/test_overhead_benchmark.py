@@ -14,3 +14,9 @@ def test_overhead_benchmark_prints_the_step_time_ratio_of_both_island_sizes(caps
     out = capsys.readouterr().out
     assert "step-time ratio diloco / plain (1 process(es))" in out
     assert "step-time ratio diloco / plain (2 process(es))" in out
+    # each arm's CPU per step by thread: the island's own threads are there, and a one-process
+    # island's embedded synchronizer is called without gRPC (no workers, no gRPC core threads)
+    cpu = results[1]["diloco_cpu_ms_per_step"]
+    assert cpu["training loop"] > 0 and "diloco-closer-N" in cpu and "diloco-islandN-sync_N" in cpu
+    assert not [group for group in cpu if group.startswith(("diloco-sync", "native grpc", "native event_engine"))]
+    assert "CPU ms per step, diloco" in out
