@@ -75,7 +75,8 @@ class PublishedChain:
         """Publish ``version``, whose exact value is ``global_value``: one step from the last one."""
         assert version == self.version + 1, f"versions are published in order: {version} after {self.version}"
         step = self.codec.encode(global_value - self.value)
-        self.value = self.value + self.codec.decode(step, self.value.numel())
+        # the decoded step is ours (core/codecs.py): add into it rather than into a third buffer
+        self.value = self.codec.decode(step, self.value.numel()).add_(self.value)
         self.version = version
         self.steps[version] = step
         self.first = max(self.first, version - self.depth + 1)
