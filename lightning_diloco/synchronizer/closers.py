@@ -19,7 +19,12 @@ from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds
 
 log = logging.getLogger(__name__)
 
-CLOSER_TICK = 0.25  # seconds between a closer's looks at liveness while a round waits
+CLOSER_TICK = 0.25  # seconds between a closer's looks at liveness while a round waits out its grace window
+IDLE_WAIT = 5.0
+"""Seconds a closer sleeps while its round is not open or short of its quorum: only a push can
+change that, and a push notifies the fragment's condition, so this is a safety net, not a tick.
+(A 0.25 s tick there woke 24 threads 4 times a second beside an embedded synchronizer's training
+loop for nothing: benchmarks/RESULTS.md, step-time overhead.)"""
 
 
 class Closers:
@@ -57,7 +62,7 @@ class Closers:
             with rounds.cond:
                 wait = self._poll_fragment(rounds, self.clock())
                 if wait > 0 and not self.closing.is_set():
-                    rounds.cond.wait(min(wait, CLOSER_TICK))
+                    rounds.cond.wait(wait)
 
     def poll(self, now: float) -> list[ClosedRound]:
         """Close every round that is due to close at ``now``, on the caller's thread."""
@@ -71,14 +76,17 @@ class Closers:
         return closed
 
     def _poll_fragment(self, rounds: FragmentRounds, now: float) -> float:
-        """Close the fragment's round if it is time; returns seconds until the decision may change
-        (0 when it just closed one). Called with the fragment's lock held."""
+        """Close the fragment's round if it is time; returns seconds to wait before looking again
+        unless notified (0 when it just closed one). Called with the fragment's lock held."""
         live = self.membership.live(now)
         decision = rounds.decide(now, live, self.membership.step_time(live), self.sync_time)
         if decision.close:
             self._close(rounds, decision.reason, now)
             return 0.0
-        return CLOSER_TICK if decision.deadline is None else max(0.0, decision.deadline - now)
+        if decision.deadline is None:  # not open, or short of quorum: waits for a push
+            return IDLE_WAIT
+        # in the grace window an island's death may close the round early: look at liveness often
+        return min(max(0.0, decision.deadline - now), CLOSER_TICK)
 
     def _close(self, rounds: FragmentRounds, reason: str, now: float) -> None:
         started = time.perf_counter()

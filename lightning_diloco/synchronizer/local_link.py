@@ -30,7 +30,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
-from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, VersionUpdate
+from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import REJOIN, Reason, SynchronizerError
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
@@ -126,6 +126,12 @@ class LocalLink:
         return self._call(f"push of fragment {fragment}", lambda: self.service.push(Contribution(
             island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens, steps=steps,
             codec=codec, seq=seq, payload=payload, layout_hash=layout_hash, session=self.session)))
+
+    def status(self, shard: int = 0) -> SynchronizerStatus:
+        """The synchronizer's status, as the client's ``status`` reads it (one shard: ``shard`` 0)."""
+        if shard != 0:
+            raise ValueError(f"shard={shard}: an embedded synchronizer is one shard, 0")
+        return self.service.status()
 
     def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
                   on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],
