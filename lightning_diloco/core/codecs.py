@@ -158,8 +158,9 @@ class BlockQuantCodec(Codec):
         blocks = flat.view(nblocks, self.block_size)
         absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # no |x| copy
         _refuse_non_finite(absmax, f"{self.name} input")
-        if self.bits == 2:  # the block's rms (float64: a square of a finite fp32 may overflow)
-            rms = torch.linalg.vector_norm(blocks, dim=1, dtype=torch.float64) / math.sqrt(self.block_size)
+        if self.bits == 2:  # the block's rms, in float64 only where a sum of fp32 squares could overflow
+            wide = torch.float64 if float(absmax.max()) ** 2 * self.block_size > 1e38 else torch.float32
+            rms = torch.linalg.vector_norm(blocks, dim=1, dtype=wide) / math.sqrt(self.block_size)
             scale = rms.to(torch.bfloat16)
         else:
             scale = (absmax / self.top).to(torch.bfloat16)
