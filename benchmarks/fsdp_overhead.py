@@ -71,7 +71,7 @@ def run_arm(arm: str, args) -> None:
                                                uplink_codec="int4")
     else:
         strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    timer, memory = StepTimer(), IslandMemory()
+    timer, memory = StepTimer(min(args.warmup, args.steps - 1), args.steps), IslandMemory()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[timer, memory])
