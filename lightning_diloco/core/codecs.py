@@ -6,8 +6,8 @@ Error bounds (per element, x the input, x' the decoded value), tested in tests/u
 - ``bf16``: |x - x'| <= 2**-8 * |x| (round to nearest, 8 significant bits).
 - ``int8``/``int4``: symmetric levels -q..q (q = 127 or 7) scaled by the block's absmax / q,
   the scale stored as bf16: |x - x'| <= (1 + 2**-8) / 2 * absmax(block) / q.
-- ``int2``: the four levels -1.5, -0.5, 0.5, 1.5 times the block's root mean square (no zero
-  level: three levels would leave a quarter of the 2 bits unused). Values within 2 rms are off by
+- ``int2``: the four levels -1.5, -0.5, 0.5, 1.5 times the block's root mean square (over
+  the tail block's own values, not its padding; no zero level: three levels would leave a quarter of the 2 bits unused). Values within 2 rms are off by
   at most (1 + 2**-8) / 2 rms; values beyond are clipped to 1.5 rms. On Gaussian blocks of 64 that
   is a relative RMS error of 0.34 (scaling by absmax / 1.5 instead keeps every element within
   absmax / 3 but measures 0.51, and 0.78 on Laplace data against 0.44). No per-element bound and
@@ -161,6 +161,9 @@ class BlockQuantCodec(Codec):
         if self.bits == 2:  # the block's rms, in float64 only where a sum of fp32 squares could overflow
             wide = torch.float64 if float(absmax.max()) ** 2 * self.block_size > 1e38 else torch.float32
             rms = torch.linalg.vector_norm(blocks, dim=1, dtype=wide) / math.sqrt(self.block_size)
+            if pad:  # the tail block's rms over its own values: its zero padding would shrink the
+                # scale and clip them (a 1-value fragment was sent as 0.19 of itself, not 1.5)
+                rms[-1] *= math.sqrt(self.block_size / (self.block_size - pad))
             scale = rms.to(torch.bfloat16)
         else:
             scale = (absmax / self.top).to(torch.bfloat16)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from lightning_diloco.core import checkpoints
-from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.codecs import NonFiniteError, get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.downlink import Downlink, PublishedChain, whole
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment
@@ -56,14 +56,20 @@ class FragmentState:
         versions (fp32 downlink) or the published chain's steps. An island further behind is sent
         the full value.
 
-        A step that would make the value or the momentum non-finite is not taken: the state stays
-        exactly as it was and None is returned.
+        A step that would make the value or the momentum non-finite, or that a lossy downlink
+        cannot carry (a value near fp32's largest), is not taken: the state stays exactly as it
+        was and None is returned.
         """
         momentum = self.outer.momentum_buffer
         saved = (self.value.clone(), None if momentum is None else momentum.clone())
         self.outer.step(outer_gradient)
         momentum = self.outer.momentum_buffer
-        if not (all_finite(self.value) and (momentum is None or all_finite(momentum))):
+        try:
+            if not (all_finite(self.value) and (momentum is None or all_finite(momentum))):
+                raise NonFiniteError("the outer step is not finite")
+            if self.published is not None:  # first: a value its codec cannot carry is not taken either
+                self.published.advance(self.value, self.version + 1)  # (an int2 block rms past 2.27e38)
+        except NonFiniteError:
             self.value.copy_(saved[0])
             self.outer.momentum_buffer = saved[1]
             return None
@@ -72,8 +78,6 @@ class FragmentState:
         kept = self.version - (self.depth if self.published is None else 1)
         for old in [v for v in self.history if v <= kept]:
             del self.history[old]
-        if self.published is not None:
-            self.published.advance(self.value, self.version)
         self._deltas.clear()
         return self.version
 

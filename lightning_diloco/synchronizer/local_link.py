@@ -131,16 +131,18 @@ class LocalLink:
         """The synchronizer's status, as the client's ``status`` reads it (one shard: ``shard`` 0)."""
         if shard != 0:
             raise ValueError(f"shard={shard}: an embedded synchronizer is one shard, 0")
-        return self.service.status()
+        return self._call("status", self.service.status)
 
     def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
                   on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],
                   on_reconnect: Callable[[], None] = lambda: None) -> LocalSubscription:
         """Start delivering this island's events on a reader thread, as the client's subscription."""
         subscription = LocalSubscription(self, island, versions, on_request, on_version, on_reconnect)
-        with self._lock:
+        with self._lock:  # started under the lock, so a close at the same time finds it and joins it
+            if self._closed.is_set():  # its reader would retry the closed link for ever, never joined
+                raise SynchronizerError(None, Reason.UNREACHABLE, "subscribe: the link to the embedded synchronizer is closed")
             self._subscriptions.append(subscription)
-        return subscription.start()
+            return subscription.start()
 
     def close(self) -> None:
         """End the subscriptions and join their threads; later calls fail as unreachable."""

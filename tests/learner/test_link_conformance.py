@@ -122,3 +122,25 @@ def test_every_link_joins_again_when_its_island_joined_elsewhere(link):
     assert link.heartbeat(0, 1, 0.1, 1).versions == {0: 0, 1: 0}
     assert reopened.wait(20), "the subscription was not reopened after the island joined again"
     assert link.pull(1)[0] == 0
+
+
+def test_a_closed_in_process_link_refuses_every_call_and_starts_no_reader():
+    """A careless caller's subscribe after close started a reader thread that was never joined and
+    logged a refusal ten times a second for ever; status() still answered. Both fail as unreachable
+    now, as the other calls do."""
+    service = Synchronizer(CONFIG).start()
+    link = LocalLink(service)
+    try:
+        _joined_and_seeded(link)
+        link.close()
+        threads = set(threading.enumerate())
+        for call in (lambda: link.status(), lambda: link.heartbeat(0, 1, 0.1, 1), lambda: link.pull(0),
+                     lambda: link.subscribe(0, lambda: {0: 0, 1: 0}, on_request=lambda *r: None,
+                                            on_version=lambda *v: None)):
+            with pytest.raises(SynchronizerError) as refused:
+                call()
+            assert refused.value.reason == Reason.UNREACHABLE and "closed" in str(refused.value)
+        assert set(threading.enumerate()) <= threads, "a closed link started a thread"
+    finally:
+        link.close()
+        service.shutdown()

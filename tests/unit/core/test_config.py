@@ -26,6 +26,11 @@ def test_defaults_are_the_paper_settings():
         (lambda: OuterConfig(momentum=1.0), "outer momentum"),
         (lambda: CodecConfig(uplink="int3"), "uplink codec='int3'"),
         (lambda: CodecConfig(block_size=7), "block_size=7"),
+        # a JSON run config's 64.0, or 1e3, passed the old check and failed mid-run in torch.empty
+        (lambda: CodecConfig(block_size=64.0), "block_size=64.0"),
+        (lambda: CodecConfig(block_size=1e3), "block_size=1000.0"),
+        # a huge block passed too: every fragment's tail block padded to it (2**62 values)
+        (lambda: CodecConfig(block_size=2**62), f"block_size={2**62}"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field_and_value(build, match):

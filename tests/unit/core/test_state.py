@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from lightning_diloco.core.codecs import get_codec
-from lightning_diloco.core.config import CodecConfig, MergeConfig, RunConfig, ScheduleConfig
+from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import DENSE, TensorSpec, build_layout
 from lightning_diloco.core.checkpoints import LATEST
 from lightning_diloco.core.outer import island_delta, outer_gradient
-from lightning_diloco.core.state import SynchronizerState, owned_by_shard
+from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard
 
 
 def _state(history=3, seed=0, downlink="bf16"):
@@ -161,3 +161,19 @@ def test_shards_own_disjoint_fragments():
     assert owned == [[0, 3, 6], [1, 4], [2, 5]]
     with pytest.raises(ValueError, match="shard index 3"):
         owned_by_shard(3, 3)
+
+
+@pytest.mark.parametrize("downlink", ["int2", "bf16"])
+def test_a_step_the_downlink_cannot_encode_is_not_taken(downlink):
+    """A finite value the lossy downlink cannot carry (an int2 block whose rms rounds past fp32's
+    largest level, from 2.27e38; bf16: values that round past its top) used to raise out of apply after the version
+    had been counted but not published: the closer thread died with it, and every later step of the
+    fragment failed on 'versions are published in order'. It is refused as a non-finite step is."""
+    config = RunConfig(codec=CodecConfig(downlink=downlink), outer=OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
+    frag = FragmentState(torch.zeros(64), config)
+    top = 2.5e38 if downlink == "int2" else 3.4e38  # finite in fp32; the step from 0 is this value
+    assert frag.apply(torch.full((64,), -top)) is None
+    assert frag.version == 0 and frag.published.version == 0 and torch.equal(frag.value, torch.zeros(64))
+    assert frag.apply(torch.full((64,), -1.0)) == 1  # the fragment keeps stepping
+    assert torch.equal(frag.value, torch.ones(64)) and frag.published.version == 1
+    assert (frag.published.value - 1).abs().max() <= 0.5  # within one int2 step (rms 1: the level 1.5)
