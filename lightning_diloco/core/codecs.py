@@ -6,9 +6,10 @@ Error bounds (per element, x the input, x' the decoded value), tested in tests/u
 - ``bf16``: |x - x'| <= 2**-8 * |x| (round to nearest, 8 significant bits).
 - ``int8``/``int4``: symmetric levels -q..q (q = 127 or 7) scaled by the block's absmax / q,
   the scale stored as bf16: |x - x'| <= (1 + 2**-8) / 2 * absmax(block) / q.
-- ``int2``: the four levels -1.5, -0.5, 0.5, 1.5 times the block's root mean square (over
-  the tail block's own values, not its padding; no zero level: three levels would leave a quarter of the 2 bits unused). Values within 2 rms are off by
-  at most (1 + 2**-8) / 2 rms; values beyond are clipped to 1.5 rms. On Gaussian blocks of 64 that
+- ``int2``: the four levels -1.5, -0.5, 0.5, 1.5 times the block's root mean square (the tail
+  block's over its own values, not its padding; no zero level: three levels would leave a quarter
+  of the 2 bits unused). Values within 2 rms are off by at most (1 + 2**-8) / 2 rms; values
+  beyond are clipped to 1.5 rms. On Gaussian blocks of 64 that
   is a relative RMS error of 0.34 (scaling by absmax / 1.5 instead keeps every element within
   absmax / 3 but measures 0.51, and 0.78 on Laplace data against 0.44). No per-element bound and
   no exact zero: an int2 stream is meant to run with error feedback, the next message carrying
