@@ -64,8 +64,11 @@ def save(state_dict: dict, summary: dict, directory: str | os.PathLike, keep: in
     _atomic_write(path.with_suffix(".json"), text)
     _atomic_write(directory / LATEST, text)
     for old in _checkpoints(directory)[keep:]:
-        old.unlink(missing_ok=True)
+        # the summary first: a kill between the two leaves an old .pt without one, which loading
+        # skips; the other order left a summary without its .pt, which loading refuses (as a
+        # deleted checkpoint), and a synchronizer SIGKILLed while pruning could not restart
         old.with_suffix(".json").unlink(missing_ok=True)
+        old.unlink(missing_ok=True)
     return path
 
 

@@ -61,6 +61,25 @@ def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
         SynchronizerState.load(tmp_path)
 
 
+def test_a_save_killed_while_pruning_leaves_a_directory_that_loads(tmp_path, monkeypatch):
+    """A kill between the two unlinks of a pruned checkpoint (SIGKILL under load, test_crash.py)."""
+    state, paths = _saved(tmp_path, rounds=KEEP)
+    real_unlink, calls = type(paths[0]).unlink, []
+
+    def unlink_then_die(self, missing_ok=False):
+        calls.append(self.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the two unlinks")
+        return real_unlink(self, missing_ok=missing_ok)
+
+    _advance(state, 1)
+    monkeypatch.setattr(type(paths[0]), "unlink", unlink_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        state.save(tmp_path)
+    monkeypatch.undo()
+    assert SynchronizerState.load(tmp_path) is not None  # the newest, whatever of the oldest is left
+
+
 def test_a_summary_whose_checkpoint_was_deleted_is_an_error(tmp_path):
     _, paths = _saved(tmp_path, rounds=1)
     paths[0].unlink()
