@@ -287,7 +287,7 @@ class IslandStrategy:
         except SynchronizerError as err:
             link.close()
             if err.reason == Reason.UNREACHABLE:
-                raise RuntimeError(f"island {self.island}: no synchronizer answered at {self.address} within "
+                raise RuntimeError(f"island {self.island}: {where} did not answer within "
                                    f"join_wait={self.join_wait:g}s ({err}); start it, check the address, or raise "
                                    "join_wait") from None
             message = f"island {self.island}: {where} refused it ({err.reason}): {err}"
