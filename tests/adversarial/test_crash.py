@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 CLIENTS = 16
 
 
-def _start(ckpt, port="0"):
+def _start(ckpt, port="0", output=None):
+    """Start a synchronizer; its output lines go into ``output`` (kept for the failure message)."""
+    output = [] if output is None else output
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", port, "--checkpoint-dir", str(ckpt),
          "--checkpoint-every", "1", "--num-fragments", "2", "--sync-every", "4", "--overlap-steps", "1",
@@ -30,10 +32,11 @@ def _start(ckpt, port="0"):
         start_new_session=True,
     )
     for line in proc.stdout:
+        output.append(line)
         if line.startswith("synchronizer listening on "):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+            threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True).start()  # keep the pipe drained
             return proc, line.split()[-1]
-    raise AssertionError(f"synchronizer did not start: exit {proc.wait()}")
+    raise AssertionError(f"synchronizer did not start: exit {proc.wait()}:\n{''.join(output[-40:])}")
 
 
 def _rss_mb(pid: int) -> float:
@@ -62,7 +65,10 @@ def test_sigkill_under_load_loses_nothing_checkpointed_and_clients_carry_on(tmp_
             clients[0].seed(0, p, value)
 
         def load(i):
-            client, seq = clients[i], 0
+            # Sends for the round after the version it pulled, or the round the synchronizer last
+            # named if that is later: a restart that lost versions keeps the rounds it had named
+            # (a real island sends for the round its steps reach, never below the clock).
+            client, seq, named = clients[i], 0, 0
             if i:
                 client.join(i, 1, SPECS)
             while not stop.is_set():
@@ -70,9 +76,11 @@ def test_sigkill_under_load_loses_nothing_checkpointed_and_clients_carry_on(tmp_
                 try:
                     version, _ = client.pull(p)
                     seq += 1
-                    client.push(island=i, fragment=p, round=version + 1, base_version=version, tokens=100.0, steps=4,
-                                codec="fp32", seq=seq, payload=get_codec("fp32").encode(torch.full((numel[p],), 1e-3)),
-                                layout_hash=layout(config).hash)
+                    ack = client.push(island=i, fragment=p, round=max(version + 1, named), base_version=version,
+                                      tokens=100.0, steps=4, codec="fp32", seq=seq,
+                                      payload=get_codec("fp32").encode(torch.full((numel[p],), 1e-3)),
+                                      layout_hash=layout(config).hash)
+                    named = ack.round + (0 if ack.late else 1)
                     acks[i] += 1
                 except Exception as err:  # noqa: BLE001 - counted; a push may meet the kill
                     if not stop.is_set():
@@ -89,7 +97,8 @@ def test_sigkill_under_load_loses_nothing_checkpointed_and_clients_carry_on(tmp_
         _kill(proc)
         on_disk = json.loads((tmp_path / "synchronizer.json").read_text())
         acks_at_kill = sum(acks)
-        proc, _ = _start(tmp_path, port)  # same port: the clients reconnect by themselves
+        output = []
+        proc, _ = _start(tmp_path, port, output)  # same port: the clients reconnect by themselves
         restarted = SynchronizerClient(address).status()
         # nothing checkpointed is lost: the restart is at the last checkpoint on disk, or later
         assert restarted.outer_steps >= on_disk["outer_steps"] > 0
@@ -104,7 +113,9 @@ def test_sigkill_under_load_loses_nothing_checkpointed_and_clients_carry_on(tmp_
         for t in threads:
             t.join(60)
         final = clients[0].status()
-        assert final.outer_steps > restarted.outer_steps  # the clients carried on against the new process
+        said = "".join(output[-40:])
+        # the clients carried on against the new process
+        assert final.outer_steps > restarted.outer_steps, f"{final}\nthe restarted synchronizer said:\n{said}"
         assert sum(acks) > acks_at_kill
         assert all(torch.isfinite(clients[0].pull(p)[1]).all() for p in range(2))
     finally:
