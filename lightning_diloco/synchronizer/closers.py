@@ -60,7 +60,11 @@ class Closers:
         rounds = self.rounds[fragment]
         while not self.closing.is_set():
             with rounds.cond:
-                wait = self._poll_fragment(rounds, self.clock())
+                try:
+                    wait = self._poll_fragment(rounds, self.clock())
+                except Exception:  # noqa: BLE001 - a closer that died would stop its fragment for good
+                    log.exception("fragment %d: closing its round failed; trying again in %.2f s", fragment, CLOSER_TICK)
+                    wait = CLOSER_TICK
                 if wait > 0 and not self.closing.is_set():
                     rounds.cond.wait(wait)
 

@@ -98,6 +98,27 @@ def test_closer_threads_close_rounds_with_nobody_waiting_and_stop_on_shutdown():
     assert not [t for t in threading.enumerate() if t.name.startswith("diloco-closer")]
 
 
+def test_a_closer_whose_close_failed_logs_it_and_closes_the_round_on_its_next_look(caplog):
+    config = run_config(min_quorum=1)
+    sync = _started(config, 1, clock=__import__("time").monotonic)
+    rounds, real_close, calls = sync.rounds[1], sync.rounds[1].close, []
+
+    def close_failing_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real_close(*args)
+
+    rounds.close = close_failing_once
+    sync.start()
+    try:
+        sync.push(contribution(config, 0, 1, torch.zeros(layout(config).fragment_numel(1))))
+        assert wait_for_version(sync.pull, 1, 1)[0] == 1
+    finally:
+        sync.shutdown()
+    assert len(calls) == 2 and "closing its round failed" in caplog.text
+
+
 def _bad_input(config, reason):
     numel = layout(config).fragment_numel(0)
     good = torch.full((numel,), 0.01)
