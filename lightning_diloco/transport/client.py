@@ -105,6 +105,7 @@ class SynchronizerClient:
         self.sessions = [""] * len(self.stubs)
         self.incarnations = [""] * len(self.stubs)
         self._subscriptions: list[Subscription] = []
+        self._closed = threading.Event()
 
     @property
     def num_shards(self) -> int:
@@ -135,6 +136,7 @@ class SynchronizerClient:
         attempt = 0
         keep_trying_until = time.monotonic() + patience
         while True:
+            self._check_open(what)
             if shard is not None and self.absent(shard):
                 raise SynchronizerError(grpc.StatusCode.UNAVAILABLE, Reason.UNREACHABLE,
                                         f"{what}: shard {shard} at {self.addresses[shard]} is not answering; this island "
@@ -142,7 +144,11 @@ class SynchronizerClient:
             joins = self.joins[shard] if shard is not None else 0
             try:
                 return call()
+            except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": closed under the call
+                self._check_open(what)
+                raise
             except grpc.RpcError as err:
+                self._check_open(what)  # close() ends the calls in flight (CANCELLED): say why
                 code, details = err.code(), err.details() or ""
                 reason = Reason.parse(details)
                 if reason in REJOIN and self._join_request and shard is not None:
@@ -368,21 +374,36 @@ class SynchronizerClient:
         waiting in rounds may have been lost with a restarted synchronizer).
         """
         subscription = Subscription(self, island, versions, on_request, on_version, on_reconnect)
-        with self._lock:
+        with self._lock:  # started under the lock, so a close at the same time finds it and joins it
+            self._check_open("subscribe")  # its readers would retry the closed channels for ever, never joined
             self._subscriptions.append(subscription)
-        return subscription.start()
+            return subscription.start()
 
     def status(self, shard: int = 0) -> SynchronizerStatus:
         reply = self._call("status", lambda: self.stubs[shard].Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
         return from_message(reply, SynchronizerStatus)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed.is_set():
+            raise SynchronizerError(None, Reason.UNREACHABLE,
+                                    f"{what}: the client of the synchronizer at {','.join(self.addresses)} is closed")
+
     def close(self) -> None:
+        """End the subscriptions and join their threads, then release the channels; later calls
+        fail as unreachable, saying the client is closed."""
         with self._lock:
+            self._closed.set()
             subscriptions, self._subscriptions = self._subscriptions, []
         for subscription in subscriptions:
-            subscription.close()
-        for channel in self.channels:
+            subscription.stop()
+        for channel in self.channels:  # also ends a reader's join in flight (a rejoin) at once
             channel.close()
+        for subscription in subscriptions:
+            subscription.join()
 
     def __enter__(self) -> SynchronizerClient:
         return self

@@ -50,11 +50,19 @@ class Subscription:
         return self
 
     def close(self) -> None:
+        """End the streams and join the reader threads."""
+        self.stop()
+        self.join()
+
+    def stop(self) -> None:
+        """Tell the readers to end, and end the streams they read (without waiting for them)."""
         self._stop.set()
         with self._lock:
             calls = list(self._calls.values())
         for call in calls:
             call.cancel()
+
+    def join(self) -> None:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
@@ -63,7 +71,7 @@ class Subscription:
         single_threaded_torch()  # it decodes fragments beside the training loop
         client, attempt, opened_before, joins = self.client, 0, False, self.client.joins[shard]
         incarnation = client.incarnations[shard]
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not client.closed:
             try:
                 held = {p: v for p, v in self.versions().items() if client.shard_of(p) == shard}
                 if client.incarnations[shard] != incarnation:
@@ -93,9 +101,15 @@ class Subscription:
                         continue
                     except grpc.RpcError:
                         pass
+                    except ValueError:  # gRPC's "closed channel": the client closed while it joined
+                        if client.closed:
+                            return
+                        raise
                 elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
                     log.warning("island %d: subscription to shard %d refused (%s): %s", self.island, shard, code.name, details)
             except Exception:  # a callback failed: report it and keep the stream alive
+                if self._stop.is_set():  # or the client closed its channels under the call
+                    return
                 log.exception("island %d: subscription to shard %d failed", self.island, shard)
             # at most a second between tries: an island whose stream is down gets no new versions,
             # so its contributions age while the synchronizer is back (a restart is seconds long)

@@ -124,23 +124,29 @@ def test_every_link_joins_again_when_its_island_joined_elsewhere(link):
     assert link.pull(1)[0] == 0
 
 
-def test_a_closed_in_process_link_refuses_every_call_and_starts_no_reader():
-    """A careless caller's subscribe after close started a reader thread that was never joined and
-    logged a refusal ten times a second for ever; status() still answered. Both fail as unreachable
-    now, as the other calls do."""
-    service = Synchronizer(CONFIG).start()
-    link = LocalLink(service)
-    try:
-        _joined_and_seeded(link)
-        link.close()
-        threads = set(threading.enumerate())
-        for call in (lambda: link.status(), lambda: link.heartbeat(0, 1, 0.1, 1), lambda: link.pull(0),
-                     lambda: link.subscribe(0, lambda: {0: 0, 1: 0}, on_request=lambda *r: None,
-                                            on_version=lambda *v: None)):
-            with pytest.raises(SynchronizerError) as refused:
-                call()
-            assert refused.value.reason == Reason.UNREACHABLE and "closed" in str(refused.value)
-        assert set(threading.enumerate()) <= threads, "a closed link started a thread"
-    finally:
-        link.close()
-        service.shutdown()
+def test_a_closed_link_ends_its_subscription_and_refuses_every_call(link):
+    """Close ends a running subscription (its reader threads are joined when close returns), and
+    later calls fail as unreachable, saying the link is closed. A subscribe after close used to
+    start a reader that was never joined and retried the closed link for ever (the client's logged a
+    closed-channel error at each try, the in-process link's a refusal); the client's status() and
+    pull() raised gRPC's bare ValueError."""
+    link, _ = link
+    _joined_and_seeded(link)
+    opened = threading.Event()
+    # holding no version of fragment 0, the island is sent it whole: the stream is open
+    link.subscribe(0, lambda: {0: -1, 1: 0}, on_request=lambda *r: None, on_version=lambda *v: opened.set())
+    assert opened.wait(20), "the subscription delivered nothing"
+    link.close()
+    readers = [t.name for t in threading.enumerate() if t.name.startswith("diloco-subscription") and t.is_alive()]
+    assert not readers, f"close returned with the subscription still reading: {readers}"
+    threads = set(threading.enumerate())
+    for call in (lambda: link.status(), lambda: link.heartbeat(0, 1, 0.1, 1), lambda: link.pull(0),
+                 lambda: link.seed(0, 0, initial_fragments(CONFIG)[0]), lambda: _push(link, torch.zeros(1), seq=9),
+                 lambda: link.join(0, 1, SPECS),
+                 lambda: link.subscribe(0, lambda: {0: 0, 1: 0}, on_request=lambda *r: None,
+                                        on_version=lambda *v: None)):
+        with pytest.raises(SynchronizerError) as refused:
+            call()
+        assert refused.value.reason == Reason.UNREACHABLE and "closed" in str(refused.value)
+    assert set(threading.enumerate()) <= threads, "a closed link started a thread"
+    link.close()  # a second close (the caller's, then a context manager's) is harmless
