@@ -5,6 +5,8 @@ Transport-agnostic: the gRPC server and in-process callers drive the same object
 - A push is validated, measured against its base and put into its fragment's round; it is
   answered at once with a :class:`~lightning_diloco.core.protocol.PushAck` (which round, late
   or not). A push that opens a round asks every other live island to send that fragment now.
+  Seeds and pushes are taken in by :class:`~lightning_diloco.synchronizer.intake.Intake`
+  (intake.py), mixed in here.
 - Each fragment has one closer thread (:meth:`start`; closers.py) that closes its round when the
   quorum and grace rules say so, whether or not anyone is waiting; tests move a fake clock and
   call :meth:`poll` instead.
@@ -28,33 +30,25 @@ from pathlib import Path
 
 import torch
 
-from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec, payload_size
-from lightning_diloco.core.config import CODECS, RunConfig
+from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
-from lightning_diloco.core.merge import norm64
-from lightning_diloco.core.outer import outer_gradient
-from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
-from lightning_diloco.core.schedule import due_step, fragment_offsets, latest_round
+from lightning_diloco.core.protocol import Beat, JoinInfo, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.admission import admitted_round, join_problem, layout_pin_problem, seed_problem
+from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, resume
+from lightning_diloco.synchronizer.intake import Intake
 from lightning_diloco.synchronizer.membership import Membership, SessionError
-from lightning_diloco.synchronizer.requests import (
-    Contribution,
-    Refusal,
-    contribution_problem,
-    layout_difference,
-    payload_digest,
-)
-from lightning_diloco.synchronizer.rounds import ClosedRound, Entry, FragmentRounds, RoundFull, SequenceError
+from lightning_diloco.synchronizer.requests import Refusal, layout_difference
+from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds
 
 log = logging.getLogger(__name__)
 
 
-class Synchronizer:
+class Synchronizer(Intake):
     def __init__(
         self,
         config: RunConfig,
@@ -152,13 +146,6 @@ class Synchronizer:
         log.warning("refused (%s): %s", reason, message)
         return Refusal(reason, message)
 
-    def expected_payload_bytes(self, codec_name: str, fragment: int) -> int:
-        """Bytes a payload of ``fragment`` must have in ``codec_name``; refuses unknown ones."""
-        self._rounds(fragment)
-        self._check_codec(codec_name)
-        numel = self.state.layout.fragment_numel(fragment)
-        return get_codec(codec_name, self.config.codec.block_size).encoded_size(numel)
-
     # ---- membership -----------------------------------------------------------------------
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> JoinInfo:
@@ -246,7 +233,7 @@ class Synchronizer:
         owned = [p for p in range(self.config.schedule.num_fragments) if self.owned(p)]
         return {p: (state.fragments[p].version if state and p in state.fragments else -1) for p in owned}
 
-    # ---- seeding and pulling ----------------------------------------------------------------
+    # ---- fragments and pulling -------------------------------------------------------------
 
     def _rounds(self, fragment: int) -> FragmentRounds:
         if not self.owned(fragment) or not 0 <= fragment < self.config.schedule.num_fragments:
@@ -266,25 +253,6 @@ class Synchronizer:
             raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} has no value yet; seed it first")
         return rounds.frag
 
-    def seed(self, island: int, fragment: int, payload: Payload, session: str | None = None) -> bool:
-        """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored."""
-        rounds = self._rounds(fragment)
-        self._check_session(island, session, "seed")
-        numel = self.state.layout.fragment_numel(fragment)
-        value = self._decode("fp32", payload, numel)
-        problem = seed_problem(fragment, value)
-        if problem:
-            raise self.refuse(Reason.BAD_PAYLOAD, problem)
-        with rounds.cond:
-            seeded = self.state.seed(fragment, value)
-            rounds.frag = self.state.fragments[fragment]
-            rounds.cond.notify_all()
-        if seeded:
-            log.info("fragment %d seeded by island %d", fragment, island)
-            with self.membership.lock:
-                self.membership.changed.notify_all()
-        return seeded
-
     def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
         """(version, fp32 copy) of a fragment as the islands hold it (with a lossy downlink the
         published value, core/downlink.py, so the next version's delta lands on it): what a
@@ -294,73 +262,7 @@ class Synchronizer:
             frag = self._seeded(rounds)
             return frag.version, frag.published_value()
 
-    # ---- contributions ---------------------------------------------------------------------
-
-    def _check_codec(self, codec_name: str) -> None:
-        if codec_name not in CODECS:
-            raise self.refuse(Reason.UNKNOWN_CODEC, f"codec {codec_name[:40]!r} is not one of {', '.join(CODECS)}")
-
-    def _decode(self, codec_name: str, payload: Payload, numel: int) -> torch.Tensor:
-        self._check_codec(codec_name)
-        try:
-            return get_codec(codec_name, self.config.codec.block_size).decode(payload, numel)
-        except ValueError as err:
-            raise self.refuse(Reason.NON_FINITE if isinstance(err, NonFiniteError) else Reason.BAD_PAYLOAD, str(err)) from None
-
-    def admit_push(self, c: Contribution) -> FragmentRounds:
-        """Every check a push's header allows, before its payload is read (the server calls it on
-        the first chunk: a stream from no session, or for no fragment, holds no worker while its
-        bytes trickle in); ``c.payload`` is not looked at."""
-        rounds = self._rounds(c.fragment)
-        self._check_session(c.island, c.session, "push")
-        problem = contribution_problem(c, self.state.layout.hash)
-        if problem:
-            raise self.refuse(*problem)
-        self._check_codec(c.codec)
-        return rounds
-
-    def admit_seed(self, island: int, fragment: int, session: str | None) -> None:
-        """A seed's header checks, before its payload is read."""
-        self._rounds(fragment)
-        self._check_session(island, session, "seed")
-
-    def push(self, c: Contribution) -> PushAck:
-        """Put a contribution into its fragment's round; answered at once, merged when it closes.
-
-        A retry with the same sequence number gets the same answer and is never merged twice.
-        """
-        rounds = self.admit_push(c)
-        now, H = self.clock(), self.config.schedule.sync_every
-        self.membership.seen(c.island, now)
-        digest = payload_digest(c.payload)  # before decoding, which may reuse the received buffer
-        delta = self._decode(c.codec, c.payload, self.state.layout.fragment_numel(c.fragment))
-        with self.lock:
-            self.bytes_in += payload_size(c.payload)
-        # outside the fragment's lock: pushes of one fragment measure their gradients in parallel
-        gradient = outer_gradient(delta)
-        norm = norm64(gradient)
-        with rounds.cond:
-            self._seeded(rounds)
-            clock, offset = self.membership.run_step(now), self.offsets[c.fragment]
-            sent_for = admitted_round(c.round, next_round=rounds.index, clock_step=clock, offset=offset,
-                                      lead_steps=self.membership.lead_steps, sync_every=H)
-            entry = Entry(island=c.island, seq=c.seq, sent_for=sent_for, base_version=c.base_version, outer_gradient=gradient,
-                          tokens=c.tokens, steps=c.steps, norm=norm, digest=digest, session=c.session or "")
-            try:
-                # the latest round due on the live islands' clock
-                ack, opened = rounds.add(entry, now, latest_round(clock, offset, H))
-            except SequenceError as err:
-                raise self.refuse(Reason.SEQUENCE_REUSED if err.reused else Reason.OLD_SEQUENCE, str(err)) from None
-            except RoundFull as err:
-                raise self.refuse(Reason.BUSY, f"{err}; retry once it closes") from None
-        self.membership.seen(c.island, now, schedule_step=due_step(sent_for, self.offsets[c.fragment], H))
-        with self.lock:
-            self.accepted["duplicate" if ack.duplicate else "late" if ack.late else "on_time"] += 1
-        if opened:  # the round is due: everyone else sends this fragment now, not at its own pace
-            others = self.membership.live(now) - {c.island}
-            request = RoundRequest(fragment=c.fragment, round=ack.round, due_step=due_step(ack.round, self.offsets[c.fragment], H))
-            self.membership.ask(request, others)
-        return ack
+    # ---- closing rounds ------------------------------------------------------------------------
 
     def poll(self, now: float | None = None) -> list[ClosedRound]:
         """Close every round that is due to close at ``now``: what the closers do, for tests (a

@@ -7,7 +7,9 @@ it surfaces as :class:`SynchronizerError` carrying the synchronizer's reason.
 A sharded run goes on without a dead shard: a join succeeds when at least one shard answers, the
 shards that did not (or that stopped answering later) are *absent*, and calls for their fragments
 fail at once instead of waiting out the retries, until the shard's subscription reader finds it
-back and joins it (subscription.py). Its fragments train locally meanwhile.
+back and joins it (subscription.py). Its fragments train locally meanwhile. The sessions with the
+shards (joining, joining again, absence) are :class:`~lightning_diloco.transport.sessions.ShardSessions`,
+mixed in.
 
 New global versions and the synchronizer's requests arrive through a subscription
 (subscription.py): one long-lived stream per shard, read on its own thread, reopened whenever it
@@ -16,7 +18,6 @@ breaks.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import threading
@@ -36,16 +37,14 @@ from lightning_diloco.reasons import REJOIN, Reason, SynchronizerError
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES
-from lightning_diloco.transport.messages import from_message, join_info
-from lightning_diloco.transport.shard_check import shard_mismatch
+from lightning_diloco.transport.messages import from_message
+from lightning_diloco.transport.sessions import RETRYABLE, ShardSessions
 from lightning_diloco.transport.subscription import Subscription
 from lightning_diloco.transport.tls_hint import tls_mismatch_hint
 from lightning_diloco.transport.wire import Chunk, assemble, chunk_messages, stub
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
 
 def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
@@ -60,7 +59,7 @@ def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
     return out
 
 
-class SynchronizerClient:
+class SynchronizerClient(ShardSessions):
     def __init__(
         self,
         addresses: str | Sequence[str],
@@ -94,16 +93,9 @@ class SynchronizerClient:
             for a in self.addresses
         ]
         self.stubs = [stub(c) for c in self.channels]
+        ShardSessions.__init__(self, len(self.stubs))
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
-        self._join_request: pb.JoinRequest | None = None
-        self._join_lock = threading.Lock()  # one join at a time: see rejoin()
-        self._replies: dict[int, pb.JoinReply] = {}  # per shard, its last join's reply
-        # per shard: successful joins so far (which session a failing call was made with), the
-        # session ("": absent, not joined or stopped answering) and which process that was
-        self.joins = [0] * len(self.stubs)
-        self.sessions = [""] * len(self.stubs)
-        self.incarnations = [""] * len(self.stubs)
         self._subscriptions: list[Subscription] = []
         self._closed = threading.Event()
 
@@ -213,74 +205,6 @@ class SynchronizerClient:
         info = self._call("join", join_once, patience=patience)
         self._join_request = request
         return info
-
-    def absent(self, shard: int) -> bool:
-        """The shard is not joined (it did not answer the join, or stopped answering since)."""
-        return not self.sessions[shard]
-
-    def rejoin(self, shard: int, joins: int) -> None:
-        """Join ``shard`` again after it forgot this island's session (it restarted, or the
-        island joined elsewhere), or once it is back after being absent. ``joins``:
-        ``self.joins[shard]`` when the refused call was made.
-
-        Single-flight: the push pool, the heartbeat and the subscription reader notice a restart
-        at about the same time, and each join issues a new session and ends the subscription of
-        the one before, so rejoins that each caller made would undo each other. The first caller
-        joins; the others wait for it and return, since the count moved past what they saw.
-        """
-        with self._join_lock:
-            if self.joins[shard] != joins or self._join_request is None:
-                return
-            self._join_shard(shard, self._join_request)
-            self._check_shards()
-            log.info("joined shard %d at %s again", shard, self.addresses[shard])
-
-    def _mark_absent(self, shard: int, joins: int) -> None:
-        """Stop calling a shard that no longer answers, unless it was joined again meanwhile."""
-        with self._join_lock:
-            if self.joins[shard] == joins and self.sessions[shard]:
-                self.sessions[shard] = ""
-                log.warning("shard %d at %s stopped answering: its fragments train locally until it is back",
-                            shard, self.addresses[shard])
-
-    def _join_shard(self, shard: int, request: pb.JoinRequest) -> pb.JoinReply:
-        """(With ``_join_lock`` held.)"""
-        reply = self.stubs[shard].Join(request, timeout=self.timeout, metadata=self.metadata)
-        self._count(request.ByteSize(), reply.ByteSize())
-        self._replies[shard] = reply
-        self.sessions[shard], self.incarnations[shard] = reply.session, reply.incarnation
-        self.joins[shard] += 1
-        return reply
-
-    def _check_shards(self) -> None:
-        mismatch = shard_mismatch(self.addresses, self._replies)
-        if mismatch:
-            raise SynchronizerError(None, Reason.SHARD_MISMATCH, f"the {self.num_shards} addresses are not the shards of one run: {mismatch}")
-
-    def _join_all(self, request: pb.JoinRequest) -> JoinInfo:
-        """(With ``_join_lock`` held.) Join the shards that answer; raise when none does."""
-        unreachable: dict[int, grpc.RpcError] = {}
-        for shard in range(self.num_shards):
-            try:
-                self._join_shard(shard, request)
-            except grpc.RpcError as err:
-                if err.code() not in RETRYABLE + (grpc.StatusCode.DEADLINE_EXCEEDED,):
-                    raise
-                unreachable[shard] = err
-                self.sessions[shard] = ""
-        if len(unreachable) == self.num_shards:
-            raise unreachable[0]  # nothing joined: retried like any call to an unreachable synchronizer
-        self._check_shards()
-        if unreachable:
-            log.warning("shard(s) %s (%s) not answering: joined the other %d; their fragments train locally until "
-                        "they are back", sorted(unreachable), ", ".join(self.addresses[s] for s in sorted(unreachable)),
-                        self.num_shards - len(unreachable))
-        replies = [self._replies[s] for s in range(self.num_shards) if s not in unreachable]
-        versions: dict[int, int] = {}
-        for r in replies:
-            versions.update(r.versions)
-        # one run seen from every joined shard: each shard's versions, the furthest clock
-        return dataclasses.replace(join_info(replies[0]), versions=versions, run_step=max(r.run_step for r in replies))
 
     def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
         payload = get_codec("fp32").encode(value)

@@ -12,7 +12,7 @@ def test_progress_mode_logs_every_line_and_shows_each_problem_once(tmp_path):
     console = Console(shown.append, tmp_path, progress_every=5.0)
     out0, out1 = console.output_of("island 0"), console.output_of("island 1")
     banner = "GPU available: False, used: False\n"
-    warning = "2026-11-24 07:08:52,260 lightning_diloco.learner.island WARNING the round did not close\n"
+    warning = "2026-11-24 07:08:52,260 lightning_diloco.learner.end_of_run WARNING the round did not close\n"
     for out in (out0, out1):
         out(banner)
         out(warning.replace("07:08:52", "07:09:01") if out is out1 else warning)  # the same message, later

@@ -1,0 +1,125 @@
+"""The island's session with each shard of a run: joining, joining again, and absence.
+
+A join goes to every shard and succeeds when at least one answers: the shards that did not are
+*absent* (no session), and the client's calls for their fragments fail at once instead of
+waiting out the retries, while the island trains those fragments locally. A shard that restarted
+(or that forgot this island's session, or is back after being absent) is joined again
+(:meth:`ShardSessions.rejoin`), one join for every caller that noticed; a shard that stops
+answering later is marked absent again. Every reply is checked to come from a shard of the same
+run (shard_check.py).
+
+:class:`ShardSessions` is a part of
+:class:`~lightning_diloco.transport.client.SynchronizerClient`, which mixes it in and calls
+through it: it uses the client's stubs, addresses, per-call timeout, metadata and byte counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from lightning_diloco.core.protocol import JoinInfo
+from lightning_diloco.reasons import Reason, SynchronizerError
+from lightning_diloco.transport import synchronizer_pb2 as pb
+from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
+from lightning_diloco.transport.messages import join_info
+from lightning_diloco.transport.shard_check import shard_mismatch
+
+log = logging.getLogger(__name__)
+
+# a synchronizer that is away, not refusing: a call is retried, a join goes on without the shard
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class ShardSessions:
+    """Per shard: this island's session, how many joins made it, and which process issued it."""
+
+    # the client's, set in its __init__
+    addresses: list[str]
+    stubs: list[pb_grpc.SynchronizerStub]
+    timeout: float
+    metadata: Sequence[tuple[str, str]]
+    num_shards: int
+    _count: Callable[..., None]
+
+    def __init__(self, num_shards: int) -> None:
+        self._join_request: pb.JoinRequest | None = None  # the island's join, repeated by rejoin()
+        self._join_lock = threading.Lock()  # one join at a time: see rejoin()
+        self._replies: dict[int, pb.JoinReply] = {}  # per shard, its last join's reply
+        # per shard: successful joins so far (which session a failing call was made with), the
+        # session ("": absent, not joined or stopped answering) and which process that was
+        self.joins = [0] * num_shards
+        self.sessions = [""] * num_shards
+        self.incarnations = [""] * num_shards
+
+    def absent(self, shard: int) -> bool:
+        """The shard is not joined (it did not answer the join, or stopped answering since)."""
+        return not self.sessions[shard]
+
+    def rejoin(self, shard: int, joins: int) -> None:
+        """Join ``shard`` again after it forgot this island's session (it restarted, or the
+        island joined elsewhere), or once it is back after being absent. ``joins``:
+        ``self.joins[shard]`` when the refused call was made.
+
+        Single-flight: the push pool, the heartbeat and the subscription reader notice a restart
+        at about the same time, and each join issues a new session and ends the subscription of
+        the one before, so rejoins that each caller made would undo each other. The first caller
+        joins; the others wait for it and return, since the count moved past what they saw.
+        """
+        with self._join_lock:
+            if self.joins[shard] != joins or self._join_request is None:
+                return
+            self._join_shard(shard, self._join_request)
+            self._check_shards()
+            log.info("joined shard %d at %s again", shard, self.addresses[shard])
+
+    def _mark_absent(self, shard: int, joins: int) -> None:
+        """Stop calling a shard that no longer answers, unless it was joined again meanwhile."""
+        with self._join_lock:
+            if self.joins[shard] == joins and self.sessions[shard]:
+                self.sessions[shard] = ""
+                log.warning("shard %d at %s stopped answering: its fragments train locally until it is back",
+                            shard, self.addresses[shard])
+
+    def _join_shard(self, shard: int, request: pb.JoinRequest) -> pb.JoinReply:
+        """(With ``_join_lock`` held.)"""
+        reply = self.stubs[shard].Join(request, timeout=self.timeout, metadata=self.metadata)
+        self._count(request.ByteSize(), reply.ByteSize())
+        self._replies[shard] = reply
+        self.sessions[shard], self.incarnations[shard] = reply.session, reply.incarnation
+        self.joins[shard] += 1
+        return reply
+
+    def _check_shards(self) -> None:
+        mismatch = shard_mismatch(self.addresses, self._replies)
+        if mismatch:
+            raise SynchronizerError(None, Reason.SHARD_MISMATCH, f"the {self.num_shards} addresses are not the shards of one run: {mismatch}")
+
+    def _join_all(self, request: pb.JoinRequest) -> JoinInfo:
+        """(With ``_join_lock`` held.) Join the shards that answer; raise when none does."""
+        unreachable: dict[int, grpc.RpcError] = {}
+        for shard in range(self.num_shards):
+            try:
+                self._join_shard(shard, request)
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE + (grpc.StatusCode.DEADLINE_EXCEEDED,):
+                    raise
+                unreachable[shard] = err
+                self.sessions[shard] = ""
+        if len(unreachable) == self.num_shards:
+            raise unreachable[0]  # nothing joined: retried like any call to an unreachable synchronizer
+        self._check_shards()
+        if unreachable:
+            log.warning("shard(s) %s (%s) not answering: joined the other %d; their fragments train locally until "
+                        "they are back", sorted(unreachable), ", ".join(self.addresses[s] for s in sorted(unreachable)),
+                        self.num_shards - len(unreachable))
+        replies = [self._replies[s] for s in range(self.num_shards) if s not in unreachable]
+        versions: dict[int, int] = {}
+        for r in replies:
+            versions.update(r.versions)
+        # one run seen from every joined shard: each shard's versions, the furthest clock
+        return dataclasses.replace(join_info(replies[0]), versions=versions, run_step=max(r.run_step for r in replies))
