@@ -148,7 +148,11 @@ class SynchronizerClient(ShardSessions):
                              what, reason)
                     try:
                         self.rejoin(shard, joins)
+                    except ValueError:  # the client closed under the join (closed channel)
+                        self._check_open(what)
+                        raise
                     except grpc.RpcError as join_err:  # a synchronizer still starting: retried like the call
+                        self._check_open(what)  # or the close cancelled it
                         code, details = join_err.code(), join_err.details() or ""
                         if code not in RETRYABLE:
                             raise SynchronizerError(code, Reason.parse(details), f"{what}: joining again refused "

@@ -17,6 +17,7 @@ from lightning_diloco.core.fragments import split_fragment
 from lightning_diloco.core.guard import agreeing, capped_weights
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.outer import OuterOptimizer
+from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -486,3 +487,22 @@ def test_a_push_or_seed_stream_without_a_header_is_refused_with_a_reason(started
             call(iter([chunk]), timeout=5)
         assert err.value.code() != grpc.StatusCode.UNKNOWN and ":" in err.value.details(), err.value.details()
     assert server.service.versions() == {0: 0, 1: 0}
+
+
+def test_a_client_closed_while_it_joins_again_says_it_is_closed(started, monkeypatch):
+    """A call refused for a stale session joins again first; an island that closed its client at
+    that moment (its run ending) got gRPC's bare closed-channel ValueError from the call."""
+    config = run_config(num_fragments=2)
+    server, client = started(config)
+    _seeded(client, config)
+    server.service.join(0, 1, SPECS)  # the island joined elsewhere: this client's session is stale
+    rejoin = client.rejoin
+
+    def close_then_rejoin(shard, joins):
+        client.close()
+        rejoin(shard, joins)
+
+    monkeypatch.setattr(client, "rejoin", close_then_rejoin)
+    with pytest.raises(SynchronizerError) as refused:
+        client.heartbeat(0, 1, 0.1, 1)
+    assert refused.value.reason == Reason.UNREACHABLE and "closed" in str(refused.value)
