@@ -15,6 +15,10 @@ from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import SPECS
 from tests.learner.service_link import ServiceLink
 
+# a bound on waiting for an event that comes (a round closing, a version arriving): only a hang
+# guard, far above what a loaded 2-core machine needs (10 s failed there, 2026-11-25)
+WAIT_S = 120
+
 
 def _config(P=2, H=4, tau=1, apply="overwrite", alpha=0.5, lr=1.0, momentum=0.0, quorum=1):
     return RunConfig(
@@ -53,7 +57,7 @@ def islands():
 
 def _settle(learner):
     """Wait until every fragment in flight has the version of its round (or its push failed)."""
-    assert learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), 10)
+    assert learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), WAIT_S)
 
 
 def _step(learner, params, delta=0.01, tokens=10.0):
@@ -155,7 +159,7 @@ def test_an_island_asked_for_a_round_sends_at_its_next_step_in_phase_with_the_ru
     second, _, params1, _ = islands(config, island=1, service=service, seed=1)
     for _ in range(4):
         _step(first, params0)  # island 0 sends for round 1 at step 4; island 1 has not moved
-    assert second.inbox.wait(lambda: 0 in second.inbox.requests, 10)  # the round is open: island 1 is asked
+    assert second.inbox.wait(lambda: 0 in second.inbox.requests, WAIT_S)  # the round is open: island 1 is asked
     _step(second, params1)
     assert second.counters["requested"] == 1 and [f.sent_round for f in second.fragments] == [1]  # it sent for round 1 ...
     assert second.schedule_step == 4 and second.counters["realigned"] == 1  # ... and jumped to the run's step
@@ -186,7 +190,7 @@ def test_a_non_contributor_takes_each_new_version_at_its_next_step(islands):
     for _ in range(4):
         _step(first, params0)
     _settle(first)
-    assert second.inbox.wait(lambda: 0 in second.inbox.fresh, 10)  # the version reached island 1
+    assert second.inbox.wait(lambda: 0 in second.inbox.fresh, WAIT_S)  # the version reached island 1
     _step(second, params1)
     assert second.counters["received"] == 1 and second.versions == [1]
     assert torch.allclose(flatten_fragment(params1), service.pull(0)[1])
@@ -201,7 +205,7 @@ def test_a_version_arriving_between_decision_and_apply_is_applied_next_not_in_pl
     for _ in range(4):
         _step(first, params0)
     _settle(first)
-    assert second.inbox.wait(lambda: 0 in second.inbox.fresh, 10)
+    assert second.inbox.wait(lambda: 0 in second.inbox.fresh, WAIT_S)
     decided = second.inbox.fresh[0]  # a delta from the version island 1 holds (or whole)
     decided_value = decided.value if decided.base_version < 0 else second.fragments[0].base + decided.value
     newer = Arrival(fragment=0, version=decided.version + 1, round=decided.round + 1, value=torch.ones_like(decided.value),
@@ -252,7 +256,7 @@ def test_finish_loads_the_global_model_once_its_work_is_in(islands):
     for _ in range(3):
         _step(learner, params)
     assert service.status().islands[0].steps == 0  # heartbeats every 60 s here: none since the join
-    assert learner.finish(timeout=10) is True
+    assert learner.finish(timeout=WAIT_S) is True
     assert torch.equal(flatten_fragment(params), service.pull(0)[1])
     assert service.status().islands[0].steps == 3  # the end says the steps as trained (the run's report reads them)
 
@@ -267,7 +271,7 @@ def test_finish_does_not_wait_for_a_late_contribution_whose_round_may_never_open
     _settle(first)
     for _ in range(2):
         _step(second, params1)  # island 1's send for round 0 comes after it closed
-    assert second.in_flight[0].future.result(timeout=10).late
+    assert second.in_flight[0].future.result(timeout=WAIT_S).late
     waits = []
     wait = second.inbox.wait
 
