@@ -25,7 +25,7 @@ class Flight:
     tokens_at_send: float
     steps_at_send: int
     sent_at: float
-    future: Future | None  # leader only: the push's ack, once the push started (at the end of its step boundary)
+    future: Future | None  # leader only: the push's ack
 
     def merged_in(self) -> int | None:
         """The round the synchronizer put it in, once the ack is back (None before, or on failure)."""

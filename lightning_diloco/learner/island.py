@@ -17,12 +17,10 @@ global model) is :class:`~lightning_diloco.learner.end_of_run.EndOfRun`, mixed i
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -199,17 +197,13 @@ class IslandLearner(EndOfRun):
         self.schedule_step = plan.schedule_step
         for p in plan.fail:
             self.fragments[p].flight = None
-        pushes = [self._send(p, r) for p, r in plan.send]
+        for p, r in plan.send:
+            self._send(p, r)
         applies = plan.apply
         if self.config.schedule.overlap_steps == 0 and plan.send:  # synchronous DiLoCo waits for its rounds
-            self._start_pushes(pushes)
             applies = applies + self._share(self._await_rounds([p for p, _ in plan.send]) if self.is_leader else None)
         for a in applies:
             self._apply(a)
-        # Pushes start after the applies: a push thread's Python (forming and encoding the outer
-        # gradient) competes for the GIL and the cores with them otherwise; the hook took 2.8-3.2
-        # ms a step started before, 0.54 after (benchmarks/RESULTS.md, step-time overhead).
-        self._start_pushes(pushes)
         self._last_step_at = time.perf_counter()
         self.blocked_s += self._last_step_at - started
 
@@ -288,10 +282,8 @@ class IslandLearner(EndOfRun):
         flight = self.fragments[p].flight
         return (arrival is not None and flight.ended_by(arrival)) or flight.failed()
 
-    def _send(self, p: int, r: int) -> tuple[Flight, Callable[[], Future]] | None:
-        """Take fragment ``p``'s contribution for round ``r`` and put it in flight; returns what
-        starts its push on the leader (None on other ranks), for :meth:`_start_pushes`."""
-        f, push, snapshot = self.fragments[p], None, None
+    def _send(self, p: int, r: int) -> None:
+        f, future, snapshot = self.fragments[p], None, None
         rebase, sharded = self.config.schedule.apply == "rebase", self.shards.any_sharded(p)
         if self.is_leader or sharded or rebase:  # a whole non-sharded fragment is sent from the leader's copy alone
             snapshot = self.shards.read(p)  # host copy of this rank's part, 1/P of the model
@@ -304,24 +296,13 @@ class IslandLearner(EndOfRun):
             local, base = snapshot, f.base
         if self.is_leader:
             self.seq += 1
-            # the base is replaced by an apply, never changed in place: these arguments hold until the push starts
-            push = functools.partial(self.leader.push, fragment=p, round=r, local=local, base=base,
-                                     base_version=f.version, tokens=f.tokens, steps=f.steps, seq=self.seq)
-        flight = Flight(fragment=p, round=r, apply_at=self.step + self.config.schedule.overlap_steps,
-                        snapshot=snapshot if rebase else None, tokens_at_send=f.tokens, steps_at_send=f.steps,
-                        sent_at=time.monotonic(), future=None)
-        f.sent(flight)
+            future = self.leader.push(fragment=p, round=r, local=local, base=base, base_version=f.version,
+                                      tokens=f.tokens, steps=f.steps, seq=self.seq)
+            future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
+        f.sent(Flight(fragment=p, round=r, apply_at=self.step + self.config.schedule.overlap_steps,
+                      snapshot=snapshot if rebase else None, tokens_at_send=f.tokens, steps_at_send=f.steps,
+                      sent_at=time.monotonic(), future=future))
         self._count("sent")
-        return None if push is None else (flight, push)
-
-    def _start_pushes(self, pushes: list[tuple[Flight, Callable[[], Future]] | None]) -> None:
-        """Start the pushes :meth:`_send` prepared (each once: the list is emptied)."""
-        for sent in pushes:
-            if sent is not None:
-                flight, push = sent
-                flight.future = push()
-                flight.future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
-        pushes.clear()
 
     def _apply(self, a: Apply) -> None:
         p, sched = a.fragment, self.config.schedule
