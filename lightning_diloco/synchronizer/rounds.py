@@ -222,6 +222,12 @@ class FragmentRounds:
             version = frag.apply(merged)
             if version is None:
                 kept.remove(max(kept, key=lambda i: entries[i].norm))
+        grace = max(0.0, now - self.quorum_at) if self.quorum_at is not None else 0.0
+        # the round is closed from here on, whatever the bookkeeping below does: a closer that
+        # looks again after an error (closers.py) must find no entries to merge a second time
+        self.entries.clear()
+        self.opened_at = self.quorum_at = None
+        frag.next_round = index + 1
         dropped = len(entries) - len(kept)
         for e in entries:  # left out or not, each is settled: a retry gets the same answer
             settled = self.settled.get(e.island)
@@ -234,7 +240,6 @@ class FragmentRounds:
             self.guard.record(e.island, e.norm, e.tokens, e.steps)
         islands = tuple(sorted({entries[i].island for i in kept}))
         late = sum(entries[i].sent_for < index for i in kept)
-        grace = max(0.0, now - self.quorum_at) if self.quorum_at is not None else 0.0
         self.last = ClosedRound(fragment=self.fragment, round=index, version=frag.version, islands=islands, late=late,
                                 clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now)
         if version is not None:
@@ -246,9 +251,6 @@ class FragmentRounds:
         t.clipped, t.dropped = t.clipped + clipped, t.dropped + dropped
         t.grace_wait_s += grace
         t.grace_wait_max_s = max(t.grace_wait_max_s, grace)
-        frag.next_round = index + 1
-        self.entries.clear()
-        self.opened_at = self.quorum_at = None
         self.cond.notify_all()
         return self.last
 

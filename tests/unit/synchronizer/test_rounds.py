@@ -246,3 +246,19 @@ def test_an_old_or_unknown_base_is_merged_with_its_age_never_refused():
     future = sync.push(contribution(config, 0, 1, torch.full((_numel(config, 1),), 0.01), round=5, base_version=40, seq=6))
     assert not old.late and not future.late
     assert [c.version for c in sync.poll()] == [6, 1]
+
+
+def test_a_close_that_fails_after_its_step_leaves_the_round_closed_so_a_closer_looking_again_merges_nothing_twice():
+    config = run_config(min_quorum=1, gamma=0.0)
+    sync, clock = _started(config, 1)
+    _place(sync, clock, 4, [0])
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=1, seq=1))
+
+    def record(*args):
+        raise RuntimeError("injected failure in the close's bookkeeping")
+
+    sync.rounds[0].guard.record = record
+    with pytest.raises(RuntimeError, match="injected"):
+        sync.poll()
+    assert sync.versions()[0] == 1 and not sync.rounds[0].entries  # the step was taken once, the round is over
+    assert sync.poll() == [] and sync.versions()[0] == 1  # looking again finds nothing to merge
