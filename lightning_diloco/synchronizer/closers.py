@@ -27,6 +27,13 @@ change that, and a push notifies the fragment's condition, so this is a safety n
 loop for nothing: benchmarks/RESULTS.md, step-time overhead.)"""
 
 
+def retry_wait(failures: int) -> float:
+    """Seconds before a closer looks again after ``failures`` failed looks in a row (0: the first):
+    backing off from CLOSER_TICK to IDLE_WAIT, an error that persists is logged every 5 s, not 4
+    times a second."""
+    return min(IDLE_WAIT, CLOSER_TICK * 2 ** min(failures, 8))
+
+
 class Closers:
     def __init__(self, rounds: Mapping[int, FragmentRounds], membership: Membership, *, clock: Callable[[], float],
                  closing: threading.Event, on_closed: Callable[[ClosedRound, float], None]) -> None:
@@ -57,14 +64,17 @@ class Closers:
 
     def _loop(self, fragment: int) -> None:
         single_threaded_torch()  # embedded in a training process: no OpenMP team of its own
-        rounds = self.rounds[fragment]
+        rounds, failures = self.rounds[fragment], 0
         while not self.closing.is_set():
             with rounds.cond:
                 try:
                     wait = self._poll_fragment(rounds, self.clock())
+                    failures = 0
                 except Exception:  # noqa: BLE001 - a closer that died would stop its fragment for good
-                    log.exception("fragment %d: closing its round failed; trying again in %.2f s", fragment, CLOSER_TICK)
-                    wait = CLOSER_TICK
+                    wait = retry_wait(failures)
+                    failures += 1
+                    log.exception("fragment %d: closing its round failed (%d time(s) in a row); trying again in %.2f s",
+                                  fragment, failures, wait)
                 if wait > 0 and not self.closing.is_set():
                     rounds.cond.wait(wait)
 

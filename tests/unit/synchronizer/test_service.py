@@ -9,6 +9,7 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
+from lightning_diloco.synchronizer.closers import CLOSER_TICK, IDLE_WAIT, retry_wait
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import FakeClock, SPECS, contribution, initial_fragments, layout, run_config, wait_for_version
@@ -229,3 +230,9 @@ def test_a_standalone_synchronizer_fits_its_fragments_to_the_first_islands_model
     assert "num_fragments lowered from 24 to 4" in sync.status().adjustments[0]
     with pytest.raises(Refusal, match="model's 3 trainable tensors"):
         sync.join(1, 1, SPECS[:3])  # a later island with another model is still refused
+
+
+def test_a_closer_that_keeps_failing_backs_off_to_its_idle_wait_and_never_overflows():
+    waits = [retry_wait(n) for n in range(8)]
+    assert waits[0] == CLOSER_TICK and waits == sorted(waits) and waits[-1] == IDLE_WAIT
+    assert retry_wait(10**6) == IDLE_WAIT  # a closer failing for weeks still computes its wait
