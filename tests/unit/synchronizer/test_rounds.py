@@ -304,3 +304,12 @@ def test_a_close_that_fails_before_its_step_merges_a_clipped_entry_clipped_once_
     version, value = _clipped_round(None)
     retried_version, retried_value = _clipped_round(lambda frag: _fails_once(frag, "apply"))
     assert retried_version == version and torch.equal(retried_value, value)
+
+
+def test_a_close_that_fails_inside_the_outer_step_steps_the_fragment_once_when_tried_again():
+    """An error inside the step other than a non-finite one (here the lossy downlink's encoding)
+    left the value and momentum stepped under the old version: the closer's next look stepped
+    them again from the same contributions."""
+    version, value = _clipped_round(None)
+    retried_version, retried_value = _clipped_round(lambda frag: _fails_once(frag.published, "advance"))
+    assert retried_version == version and torch.equal(retried_value, value)
