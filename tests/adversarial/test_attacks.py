@@ -83,6 +83,22 @@ def test_a_token_count_whose_weight_underflows_is_refused_and_the_round_still_cl
         attacker.close()
 
 
+def test_a_delta_of_subnormal_values_does_not_stop_its_fragment(target):
+    """A push of a few subnormal values made the merge's float32 factor w / |delta| overflow: the
+    round's close raised on every look and the fragment never stepped again."""
+    attacker = _attacker(target)
+    numel = layout(target.config).fragment_numel(0)
+    try:
+        target.push(attacker, 1, 0, torch.full((numel,), 1e-45), seq=1, codec="fp32")
+        target.push(target.honest, 0, 0, torch.full((numel,), 0.01), seq=1)
+        target.settle(0, 1)
+        target.push(target.honest, 0, 0, torch.full((numel,), 0.01), round=1, base_version=1, seq=2)
+        target.settle(0, 2)  # and the next round closes too
+        assert all_finite(target.snapshot())
+    finally:
+        attacker.close()
+
+
 def test_a_pull_cannot_pin_the_servers_workers(target):
     """Pull answers with the current version at once (new versions reach islands through their
     subscriptions, which are counted as long calls): a flood of pulls holds no worker."""
