@@ -59,8 +59,10 @@ def contribution_problem(c: Contribution, layout_hash: str) -> tuple[Reason, str
     if not (1 <= c.steps <= MAX_STEPS) or not (MIN_TOKENS <= c.tokens <= MAX_TOKENS) or c.tokens != c.tokens:
         return Reason.BAD_COUNTERS, (f"counters tokens={c.tokens} steps={c.steps} are out of range "
                                      f"({MIN_TOKENS:g} <= tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
-    if c.seq < 0 or c.round < 0 or c.base_version < 0:
-        return Reason.BAD_SEQUENCE, f"sequence number {c.seq}, round {c.round} and base version {c.base_version} must be >= 0"
+    negative = [f"{name}={value}" for name, value in (("seq", c.seq), ("round", c.round), ("base_version", c.base_version))
+                if value < 0]
+    if negative:
+        return Reason.BAD_SEQUENCE, f"{', '.join(negative)}: the sequence number, round and base version must be >= 0"
     return None
 
 
