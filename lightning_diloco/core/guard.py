@@ -37,7 +37,7 @@ from collections.abc import Iterable
 import torch
 from dataclasses import dataclass
 
-from lightning_diloco.core.merge import norm64
+from lightning_diloco.core.merge import MAX_ALPHA, norm64
 
 TOKENS_PER_STEP_FACTOR = 4.0
 STEPS_FACTOR = 4
@@ -103,10 +103,13 @@ def agreeing(weights: list[float], gradients: list[torch.Tensor], norms: list[fl
     if norms is None:
         norms = [norm64(g) for g in gradients]
     directions = torch.zeros_like(gradients[0], dtype=torch.float32)
-    for g, n in zip(gradients, norms):
-        if n > 0:
-            directions.add_(g, alpha=1.0 / n)
-    agreement = [float(torch.dot(g, directions)) / n - 1.0 if n > 0 else 0.0 for g, n in zip(gradients, norms)]
+    inverse = [1.0 / n if n > 1e-300 else 0.0 for n in norms]  # (a float32 gradient has none below 1e-45 but 0)
+    # float32 factors end at 3.4e38: one common scale for a gradient of subnormal values (merge.py)
+    scale = min(1.0, MAX_ALPHA / max(inverse)) if any(inverse) else 1.0
+    for g, inv in zip(gradients, inverse):
+        if inv:
+            directions.add_(g, alpha=inv * scale)
+    agreement = [float(torch.dot(g, directions)) / (n * scale) - 1.0 if inv else 0.0 for g, n, inv in zip(gradients, norms, inverse)]
     typical = statistics.median(agreement)
     if typical > 0:
         kept = [w * min(1.0, max(0.0, a / typical)) for w, a in zip(weights, agreement)]

@@ -25,6 +25,7 @@ from lightning_diloco.core.fragments import EMBEDDING
 
 NORM_PIECE = 1 << 18  # values per piece of norm64: each piece's squares (1 MB) stay in cache
 SAFE_SQUARES = (1e-30, 1e30)  # a float32 sum of squares strictly inside this is neither overflowed nor underflowed
+MAX_ALPHA = 1e37  # the largest factor an RDA sum adds a delta with: inside float32, with room for the sum
 
 
 def norm64(x: torch.Tensor) -> float:
@@ -83,18 +84,21 @@ def radial_directional_average(
     assert total > 0, f"{weights=}: at least one contribution must have a positive weight"
     radius = 0.0
     direction = _output(deltas, out)
-    for delta, w in zip(deltas, weights):
-        if not w:
-            continue
-        norm = norm64(delta)
+    norms = [norm64(delta) if w else 0.0 for delta, w in zip(deltas, weights)]
+    alphas = [w / norm if norm > 0 else 0.0 for w, norm in zip(weights, norms)]
+    # the sum is taken in float32, whose factors end at 3.4e38: a delta of norm 1e-43 (a few
+    # subnormal values) gave w / norm = 1e47 and the merge raised, on every close of its round.
+    # One factor for all keeps their ratios: the direction is the same, only its scale is not
+    scale = min(1.0, MAX_ALPHA / max(alphas)) if any(alphas) else 1.0
+    for delta, w, norm, alpha in zip(deltas, weights, norms, alphas):
         radius += w * norm / total
-        if norm > 0:
-            direction.add_(delta, alpha=w / norm)
+        if alpha:
+            direction.add_(delta, alpha=alpha * scale)
     direction_norm = norm64(direction)
     # normalize(0) = 0. Opposite islands cancel only up to rounding, and normalizing that residue
     # would point the full radius in a random direction, so a sum of unit vectors shorter than
     # 1e-6 of its largest possible length counts as zero.
-    if direction_norm <= 1e-6 * total:
+    if direction_norm <= 1e-6 * total * scale:
         return direction.zero_()
     return direction.mul_(radius / direction_norm)
 

@@ -58,23 +58,28 @@ class FragmentState:
 
         A step that would make the value or the momentum non-finite, or that a lossy downlink
         cannot carry (a value near fp32's largest), is not taken: the state stays exactly as it
-        was and None is returned.
+        was and None is returned. Any other error in the step also leaves the state as it was.
         """
         momentum = self.outer.momentum_buffer
         saved = (self.value.clone(), None if momentum is None else momentum.clone())
-        self.outer.step(outer_gradient)
-        momentum = self.outer.momentum_buffer
         try:
+            self.outer.step(outer_gradient)
+            momentum = self.outer.momentum_buffer
             if not (all_finite(self.value) and (momentum is None or all_finite(momentum))):
                 raise NonFiniteError("the outer step is not finite")
-            if self.published is not None:  # first: a value its codec cannot carry is not taken either
+            exact = self.value.clone()
+            if self.published is not None:  # last: a value its codec cannot carry is not taken either
                 self.published.advance(self.value, self.version + 1)  # (an int2 block rms past 2.27e38)
-        except NonFiniteError:
+        except BaseException as err:
+            # any error, not only a step that is not finite, leaves the state as it was: the
+            # round's closer looks again after an error and must not step twice (closers.py)
             self.value.copy_(saved[0])
             self.outer.momentum_buffer = saved[1]
-            return None
+            if isinstance(err, NonFiniteError):
+                return None
+            raise
         self.version += 1
-        self.history[self.version] = self.value.clone()
+        self.history[self.version] = exact
         kept = self.version - (self.depth if self.published is None else 1)
         for old in [v for v in self.history if v <= kept]:
             del self.history[old]

@@ -75,7 +75,11 @@ class Closers:
                     failures += 1
                     log.exception("fragment %d: closing its round failed (%d time(s) in a row); trying again in %.2f s",
                                   fragment, failures, wait)
-                if wait > 0 and not self.closing.is_set():
+                if failures:  # the whole back-off: every push notifies the condition (one failure logged a push)
+                    deadline = time.monotonic() + wait
+                    while not self.closing.is_set() and (left := deadline - time.monotonic()) > 0:
+                        rounds.cond.wait(left)
+                elif wait > 0 and not self.closing.is_set():
                     rounds.cond.wait(wait)
 
     def poll(self, now: float) -> list[ClosedRound]:

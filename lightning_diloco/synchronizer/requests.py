@@ -15,7 +15,11 @@ from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.reasons import Reason
 
 # A contribution weighs tokens**2 / steps: past these bounds no real island reports, and within
-# them the weight stays finite in float64 however a client fills the fields.
+# them the weight stays finite in float64 however a client fills the fields. Below MIN_TOKENS the
+# square underflows to 0 (tokens=1e-200: a weight of 0.0): a round of such entries, or of one and
+# an honest one (the weights are capped at a multiple of their lower median, 0), had no positive
+# weight and its close failed on every look, so the fragment never stepped again.
+MIN_TOKENS = 1e-6
 MAX_TOKENS = 1e15
 MAX_STEPS = 10**9
 
@@ -52,11 +56,13 @@ def contribution_problem(c: Contribution, layout_hash: str) -> tuple[Reason, str
     """Why the fields of ``c`` cannot be taken as they are, or None."""
     if c.layout_hash != layout_hash:
         return Reason.LAYOUT_MISMATCH, f"layout hash {c.layout_hash[:40]!r} is not the run's {layout_hash!r}; rejoin with the run's model"
-    if not (1 <= c.steps <= MAX_STEPS) or not (0 < c.tokens <= MAX_TOKENS) or c.tokens != c.tokens:
+    if not (1 <= c.steps <= MAX_STEPS) or not (MIN_TOKENS <= c.tokens <= MAX_TOKENS) or c.tokens != c.tokens:
         return Reason.BAD_COUNTERS, (f"counters tokens={c.tokens} steps={c.steps} are out of range "
-                                     f"(0 < tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
-    if c.seq < 0 or c.round < 0 or c.base_version < 0:
-        return Reason.BAD_SEQUENCE, f"sequence number {c.seq}, round {c.round} and base version {c.base_version} must be >= 0"
+                                     f"({MIN_TOKENS:g} <= tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
+    negative = [f"{name}={value}" for name, value in (("seq", c.seq), ("round", c.round), ("base_version", c.base_version))
+                if value < 0]
+    if negative:
+        return Reason.BAD_SEQUENCE, f"{', '.join(negative)}: the sequence number, round and base version must be >= 0"
     return None
 
 

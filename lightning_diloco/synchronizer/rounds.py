@@ -211,12 +211,12 @@ class FragmentRounds:
         assert self.frag is not None and self.entries, "only an open round with entries can close"
         frag, index = self.frag, self.frag.next_round
         entries = sorted(self.entries.values(), key=lambda e: (e.island, e.seq))
-        weights, clipped = self._bounded(entries)
+        gradients, weights, clipped = self._bounded(entries)
         version = None
         kept = list(range(len(entries)))
         while kept and version is None:
             merged = torch.empty(frag.value.numel())
-            merge_outer_gradients([split_fragment(entries[i].outer_gradient, self.specs) for i in kept],
+            merge_outer_gradients([split_fragment(gradients[i], self.specs) for i in kept],
                                   [weights[i] for i in kept], [s.role for s in self.specs], self.config.merge.method,
                                   out=split_fragment(merged, self.specs))
             version = frag.apply(merged)
@@ -254,20 +254,21 @@ class FragmentRounds:
         self.cond.notify_all()
         return self.last
 
-    def _bounded(self, entries: list[Entry]) -> tuple[list[float], int]:
-        """Each entry's merge weight, its outer gradient scaled down to the norm bound in place;
-        and how many were scaled."""
+    def _bounded(self, entries: list[Entry]) -> tuple[list[torch.Tensor], list[float], int]:
+        """Each entry's outer gradient scaled down to the norm bound, its merge weight, and how
+        many were scaled. A scaled gradient is a copy: the entries stay as they came in, so a
+        close that fails after this and is tried again (closers.py) bounds them once more from
+        the same values, not a second time over."""
         frag = self.frag
         fragment_norm = norm64(frag.value)
         discount = self.config.merge.staleness_discount
-        weights, ages, norms, clipped = [], [], [], 0
+        gradients, weights, ages, norms, clipped = [], [], [], [], 0
         for e in entries:
             others = [(o.norm, o.tokens / o.steps) for o in entries if o.island != e.island]
             b = self.guard.bound(norm=e.norm, tokens=e.tokens, steps=e.steps, others=others,
                                  fragment_norm=fragment_norm, numel=frag.value.numel(), island=e.island)
-            if b.clipped:
-                e.outer_gradient.mul_(b.scale)
-                clipped += 1
+            gradients.append(e.outer_gradient * b.scale if b.clipped else e.outer_gradient)
+            clipped += b.clipped
             norms.append(e.norm * b.scale)
             # a base newer than the current version (kept by an island across a synchronizer
             # restart that lost the last versions) is as fresh as it gets: age 0
@@ -275,7 +276,7 @@ class FragmentRounds:
             weights.append(contribution_weight(b.tokens, b.steps))
         # what the islands claim is capped against each other; the age discount is the synchronizer's own
         weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=discount) for w, a in zip(capped_weights(weights), ages)]
-        return agreeing(weights, [e.outer_gradient for e in entries], norms), clipped
+        return gradients, agreeing(weights, gradients, norms), clipped
 
     def publish(self, island: int, have: int) -> list[VersionUpdate]:
         """What an island holding version ``have`` is sent to hold the current version, in order:

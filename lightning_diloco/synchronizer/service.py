@@ -236,13 +236,13 @@ class Synchronizer(Intake):
     # ---- fragments and pulling -------------------------------------------------------------
 
     def _rounds(self, fragment: int) -> FragmentRounds:
-        if not self.owned(fragment) or not 0 <= fragment < self.config.schedule.num_fragments:
-            owner = shard_of(fragment, self.num_shards)
-            raise self.refuse(
-                Reason.UNKNOWN_FRAGMENT,
-                f"fragment {fragment} is not owned by shard {self.shard} of {self.num_shards} "
-                f"(fragments 0..{self.config.schedule.num_fragments - 1}; shard {owner} owns it)",
-            )
+        num_fragments = self.config.schedule.num_fragments
+        if not 0 <= fragment < num_fragments:  # (no shard owns it: saying one did sent clients to the wrong one)
+            raise self.refuse(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} is not one of the run's fragments "
+                              f"0..{num_fragments - 1}")
+        if not self.owned(fragment):
+            raise self.refuse(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} is not owned by shard {self.shard} of "
+                              f"{self.num_shards}; shard {shard_of(fragment, self.num_shards)} owns it")
         rounds = self.rounds.get(fragment)
         if self.state is None or rounds is None:
             raise self.refuse(Reason.NOT_JOINED, "no island has joined yet; call Join first")

@@ -97,6 +97,7 @@ class SynchronizerClient(ShardSessions):
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
         self._subscriptions: list[Subscription] = []
+        self._waits: set[grpc.Future] = set()  # the channel-ready waits of calls backing off
         self._closed = threading.Event()
 
     @property
@@ -180,16 +181,29 @@ class SynchronizerClient(ShardSessions):
         """Wait ``delay`` seconds or until the shard's channel (every channel: None) is ready."""
         started = time.monotonic()
         for channel in self.channels if shard is None else [self.channels[shard]]:
-            ready = grpc.channel_ready_future(channel)
             try:
-                ready.result(timeout=max(0.0, started + delay - time.monotonic()))
+                ready = grpc.channel_ready_future(channel)
+                with self._lock:  # close() cancels it: a caller backing off learns at once that it is closed
+                    if self._closed.is_set():
+                        ready.cancel()
+                        return
+                    self._waits.add(ready)
+                try:
+                    ready.result(timeout=max(0.0, started + delay - time.monotonic()))
+                finally:
+                    with self._lock:  # whoever takes it out of the set cancels it (twice raises in gRPC)
+                        mine = ready in self._waits
+                        self._waits.discard(ready)
             except grpc.FutureTimeoutError:
-                ready.cancel()  # stops its connectivity polling thread
+                if mine:
+                    ready.cancel()  # stops its connectivity polling thread
+                return
+            except grpc.FutureCancelledError:  # by close()
                 return
             except ValueError:  # the channel was closed under us (shutdown): the next attempt reports it
                 break
         # a ready channel can still answer UNAVAILABLE (a server shutting down): do not spin
-        time.sleep(max(0.0, started + min(delay, 0.5) - time.monotonic()))
+        self._closed.wait(max(0.0, started + min(delay, 0.5) - time.monotonic()))
 
     # ---- calls --------------------------------------------------------------------------------
 
@@ -326,6 +340,9 @@ class SynchronizerClient(ShardSessions):
         with self._lock:
             self._closed.set()
             subscriptions, self._subscriptions = self._subscriptions, []
+            waits, self._waits = self._waits, set()
+        for ready in waits:  # a call backing off (up to max_backoff) raises that the client is closed now
+            ready.cancel()
         for subscription in subscriptions:
             subscription.stop()
         for channel in self.channels:  # also ends a reader's join in flight (a rejoin) at once

@@ -63,6 +63,42 @@ def test_absurd_token_counts_cannot_drown_an_honest_island(target, tokens):
         attacker.close()
 
 
+@pytest.mark.parametrize("tokens", [5e-324, 1e-200])
+def test_a_token_count_whose_weight_underflows_is_refused_and_the_round_still_closes(target, tokens):
+    """tokens**2 underflowed to a weight of 0.0: the round holding that entry (alone, or beside an
+    honest one, whose weight was capped to the lower median, 0) failed its close on every look and
+    the fragment never stepped again."""
+    attacker = _attacker(target)
+    numel = layout(target.config).fragment_numel(0)
+    try:
+        before = target.snapshot()
+        with pytest.raises(SynchronizerError, match="tokens=") as refused:
+            target.push(attacker, 1, 0, torch.full((numel,), 0.01), seq=1, tokens=tokens)
+        assert refused.value.reason == "bad_counters"
+        assert target.snapshot()[0].equal(before[0]) and target.service.versions()[0] == 0
+        target.push(target.honest, 0, 0, torch.full((numel,), 0.01), seq=1)
+        target.settle(0, 1)  # the honest island's round closes
+        assert target.service.status().rounds[0].merged_entries == 1
+    finally:
+        attacker.close()
+
+
+def test_a_delta_of_subnormal_values_does_not_stop_its_fragment(target):
+    """A push of a few subnormal values made the merge's float32 factor w / |delta| overflow: the
+    round's close raised on every look and the fragment never stepped again."""
+    attacker = _attacker(target)
+    numel = layout(target.config).fragment_numel(0)
+    try:
+        target.push(attacker, 1, 0, torch.full((numel,), 1e-45), seq=1, codec="fp32")
+        target.push(target.honest, 0, 0, torch.full((numel,), 0.01), seq=1)
+        target.settle(0, 1)
+        target.push(target.honest, 0, 0, torch.full((numel,), 0.01), round=1, base_version=1, seq=2)
+        target.settle(0, 2)  # and the next round closes too
+        assert all_finite(target.snapshot())
+    finally:
+        attacker.close()
+
+
 def test_a_pull_cannot_pin_the_servers_workers(target):
     """Pull answers with the current version at once (new versions reach islands through their
     subscriptions, which are counted as long calls): a flood of pulls holds no worker."""

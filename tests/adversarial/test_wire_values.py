@@ -179,3 +179,70 @@ def test_a_huge_number_in_one_push_does_not_reach_any_reply(target, field):
     round_now = max(0, target.service.status().rounds[0].round)
     ack = target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), round=round_now, base_version=0, seq=2)
     assert not ack.late
+
+
+# each field of a push or seed header at the values refused, and how its refusal names it
+REFUSED_HEADER_VALUES = {
+    ("Push", "round"): ([-1, -(2**63)], "round={}"),
+    ("Push", "base_version"): ([-1, -(2**63)], "base_version={}"),
+    ("Push", "seq"): ([-1, -(2**63)], "seq={}"),
+    ("Push", "tokens"): ([0.0, -1.0, 5e-324, 1e308, math.nan, math.inf, -math.inf], "tokens={}"),
+    ("Push", "steps"): ([0, -1, 2**63 - 1, -(2**63)], "steps={}"),
+    ("Push", "payload_bytes"): ([0, -1, 2**63 - 1, -(2**63)], "declares {} bytes"),
+    ("Push", "fragment"): ([-1, 2**31 - 1, -(2**31)], "fragment {}"),
+    ("Push", "island"): ([-1, 2**31 - 1, -(2**31)], "island {}"),
+    ("Seed", "payload_bytes"): ([0, -1, 2**63 - 1, -(2**63)], "declares {} bytes"),
+    ("Seed", "fragment"): ([-1, 2**31 - 1, -(2**31)], "fragment {}"),
+    ("Seed", "island"): ([-1, 2**31 - 1, -(2**31)], "island {}"),
+}
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_header_value_is_named_in_the_refusal_and_changes_nothing(tmp_path):
+    """Over the real server: every push and seed header field at its refused extremes gets a
+    refusal that names the field with the value sent, and leaves the fragments, their versions and
+    rounds, and the accepted counts as they were. (A negative round was refused as 'sequence number
+    12, round -1 and base version 0 must be >= 0', which does not say which one; fragment -1 as
+    'not owned by shard 0 ... shard 0 owns it'.)"""
+    config = run_config(num_fragments=2, min_quorum=2)
+    server = _serve(config, tmp_path)
+    prober = Prober(server.address, config)
+    service, stub, details = server.service, prober.stub, []
+
+    def observed():
+        status = service.status()
+        return ({p: f.value.clone() for p, f in service.state.fragments.items()}, service.versions(),
+                {p: (r.round, r.open_contributors, r.closed) for p, r in status.rounds.items()}, dict(status.accepted))
+
+    try:
+        with SynchronizerClient(server.address, max_retries=1) as founder:
+            founder.join(0, 1, SPECS)
+            for p, value in initial_fragments(config).items():
+                founder.seed(0, p, value)
+        before = observed()
+
+        class Recording:  # the prober's stub, keeping each refusal's details
+            def __getattr__(self, name):
+                def call(*args, **kwargs):
+                    try:
+                        return getattr(stub, name)(*args, **kwargs)
+                    except grpc.RpcError as err:
+                        details.append(err.details() or "")
+                        raise
+                return call
+
+        prober.stub = Recording()
+        for (rpc, field), (values, naming) in REFUSED_HEADER_VALUES.items():
+            for value in values:
+                details.clear()
+                code = prober.call(rpc, field, value)
+                assert code != grpc.StatusCode.OK and details, (rpc, field, value)
+                assert naming.format(value) in details[-1], (rpc, field, value, details[-1])
+                assert "owns it" not in details[-1] or field != "fragment", details[-1]  # no shard owns it
+                after = observed()
+                assert all(torch.equal(after[0][p], before[0][p]) for p in before[0]) and after[1:] == before[1:], \
+                    (rpc, field, value)
+    finally:
+        prober.stub = stub
+        prober.close()
+        server.stop(grace=0)

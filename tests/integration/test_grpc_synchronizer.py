@@ -506,3 +506,43 @@ def test_a_client_closed_while_it_joins_again_says_it_is_closed(started, monkeyp
     with pytest.raises(SynchronizerError) as refused:
         client.heartbeat(0, 1, 0.1, 1)
     assert refused.value.reason == Reason.UNREACHABLE and "closed" in str(refused.value)
+
+
+def test_a_close_ends_a_call_backing_off_from_an_absent_synchronizer_at_once():
+    """close() ended nothing a call waited on between its retries: a join with patience against a
+    synchronizer that is away raised 'closed' only once its backoff (up to max_backoff) was over.
+    Here that backoff is 5 to 10 minutes; the call must end long before."""
+    import logging
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = SynchronizerClient(f"127.0.0.1:{port}", max_retries=0, backoff=600.0, max_backoff=600.0)
+    backing_off, outcome = threading.Event(), {}
+
+    class Waiting(logging.Handler):  # the warning logged right before its first backoff
+        def emit(self, record):
+            if "no synchronizer reachable" in record.getMessage():
+                backing_off.set()
+
+    def join():
+        try:
+            client.join(0, 1, SPECS, patience=3600.0)
+        except SynchronizerError as err:
+            outcome["error"] = err
+
+    handler, logger = Waiting(), logging.getLogger("lightning_diloco.transport.client")
+    logger.addHandler(handler)
+    thread = threading.Thread(target=join, name="diloco-test-backing-off")
+    try:
+        thread.start()
+        assert backing_off.wait(60), "the join never backed off"
+        client.close()
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "the join waited out its backoff after the client was closed"
+        assert outcome["error"].reason == Reason.UNREACHABLE and "closed" in str(outcome["error"])
+    finally:
+        logger.removeHandler(handler)
+        client.close()
+        thread.join(timeout=600)

@@ -75,3 +75,15 @@ def test_an_entry_against_the_others_gets_no_weight_and_agreeing_ones_keep_their
     kept = agreeing([1.0] * 4, [*honest, 50 * torch.randn(100, generator=g)])
     assert kept[3] < 0.3 and min(kept[:3]) > 0.9  # noise agrees with nobody
     assert agreeing([1.0, 2.0], [way, -way]) == [1.0, 2.0]  # two entries: no majority to follow
+
+
+def test_agreement_with_a_gradient_of_subnormal_values_is_measured_not_raised():
+    """Its unit vector's float32 factor 1 / |g| (7e44) overflowed: a round of three or more holding
+    one such entry raised in every close. The honest entries keep their weights."""
+    import torch
+
+    from lightning_diloco.core.guard import agreeing
+
+    honest = [torch.full((1000,), 0.01), torch.full((1000,), 0.02)]
+    weights = agreeing([1.0, 2.0, 3.0], [*honest, torch.full((1000,), 1e-45)])
+    assert weights[:2] == [1.0, 2.0] and all(math.isfinite(w) and w >= 0 for w in weights)

@@ -91,6 +91,17 @@ def test_rda_of_finite_but_huge_inputs_stays_finite():
     assert torch.isfinite(merged).all() and float(merged.norm()) > 0
 
 
+@pytest.mark.parametrize("tiny, weight", [(1e-45, 1.0), (1e-30, 1e30)])
+def test_rda_of_a_tiny_input_or_a_huge_weight_keeps_the_direction_of_the_unit_vectors(tiny, weight):
+    """The sum of unit vectors was taken with factors w / |delta| in float32: a delta of a few
+    subnormal values (|delta| 1e-43), or a weight of 1e30 (tokens 1e15, one step) on a short one,
+    raised "cannot be converted to type float without overflow", on every close of the round."""
+    a, b = torch.full((2,), tiny) * torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])
+    out = radial_directional_average([a, b], [weight, weight])
+    radius = (float(a.norm()) + 3.0) / 2  # equal weights: the mean length, half of the unit vectors each
+    assert torch.allclose(out, radius * torch.tensor([1.0, 1.0]) / math.sqrt(2), rtol=1e-5)
+
+
 @pytest.mark.parametrize("numel", [0, 5, (1 << 18) + 3, 3_000_000])
 def test_norm64_is_the_float64_norm(numel):
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e-3

@@ -262,3 +262,54 @@ def test_a_close_that_fails_after_its_step_leaves_the_round_closed_so_a_closer_l
         sync.poll()
     assert sync.versions()[0] == 1 and not sync.rounds[0].entries  # the step was taken once, the round is over
     assert sync.poll() == [] and sync.versions()[0] == 1  # looking again finds nothing to merge
+
+
+def _clipped_round(fail):
+    """Three honest rounds, then a round whose one entry is far too long (clipped); ``fail(frag)``
+    makes the first try of its close fail. The fragment's published value and version once a
+    look again has closed it."""
+    config = run_config(num_fragments=1, min_quorum=1, gamma=0.0, downlink="bf16")
+    sync, clock = _started(config, 2)
+    numel = _numel(config)
+    for v in range(3):
+        _place(sync, clock, 4 * (v + 1), [0, 1])
+        sync.push(contribution(config, 0, 0, torch.full((numel,), 0.01), round=v + 1, base_version=v, seq=v))
+        sync.poll()
+    _place(sync, clock, 16, [0, 1])
+    sync.push(contribution(config, 1, 0, torch.full((numel,), 10.0), round=4, base_version=3, seq=0))
+    if fail is not None:
+        fail(sync.rounds[0].frag)
+        with pytest.raises(RuntimeError, match="injected"):
+            sync.poll()
+    [closed] = sync.poll()
+    assert closed.clipped == 1
+    return sync.versions()[0], sync.pull(0)[1]
+
+
+def _fails_once(obj, name):
+    original, failed = getattr(obj, name), []
+
+    def failing(*args):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError(f"injected failure in {name}")
+        return original(*args)
+
+    setattr(obj, name, failing)
+
+
+def test_a_close_that_fails_before_its_step_merges_a_clipped_entry_clipped_once_when_tried_again():
+    """The norm bound scaled an entry's outer gradient in place: a close tried again after a
+    failure in the step merged it scaled twice, a smaller step than the same round closed once."""
+    version, value = _clipped_round(None)
+    retried_version, retried_value = _clipped_round(lambda frag: _fails_once(frag, "apply"))
+    assert retried_version == version and torch.equal(retried_value, value)
+
+
+def test_a_close_that_fails_inside_the_outer_step_steps_the_fragment_once_when_tried_again():
+    """An error inside the step other than a non-finite one (here the lossy downlink's encoding)
+    left the value and momentum stepped under the old version: the closer's next look stepped
+    them again from the same contributions."""
+    version, value = _clipped_round(None)
+    retried_version, retried_value = _clipped_round(lambda frag: _fails_once(frag.published, "advance"))
+    assert retried_version == version and torch.equal(retried_value, value)

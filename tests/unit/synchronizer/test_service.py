@@ -236,3 +236,37 @@ def test_a_closer_that_keeps_failing_backs_off_to_its_idle_wait_and_never_overfl
     waits = [retry_wait(n) for n in range(8)]
     assert waits[0] == CLOSER_TICK and waits == sorted(waits) and waits[-1] == IDLE_WAIT
     assert retry_wait(10**6) == IDLE_WAIT  # a closer failing for weeks still computes its wait
+
+
+def test_a_closer_that_keeps_failing_backs_off_however_many_pushes_notify_it():
+    """Each push notifies its fragment's condition, which woke a failing closer at once: it looked
+    again, failed and logged a traceback per push (200 in 1.1 s of pushes), whatever its back-off.
+    Its looks are now no more than its back-off waits allow in the time the pushes took."""
+    import time
+
+    config = run_config(num_fragments=1, min_quorum=1)
+    sync = _started(config, 3, clock=time.monotonic)
+    looks, failed = [], threading.Event()
+
+    def failing_apply(outer_gradient):
+        looks.append(time.monotonic())
+        failed.set()
+        raise RuntimeError("injected failure that persists")
+
+    sync.rounds[0].frag.apply = failing_apply
+    numel = layout(config).fragment_numel(0)
+    sync.start()
+    try:
+        sync.push(contribution(config, 0, 0, torch.full((numel,), 0.01), seq=1))
+        assert failed.wait(60), "the closer never tried to close the round"
+        for k in range(2, 60):  # during its back-off, each a notification
+            sync.push(contribution(config, k % 3, 0, torch.full((numel,), 0.01), seq=k))
+        until = time.monotonic()
+    finally:
+        sync.shutdown()
+    # the looks that the back-off lets happen by `until`, whatever the machine's load made it
+    allowed, waited = 1, retry_wait(0)
+    while looks[0] + waited <= until:
+        allowed += 1
+        waited += retry_wait(allowed - 1)
+    assert len([t for t in looks if t <= until]) <= allowed
