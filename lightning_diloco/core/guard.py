@@ -37,7 +37,7 @@ from collections.abc import Iterable
 import torch
 from dataclasses import dataclass
 
-from lightning_diloco.core.merge import MAX_ALPHA, norm64
+from lightning_diloco.core.merge import common_scale, norm64
 
 TOKENS_PER_STEP_FACTOR = 4.0
 STEPS_FACTOR = 4
@@ -104,8 +104,7 @@ def agreeing(weights: list[float], gradients: list[torch.Tensor], norms: list[fl
         norms = [norm64(g) for g in gradients]
     directions = torch.zeros_like(gradients[0], dtype=torch.float32)
     inverse = [1.0 / n if n > 1e-300 else 0.0 for n in norms]  # (a float32 gradient has none below 1e-45 but 0)
-    # float32 factors end at 3.4e38: one common scale for a gradient of subnormal values (merge.py)
-    scale = min(1.0, MAX_ALPHA / max(inverse)) if any(inverse) else 1.0
+    scale = common_scale(inverse)  # a gradient of subnormal values: 1 / |g| past float32's range
     for g, inv in zip(gradients, inverse):
         if inv:
             directions.add_(g, alpha=inv * scale)

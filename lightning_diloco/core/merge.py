@@ -28,6 +28,13 @@ SAFE_SQUARES = (1e-30, 1e30)  # a float32 sum of squares strictly inside this is
 MAX_ALPHA = 1e37  # the largest factor an RDA sum adds a delta with: inside float32, with room for the sum
 
 
+def common_scale(factors: Sequence[float]) -> float:
+    """One scale for every factor of a float32 sum of vectors, so that none passes MAX_ALPHA:
+    float32 factors end at 3.4e38 (1 / |delta| of a few subnormal values is 1e45). Scaling all
+    alike keeps their ratios, so the sum's direction is unchanged; 1 when none is that large."""
+    return min(1.0, MAX_ALPHA / max(factors)) if any(factors) else 1.0
+
+
 def norm64(x: torch.Tensor) -> float:
     """The 2-norm of ``x``, with float64's range: finite for every finite input.
 
@@ -86,10 +93,8 @@ def radial_directional_average(
     direction = _output(deltas, out)
     norms = [norm64(delta) if w else 0.0 for delta, w in zip(deltas, weights)]
     alphas = [w / norm if norm > 0 else 0.0 for w, norm in zip(weights, norms)]
-    # the sum is taken in float32, whose factors end at 3.4e38: a delta of norm 1e-43 (a few
-    # subnormal values) gave w / norm = 1e47 and the merge raised, on every close of its round.
-    # One factor for all keeps their ratios: the direction is the same, only its scale is not
-    scale = min(1.0, MAX_ALPHA / max(alphas)) if any(alphas) else 1.0
+    # a delta of norm 1e-43 gave w / norm = 1e47 and the merge raised, on every close of its round
+    scale = common_scale(alphas)
     for delta, w, norm, alpha in zip(deltas, weights, norms, alphas):
         radius += w * norm / total
         if alpha:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
+import logging
+import socket
 import threading
 import time
 
@@ -316,8 +318,6 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
         server.stop(grace=0)  # checkpoints on the way down
 
         def restart_soon():
-            import time
-
             time.sleep(0.5)
             restarted["server"] = SynchronizerServer(Synchronizer(config, checkpoint_dir=tmp_path), port=port).start()
 
@@ -388,9 +388,6 @@ def test_a_synchronizer_restart_noticed_by_push_heartbeat_and_subscription_costs
 
 
 def test_an_island_started_before_its_synchronizer_waits_and_joins(caplog):
-    import socket
-    import time
-
     with socket.socket() as probe:  # a port nothing listens on yet
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -512,9 +509,6 @@ def test_a_close_ends_a_call_backing_off_from_an_absent_synchronizer_at_once():
     """close() ended nothing a call waited on between its retries: a join with patience against a
     synchronizer that is away raised 'closed' only once its backoff (up to max_backoff) was over.
     Here that backoff is 5 to 10 minutes; the call must end long before."""
-    import logging
-    import socket
-
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -1,6 +1,7 @@
 """The synchronizer in-process: validation, refusals, idempotency, checkpoints, the closer threads."""
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -90,7 +91,7 @@ def test_an_older_sequence_number_than_one_merged_is_refused():
 
 def test_closer_threads_close_rounds_with_nobody_waiting_and_stop_on_shutdown():
     config = run_config(min_quorum=1)
-    sync = _started(config, 1, clock=__import__("time").monotonic).start()
+    sync = _started(config, 1, clock=time.monotonic).start()
     try:
         sync.push(contribution(config, 0, 1, torch.zeros(layout(config).fragment_numel(1))))
         assert wait_for_version(sync.pull, 1, 1)[0] == 1
@@ -101,7 +102,7 @@ def test_closer_threads_close_rounds_with_nobody_waiting_and_stop_on_shutdown():
 
 def test_a_closer_whose_close_failed_logs_it_and_closes_the_round_on_its_next_look(caplog):
     config = run_config(min_quorum=1)
-    sync = _started(config, 1, clock=__import__("time").monotonic)
+    sync = _started(config, 1, clock=time.monotonic)
     rounds, real_close, calls = sync.rounds[1], sync.rounds[1].close, []
 
     def close_failing_once(*args):
@@ -242,8 +243,6 @@ def test_a_closer_that_keeps_failing_backs_off_however_many_pushes_notify_it():
     """Each push notifies its fragment's condition, which woke a failing closer at once: it looked
     again, failed and logged a traceback per push (200 in 1.1 s of pushes), whatever its back-off.
     Its looks are now no more than its back-off waits allow in the time the pushes took."""
-    import time
-
     config = run_config(num_fragments=1, min_quorum=1)
     sync = _started(config, 3, clock=time.monotonic)
     looks, failed = [], threading.Event()
