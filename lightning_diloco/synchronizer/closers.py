@@ -3,7 +3,9 @@ rules say so (rounds.py decides), whether or not any caller is waiting, and step
 optimizer through the round's close. Tests call :meth:`Closers.poll` with a fake clock instead.
 
 What a closed round changes beyond its fragment (counters, membership credit, a checkpoint due)
-is the synchronizer's: it is handed to ``on_closed``, under the fragment's lock.
+is the synchronizer's: it is handed to ``on_closed``, under the fragment's lock. A failure there
+is logged and never retried: the round is closed and stepped, and a closer that looked again
+would find nothing to close.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.synchronizer.membership import Membership
-from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds
+from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
 log = logging.getLogger(__name__)
 
@@ -116,4 +118,4 @@ class Closers:
                         closed.fragment, closed.round, closed.dropped)
         log.debug("fragment %d round %d -> version %d from islands %s (%s)", closed.fragment, closed.round,
                   closed.version, closed.islands, reason)
-        self.on_closed(closed, now)
+        each_part(closed, [("bookkeeping beyond its fragment", lambda: self.on_closed(closed, now))])

@@ -19,8 +19,9 @@ All methods take ``now`` (monotonic seconds) from the caller; the object holds n
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.state import FragmentState
 from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
 
+log = logging.getLogger(__name__)
 
 MAX_WAITING = 1024  # entries one round holds (one per island): past this a new island's push is refused busy
 
@@ -109,6 +111,25 @@ class RoundTotals:
     dropped: int = 0
     grace_wait_s: float = 0.0
     grace_wait_max_s: float = 0.0
+
+
+def each_part(closed: ClosedRound, parts: Sequence[tuple[str, Callable[[], object]]]) -> list[str]:
+    """Run every part of what a closed round changes after its outer step, each even if one
+    before it failed, and log each failure once, naming the part. Returns the names that failed.
+
+    The step is taken and the round marked closed before any part runs, and no part is run
+    again: a part that failed stays short (its counter, its credit) rather than risk a second
+    step or a part applied twice; the log says which, and the round's other effects are whole.
+    """
+    failed = []
+    for name, part in parts:
+        try:
+            part()
+        except Exception:  # noqa: BLE001 - one part's failure must not skip the others
+            failed.append(name)
+            log.exception("fragment %d round %d closed into version %d, but its %s failed and stays short; "
+                          "the round's other effects were applied", closed.fragment, closed.round, closed.version, name)
+    return failed
 
 
 class FragmentRounds:
@@ -207,6 +228,10 @@ class FragmentRounds:
         Each entry is first bounded (core/guard.py). Should the step still not be finite, the
         entry with the longest outer gradient is left out and the rest merged again; a round
         whose entries are all left out closes without a step.
+
+        A failure before the step leaves the round as it was, to be closed again. Once the step is
+        taken the round is closed, and each part of its bookkeeping is applied once, whatever
+        another part does (:func:`each_part`): no failure after the step raises.
         """
         assert self.frag is not None and self.entries, "only an open round with entries can close"
         frag, index = self.frag, self.frag.next_round
@@ -215,11 +240,11 @@ class FragmentRounds:
         version = None
         kept = list(range(len(entries)))
         while kept and version is None:
-            merged = torch.empty(frag.value.numel())
+            step = torch.empty(frag.value.numel())
             merge_outer_gradients([split_fragment(gradients[i], self.specs) for i in kept],
                                   [weights[i] for i in kept], [s.role for s in self.specs], self.config.merge.method,
-                                  out=split_fragment(merged, self.specs))
-            version = frag.apply(merged)
+                                  out=split_fragment(step, self.specs))
+            version = frag.apply(step)
             if version is None:
                 kept.remove(max(kept, key=lambda i: entries[i].norm))
         grace = max(0.0, now - self.quorum_at) if self.quorum_at is not None else 0.0
@@ -229,30 +254,44 @@ class FragmentRounds:
         self.opened_at = self.quorum_at = None
         frag.next_round = index + 1
         dropped = len(entries) - len(kept)
+        merged = [entries[i] for i in kept]
+        islands = tuple(sorted({e.island for e in merged}))
+        late = sum(e.sent_for < index for e in merged)
+        self.last = ClosedRound(fragment=self.fragment, round=index, version=frag.version, islands=islands, late=late,
+                                clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now)
+        each_part(self.last, [
+            ("settled sequence numbers", lambda: self._settle(entries, index)),
+            ("merged-in versions", lambda: self.merged_in.update({e.island: frag.version for e in merged})),
+            ("influence guard's history", lambda: self._record(merged)),
+            ("versions' rounds", lambda: self._remember_round(version, index)),
+            ("round totals", lambda: self._count(len(merged), late, clipped, dropped, grace)),
+        ])
+        self.cond.notify_all()
+        return self.last
+
+    def _settle(self, entries: list[Entry], index: int) -> None:
         for e in entries:  # left out or not, each is settled: a retry gets the same answer
             settled = self.settled.get(e.island)
             if settled is None or settled.session != e.session or settled.seq < e.seq:
-                self.settled[e.island] = _Settled(seq=e.seq, round=index, version=frag.version, digest=e.digest,
+                self.settled[e.island] = _Settled(seq=e.seq, round=index, version=self.frag.version, digest=e.digest,
                                                   session=e.session)
-        for i in kept:
-            e = entries[i]
-            self.merged_in[e.island] = frag.version
+
+    def _record(self, merged: list[Entry]) -> None:
+        for e in merged:
             self.guard.record(e.island, e.norm, e.tokens, e.steps)
-        islands = tuple(sorted({entries[i].island for i in kept}))
-        late = sum(entries[i].sent_for < index for i in kept)
-        self.last = ClosedRound(fragment=self.fragment, round=index, version=frag.version, islands=islands, late=late,
-                                clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now)
+
+    def _remember_round(self, version: int | None, index: int) -> None:
         if version is not None:
             self.rounds_of[version] = index
-        for old in [v for v in self.rounds_of if v <= frag.version - frag.depth]:  # no island is sent them again
+        for old in [v for v in self.rounds_of if v <= self.frag.version - self.frag.depth]:  # no island is sent them again
             del self.rounds_of[old]
+
+    def _count(self, merged: int, late: int, clipped: int, dropped: int, grace: float) -> None:
         t = self.totals
-        t.closed, t.entries, t.late = t.closed + 1, t.entries + len(kept), t.late + late
+        t.closed, t.entries, t.late = t.closed + 1, t.entries + merged, t.late + late
         t.clipped, t.dropped = t.clipped + clipped, t.dropped + dropped
         t.grace_wait_s += grace
         t.grace_wait_max_s = max(t.grace_wait_max_s, grace)
-        self.cond.notify_all()
-        return self.last
 
     def _bounded(self, entries: list[Entry]) -> tuple[list[torch.Tensor], list[float], int]:
         """Each entry's outer gradient scaled down to the norm bound, its merge weight, and how

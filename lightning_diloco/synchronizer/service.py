@@ -43,7 +43,7 @@ from lightning_diloco.synchronizer.durability import Checkpointer, resume
 from lightning_diloco.synchronizer.intake import Intake
 from lightning_diloco.synchronizer.membership import Membership, SessionError
 from lightning_diloco.synchronizer.requests import Refusal, layout_difference
-from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds
+from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
 log = logging.getLogger(__name__)
 
@@ -273,16 +273,23 @@ class Synchronizer(Intake):
         return closed
 
     def _round_closed(self, closed: ClosedRound, now: float) -> None:
-        """Everything a closed round changes beyond its fragment, in one place. Called by its
-        closer with the fragment's lock held (the lock order: rounds.cond, then self.lock and
-        the membership's)."""
+        """Everything a closed round changes beyond its fragment, in one place, each part applied
+        even if another fails (rounds.py each_part). Called by its closer with the fragment's
+        lock held (the lock order: rounds.cond, then self.lock and the membership's)."""
+        each_part(closed, [
+            ("counters", lambda: self._count_closed(closed)),
+            ("membership credit", lambda: self.membership.credit(closed.islands, now)),
+            # also wakes the subscriptions
+            ("withdrawal of its requests", lambda: self.membership.withdraw(closed.fragment, closed.round)),
+            # written on its own thread: rounds never wait for the disk
+            ("checkpoint-due signal", lambda: self.checkpointer.due.set()),
+        ])
+
+    def _count_closed(self, closed: ClosedRound) -> None:
         with self.lock:
             self.accepted["merged"] += len(closed.islands)
             if closed.dropped:
                 self.refused[Reason.NON_FINITE_STEP.value] += closed.dropped
-        self.membership.credit(closed.islands, now)
-        self.membership.withdraw(closed.fragment, closed.round)  # also wakes the subscriptions
-        self.checkpointer.due.set()  # written on its own thread: rounds never wait for the disk
 
     # ---- subscriptions ---------------------------------------------------------------------
 

@@ -248,20 +248,56 @@ def test_an_old_or_unknown_base_is_merged_with_its_age_never_refused():
     assert [c.version for c in sync.poll()] == [6, 1]
 
 
-def test_a_close_that_fails_after_its_step_leaves_the_round_closed_so_a_closer_looking_again_merges_nothing_twice():
+def _raise(*args):
+    raise RuntimeError("injected failure")
+
+
+# parts of a closed round's bookkeeping: the object and the method that make each fail
+FAILING_PARTS = {
+    "influence guard's history": (lambda sync: sync.rounds[0].guard, "record"),
+    "membership credit": (lambda sync: sync.membership, "credit"),
+    "withdrawal of its requests": (lambda sync: sync.membership, "withdraw"),
+    "checkpoint-due signal": (lambda sync: sync.checkpointer.due, "set"),
+}
+
+
+def _round_effects(sync):
+    """What a closed round changed that an operator or an island sees."""
+    status = sync.status()
+    return {
+        "outer steps": (sync.versions()[0], status.outer_steps),
+        "round totals": (status.rounds[0].closed, status.rounds[0].merged_entries),
+        "counters": status.accepted.get("merged", 0),
+        "membership credit": status.islands[0].accepted,
+        "withdrawal of its requests": [type(e) for e in _available(sync, 1, {0: 0, 1: 0})],
+        "checkpoint-due signal": sync.checkpointer.due.is_set(),
+    }
+
+
+ALL_APPLIED = {"outer steps": (1, 1), "round totals": (1, 1), "counters": 1, "membership credit": 1,
+               "withdrawal of its requests": [VersionUpdate], "checkpoint-due signal": True}
+
+
+@pytest.mark.parametrize("failing", sorted(FAILING_PARTS))
+def test_a_failure_in_a_closed_rounds_bookkeeping_skips_none_of_the_rest_and_the_fragment_steps_once(failing, monkeypatch,
+                                                                                                    caplog):
+    """A failure after the step skipped everything after it (counters, credit, the withdrawal of
+    the other islands' requests, the checkpoint due), or left them to a closer's look again."""
     config = run_config(min_quorum=1, gamma=0.0)
-    sync, clock = _started(config, 1)
-    _place(sync, clock, 4, [0])
-    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=1, seq=1))
-
-    def record(*args):
-        raise RuntimeError("injected failure in the close's bookkeeping")
-
-    sync.rounds[0].guard.record = record
-    with pytest.raises(RuntimeError, match="injected"):
-        sync.poll()
-    assert sync.versions()[0] == 1 and not sync.rounds[0].entries  # the step was taken once, the round is over
-    assert sync.poll() == [] and sync.versions()[0] == 1  # looking again finds nothing to merge
+    sync, clock = _started(config, 2)
+    _place(sync, clock, 4, [0, 1])
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=1, seq=1))  # island 1 is asked
+    owner, method = FAILING_PARTS[failing]
+    monkeypatch.setattr(owner(sync), method, _raise)
+    [closed] = sync.poll()  # nothing raised: the round is closed
+    assert (closed.round, closed.version, closed.islands) == (1, 1, (0,))
+    assert sync.poll() == [] and not sync.rounds[0].entries  # looking again finds nothing to merge
+    effects = _round_effects(sync)
+    assert {k: v for k, v in effects.items() if k != failing} == {k: v for k, v in ALL_APPLIED.items() if k != failing}
+    if failing in effects:  # the failed part stays short: it is not applied later, nor twice
+        assert effects[failing] != ALL_APPLIED[failing]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and f"its {failing} failed" in errors[0] and "round 1 closed into version 1" in errors[0]
 
 
 def _clipped_round(fail):
