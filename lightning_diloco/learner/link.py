@@ -36,7 +36,11 @@ class SynchronizerLink(Protocol):
     def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
                   on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],
                   on_reconnect: Callable[[], None] = ...) -> Any:
-        """Start delivering round requests and new versions to the callbacks until :meth:`close`."""
+        """Start delivering round requests and new versions to the callbacks until :meth:`close`.
+        The callbacks run on the link's reader threads; one may block, but a close waits for it
+        only so long (core/readers.py)."""
 
     def close(self) -> None:
-        """End the subscription and release what the link holds."""
+        """End the subscription and release what the link holds. Once it returns, from whichever
+        caller (several at once included), no reader runs, but one held inside a callback past
+        ``JOIN_TIMEOUT``: that one is logged, naming the callback, and hands no further event."""

@@ -31,6 +31,7 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.readers import Readers
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import REJOIN, Reason, SynchronizerError
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
@@ -145,10 +146,12 @@ class LocalLink:
             return subscription.start()
 
     def close(self) -> None:
-        """End the subscriptions and join their threads; later calls fail as unreachable."""
-        self._closed.set()
+        """End the subscriptions and join their threads; later calls fail as unreachable. When it
+        returns, from whichever caller, no reader runs but one held inside a callback, as the
+        client's close (core/readers.py)."""
         with self._lock:
-            subscriptions, self._subscriptions = self._subscriptions, []
+            self._closed.set()
+            subscriptions = list(self._subscriptions)  # kept: every close joins them
         for subscription in subscriptions:
             subscription.close()
 
@@ -171,11 +174,12 @@ class LocalSubscription:
                  on_reconnect: Callable[[], None]) -> None:
         self.link, self.island, self.versions = link, island, versions
         self.on_request, self.on_version, self.on_reconnect = on_request, on_version, on_reconnect
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, name=f"diloco-subscription-{island}-local", daemon=True)
+        self.readers = Readers(f"island {island}'s subscription")
+        self._stop = self.readers.stopping
+        self.readers.add(f"diloco-subscription-{island}-local", self._read)
 
     def start(self) -> LocalSubscription:
-        self._thread.start()
+        self.readers.start()
         return self
 
     def close(self) -> None:
@@ -183,8 +187,7 @@ class LocalSubscription:
         membership = self.link.service.membership
         with membership.lock:  # wake the reader where it waits for news
             membership.changed.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        self.readers.join()
 
     def _active(self) -> bool:
         return not self._stop.is_set()
@@ -196,14 +199,12 @@ class LocalSubscription:
             try:
                 events = link._call("subscription", lambda: link.service.subscribe(
                     self.island, self.versions(), active=self._active, tick=link.tick, session=link.session))
-                if opened_before:
-                    self.on_reconnect()
+                if opened_before and not self.readers.hand(self.on_reconnect):
+                    return
                 opened_before = True
                 for event in events:  # ends when closed, on shutdown, or when the island joined again
-                    if isinstance(event, RoundRequest):
-                        self.on_request(event)
-                    else:
-                        self.on_version(event)
+                    if not self.readers.hand(self.on_request if isinstance(event, RoundRequest) else self.on_version, event):
+                        return
             except SynchronizerError as err:
                 if self._stop.is_set():
                     return

@@ -96,7 +96,7 @@ class SynchronizerClient(ShardSessions):
         ShardSessions.__init__(self, len(self.stubs))
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
-        self._subscriptions: list[Subscription] = []
+        self._subscriptions: list[Subscription] = []  # kept after close: every close joins them
         self._waits: set[grpc.Future] = set()  # the channel-ready waits of calls backing off
         self._closed = threading.Event()
 
@@ -336,10 +336,15 @@ class SynchronizerClient(ShardSessions):
 
     def close(self) -> None:
         """End the subscriptions and join their threads, then release the channels; later calls
-        fail as unreachable, saying the client is closed."""
+        fail as unreachable, saying the client is closed.
+
+        When it returns, from whichever caller (two closing at once included), no reader thread
+        of this client runs, but one still inside a callback after ``JOIN_TIMEOUT``: that one is
+        logged, naming the callback, and hands no further event (core/readers.py).
+        """
         with self._lock:
             self._closed.set()
-            subscriptions, self._subscriptions = self._subscriptions, []
+            subscriptions = list(self._subscriptions)
             waits, self._waits = self._waits, set()
         for ready in waits:  # a call backing off (up to max_backoff) raises that the client is closed now
             ready.cancel()
@@ -347,7 +352,7 @@ class SynchronizerClient(ShardSessions):
             subscription.stop()
         for channel in self.channels:  # also ends a reader's join in flight (a rejoin) at once
             channel.close()
-        for subscription in subscriptions:
+        for subscription in subscriptions:  # each close joins them: a second one returns once they ended too
             subscription.join()
 
     def __enter__(self) -> SynchronizerClient:

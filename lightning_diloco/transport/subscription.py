@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
+from lightning_diloco.core.readers import Readers
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import REJOIN, Reason
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -36,17 +37,15 @@ class Subscription:
                  on_reconnect: Callable[[], None]) -> None:
         self.client, self.island, self.versions = client, island, versions
         self.on_request, self.on_version, self.on_reconnect = on_request, on_version, on_reconnect
-        self._stop = threading.Event()
+        self.readers = Readers(f"island {island}'s subscription")
+        self._stop = self.readers.stopping
         self._lock = threading.Lock()
         self._calls: dict[int, grpc.Future] = {}
-        self._threads = [
-            threading.Thread(target=self._read, args=(shard,), name=f"diloco-subscription-{island}-{shard}", daemon=True)
-            for shard in range(client.num_shards)
-        ]
+        for shard in range(client.num_shards):
+            self.readers.add(f"diloco-subscription-{island}-{shard}", self._read, shard)
 
     def start(self) -> Subscription:
-        for thread in self._threads:
-            thread.start()
+        self.readers.start()
         return self
 
     def close(self) -> None:
@@ -55,17 +54,18 @@ class Subscription:
         self.join()
 
     def stop(self) -> None:
-        """Tell the readers to end, and end the streams they read (without waiting for them)."""
+        """Tell the readers to end, and end the streams they read (without waiting for them).
+        Safe to call again, from any thread."""
         self._stop.set()
         with self._lock:
             calls = list(self._calls.values())
         for call in calls:
             call.cancel()
 
-    def join(self) -> None:
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=5)
+    def join(self) -> list[str]:
+        """Wait for the readers to end, at most ``JOIN_TIMEOUT`` (core/readers.py): the names of
+        those still inside a callback then, each logged."""
+        return self.readers.join()
 
     def _read(self, shard: int) -> None:
         single_threaded_torch()  # it decodes fragments beside the training loop
@@ -86,8 +86,8 @@ class Subscription:
                         call.cancel()
                         return
                     self._calls[shard] = call
-                if opened_before:
-                    self.on_reconnect()
+                if opened_before and not self.readers.hand(self.on_reconnect):
+                    return
                 opened_before = True
                 if self._consume(call):
                     attempt = 0  # it worked for a while: back off from the start again
@@ -118,13 +118,15 @@ class Subscription:
             self._stop.wait(delay)
 
     def _consume(self, call) -> bool:
-        """Hand the stream's events to the callbacks until it ends; True if any arrived."""
+        """Hand the stream's events to the callbacks until it ends, or until the readers stop (then
+        the next event is handed to nobody); True if any arrived."""
         header, buffer, filled, any_event = None, None, 0, False
         for event in call:  # transport/wire.py's events: a chunk's data is a view of the received bytes
             any_event = True
             self.client._count(received=event.size)
             if event.request is not None:
-                self.on_request(from_message(event.request, RoundRequest))
+                if not self.readers.hand(self.on_request, from_message(event.request, RoundRequest)):
+                    break
                 continue
             chunk = event.chunk or NO_CHUNK
             if chunk.header is not None:
@@ -137,6 +139,7 @@ class Subscription:
             buffer[filled:end] = chunk.data
             filled = end
             if filled == len(buffer):
-                self.on_version(version_update(header, buffer))
+                if not self.readers.hand(self.on_version, version_update(header, buffer)):
+                    break
                 header, buffer = None, None
         return any_event

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from lightning_diloco.core import readers
 from lightning_diloco.core.codecs import get_codec, payload_size
 from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.reasons import Reason
@@ -150,3 +151,70 @@ def test_a_closed_link_ends_its_subscription_and_refuses_every_call(link):
         assert refused.value.reason == Reason.UNREACHABLE and "closed" in str(refused.value)
     assert set(threading.enumerate()) <= threads, "a closed link started a thread"
     link.close()  # a second close (the caller's, then a context manager's) is harmless
+
+
+def _held_subscription(link):
+    """A live subscription whose reader is held inside ``on_version`` until the returned event is
+    set; the versions it was handed. The island holds no version: it is sent both fragments."""
+    _joined_and_seeded(link)
+    inside, release, handed = threading.Event(), threading.Event(), []
+
+    def on_version(update):
+        handed.append(update)
+        inside.set()
+        release.wait()
+
+    link.subscribe(0, lambda: {0: -1, 1: -1}, on_request=lambda *r: None, on_version=on_version)
+    assert inside.wait(20), "the subscription delivered nothing"
+    return release, handed
+
+
+def _readers():
+    return [t for t in threading.enumerate() if t.name.startswith("diloco-subscription") and t.is_alive()]
+
+
+def test_two_closes_at_once_each_return_once_the_readers_ended(link, monkeypatch):
+    """The first close took the subscriptions out of the link: a second close at the same time
+    (an island's shutdown beside its context manager's) found none and returned at once, its
+    readers still running."""
+    link, _ = link
+    monkeypatch.setattr(readers, "JOIN_TIMEOUT", 600.0)  # the reader is held by the test, not the clock
+    release, _ = _held_subscription(link)
+    running_when_returned, returned = {}, threading.Event()
+
+    def close(name):
+        link.close()
+        running_when_returned[name] = [t.name for t in _readers()]
+        returned.set()
+
+    closers = [threading.Thread(target=close, args=(name,), name=f"diloco-test-close-{name}") for name in ("one", "two")]
+    try:
+        for thread in closers:
+            thread.start()
+        returned.wait(2.0)  # time for a close that does not wait for the held reader to return (none may)
+    finally:
+        release.set()
+    for thread in closers:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in closers), "a close never returned"
+    assert running_when_returned == {"one": [], "two": []}
+
+
+def test_a_close_waits_for_a_blocked_callback_only_so_long_and_names_it_and_its_reader_hands_nothing_more(
+        link, monkeypatch, caplog):
+    """A callback blocked past the join timeout outlived close() silently: nothing said that a
+    reader was still running, nor which callback held it."""
+    link, _ = link
+    monkeypatch.setattr(readers, "JOIN_TIMEOUT", 0.05)  # the callback is held by the test however long it takes
+    release, handed = _held_subscription(link)
+    try:
+        with caplog.at_level("WARNING", logger="lightning_diloco.core.readers"):
+            link.close()  # returns though the callback is still held
+        [held] = _readers()
+        [warning] = [r.getMessage() for r in caplog.records if r.name == "lightning_diloco.core.readers"]
+        assert held.name in warning and "still running" in warning and "_held_subscription.<locals>.on_version" in warning
+    finally:
+        release.set()
+    held.join(timeout=60)
+    assert not held.is_alive(), "the reader did not end once its callback returned"
+    assert len(handed) == 1  # the other fragment's version, sent too, was handed to nobody after the close
