@@ -46,6 +46,10 @@ from lightning_diloco.transport.wire import Chunk, assemble, chunk_messages, stu
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+READY_PROBE = "/lightning_diloco.transport.ReadyProbe/Wait"
+"""A method no server has. Called with ``wait_for_ready``, gRPC holds it until the channel is
+connected, and the server's gRPC answers it UNIMPLEMENTED at once, before any handler or log."""
+
 
 def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
     items = addresses.split(",") if isinstance(addresses, str) else list(addresses)
@@ -97,7 +101,6 @@ class SynchronizerClient(ShardSessions):
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
         self._subscriptions: list[Subscription] = []  # kept after close: every close joins them
-        self._waits: set[grpc.Future] = set()  # the channel-ready waits of calls backing off
         self._closed = threading.Event()
 
     @property
@@ -178,31 +181,29 @@ class SynchronizerClient(ShardSessions):
                 attempt += 1
 
     def _wait_ready(self, shard: int | None, delay: float) -> None:
-        """Wait ``delay`` seconds or until the shard's channel (every channel: None) is ready."""
+        """Wait ``delay`` seconds or until the shard's channel (every channel: None) is connected.
+
+        It waits with a call (:data:`READY_PROBE`) on this thread, not with
+        ``grpc.channel_ready_future``: that subscribes to the channel's connectivity, which gRPC
+        polls on a thread of its own for up to 0.2 s after the last wait ended, and a close in
+        that time made that thread raise "Cannot invoke RPC: Channel closed!" and print its
+        traceback (gRPC's ``_poll_connectivity`` does not expect a closed channel). A call in
+        flight is simply ended by the close (CANCELLED), like any other.
+        """
         started = time.monotonic()
         for channel in self.channels if shard is None else [self.channels[shard]]:
+            left = started + delay - time.monotonic()
+            if left <= 0 or self._closed.is_set():
+                return
             try:
-                ready = grpc.channel_ready_future(channel)
-                with self._lock:  # close() cancels it: a caller backing off learns at once that it is closed
-                    if self._closed.is_set():
-                        ready.cancel()
-                        return
-                    self._waits.add(ready)
-                try:
-                    ready.result(timeout=max(0.0, started + delay - time.monotonic()))
-                finally:
-                    with self._lock:  # whoever takes it out of the set cancels it (twice raises in gRPC)
-                        mine = ready in self._waits
-                        self._waits.discard(ready)
-            except grpc.FutureTimeoutError:
-                if mine:
-                    ready.cancel()  # stops its connectivity polling thread
-                return
-            except grpc.FutureCancelledError:  # by close()
-                return
+                channel.unary_unary(READY_PROBE)(b"", timeout=left, wait_for_ready=True)
+            except grpc.RpcError as err:
+                if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    return  # not connected within the delay, or close() ended the wait
+                # any answer (UNIMPLEMENTED: no server has that method) means the channel is connected
             except ValueError:  # the channel was closed under us (shutdown): the next attempt reports it
-                break
-        # a ready channel can still answer UNAVAILABLE (a server shutting down): do not spin
+                return
+        # a connected channel can still answer UNAVAILABLE (a server shutting down): do not spin
         self._closed.wait(max(0.0, started + min(delay, 0.5) - time.monotonic()))
 
     # ---- calls --------------------------------------------------------------------------------
@@ -345,12 +346,9 @@ class SynchronizerClient(ShardSessions):
         with self._lock:
             self._closed.set()
             subscriptions = list(self._subscriptions)
-            waits, self._waits = self._waits, set()
-        for ready in waits:  # a call backing off (up to max_backoff) raises that the client is closed now
-            ready.cancel()
         for subscription in subscriptions:
             subscription.stop()
-        for channel in self.channels:  # also ends a reader's join in flight (a rejoin) at once
+        for channel in self.channels:  # also ends a call backing off and a reader's join in flight (a rejoin)
             channel.close()
         for subscription in subscriptions:  # each close joins them: a second one returns once they ended too
             subscription.join()
