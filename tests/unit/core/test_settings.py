@@ -98,7 +98,8 @@ def test_sync_every_alone_lowers_num_fragments_and_unknown_names_are_refused():
         config_with({"min_quorum": 0})
 
 
-@pytest.mark.parametrize("preset", [presets.paper(), presets.small_model(4), presets.large_model(sync_every=500, num_fragments=22)])
+@pytest.mark.parametrize("preset", [presets.paper(), presets.small_model(4), presets.large_model(sync_every=500, num_fragments=22),
+                                    presets.low_bandwidth(), presets.low_bandwidth(presets.small_model(8))])
 def test_a_preset_is_its_changed_settings_and_they_survive_the_command_line(preset):
     changed = changed_settings(preset)
     assert config_with(changed) == preset
@@ -107,6 +108,12 @@ def test_a_preset_is_its_changed_settings_and_they_survive_the_command_line(pres
     assert given_settings(parser.parse_args(setting_flags(changed))) == changed
     # the paper's settings are the library's defaults but for its apply rule (core/config.py says why)
     assert changed_settings(presets.paper()) == {"apply": "overwrite"}
+
+
+def test_the_low_bandwidth_preset_is_int2_both_ways_with_a_smaller_outer_step_on_any_base():
+    assert changed_settings(presets.low_bandwidth()) == {"uplink_codec": "int2", "downlink_codec": "int2", "block_size": 128,
+                                                         "outer_lr": 0.5}
+    assert changed_settings(presets.low_bandwidth(presets.small_model(8)))["num_fragments"] == 8
 
 
 def test_a_preset_that_breaks_an_invariant_is_refused_when_called():
