@@ -39,18 +39,18 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 for every interface (default %(default)s)")
     parser.add_argument("--port", type=int, default=7470, help="port; 0 picks a free one (default %(default)s)")
     parser.add_argument("--shard", type=int, default=0, help="this shard's index (default %(default)s)")
-    parser.add_argument("--num-shards", type=int, default=1, help="shards in the run; shard i owns fragments p %% S == i")
+    parser.add_argument("--num-shards", type=int, default=1, help="shards in the run; shard i owns fragments p %% S == i (default %(default)s)")
     parser.add_argument("--checkpoint-dir", help="resume from and write checkpoints here")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="outer steps between checkpoints (default %(default)s)")
     parser.add_argument("--run-id", help="the run's name, written into its checkpoints: a checkpoint of another run "
                         "is refused (default: the checkpoint's, or a new one)")
     parser.add_argument("--layout-hash", help="the run's model layout (its hash, as Status and the islands' logs show it): "
                         "a first island with another model is refused instead of adopted")
-    parser.add_argument("--liveness-timeout", type=float, default=15.0, help="seconds of silence before an island is not waited for")
+    parser.add_argument("--liveness-timeout", type=float, default=15.0, help="seconds of silence before an island is not waited for (default %(default)s)")
     add_token_arguments(parser, "shared secret islands must present")
     parser.add_argument("--tls-cert", help="PEM certificate file: serve TLS")
     parser.add_argument("--tls-key", help="PEM private key file for --tls-cert")
-    parser.add_argument("--max-workers", type=int, default=256, help="concurrent calls; a waiting push holds one")
+    parser.add_argument("--max-workers", type=int, default=256, help="concurrent calls; a waiting push holds one (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus text metrics over HTTP on this port")
     parser.add_argument("--status-port", type=int,
                         help="serve a live HTML status page (and /status.json) on this port, on 127.0.0.1")
