@@ -140,9 +140,19 @@ def test_bad_island_count_or_quorum_is_refused_with_the_flag_named():
         _args(TEXT, "--islands", "2", "--min-quorum", "3")
 
 
-def test_unknown_preset_in_compare_is_refused():
+def test_unknown_preset_in_compare_is_refused_before_any_folder_is_made(tmp_path):
     with pytest.raises(SystemExit, match="not one of"):
         compare._preset_lr("recipes.text_lm", "cpu-huge")
+    with pytest.raises(SystemExit, match="--preset='cpu_tiny' is not one of"):
+        compare.main(["--preset", "cpu_tiny", "--out", str(tmp_path / "cmp")])
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_the_help_says_the_defaults_of_preset_seed_and_out():
+    help_text = " ".join(build_parser(TEXT, None).format_help().split())
+    assert "(default cpu-tiny)" in help_text and "(default 0)" in help_text
+    assert "(default runs/<recipe>-<preset>-<strategy>)" in help_text
+    assert _args(TEXT).out == "runs/text_lm-cpu-tiny-decoupled_diloco"  # what the help says
 
 
 def test_wandb_runs_are_offline_without_credentials(monkeypatch, tmp_path):
