@@ -390,6 +390,7 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
         raise ValueError("give the training command after --, e.g. "
                          "lightning-diloco run --islands 2 -- python examples/train_lm.py --steps 48")
     check_command(command, clean_environment({}))
+    replaces = bool(options.report) and Path(options.report).exists()
     if options.report:  # its folder now, not after the whole run
         Path(options.report).parent.mkdir(parents=True, exist_ok=True)
     launcher = Run(options, command, observers)
@@ -408,6 +409,7 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
         print("run failed: " + "; ".join(report.failures), flush=True)
     if options.report:
         Path(options.report).write_text(json.dumps(report.to_dict(), indent=2, default=sorted))
+        print(f"[launcher] report written to {options.report}" + (", replacing an earlier run's" if replaces else ""), flush=True)
     if launcher.temporary:  # its checkpoints and progress files: keep them with --workdir
         shutil.rmtree(launcher.workdir, ignore_errors=True)
     return code

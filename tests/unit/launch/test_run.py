@@ -200,3 +200,19 @@ def test_an_island_that_ignores_its_devices_is_said_once(tmp_path, capsys):
     assert out.count("island 0 joined with 1 process(es), not --devices-per-island=2") == 1 and "DILOCO_DEVICES" in out
     assert _run(tmp_path, "--synchronizer", "127.0.0.1:1")._check_world_sizes(status) is None
     assert capsys.readouterr().out == ""
+
+
+def test_the_report_file_is_named_and_replacing_an_earlier_one_is_said(tmp_path, capsys):
+    """A second run with the same --report replaces the first's file: the launcher says where the
+    report went and that it replaced one, rather than overwriting it silently."""
+    import sys
+
+    from lightning_diloco.launch.run import run
+
+    report = tmp_path / "runs" / "report.json"
+    options = RunOptions(workdir=str(tmp_path / "work"), islands=1, synchronizer="127.0.0.1:1", report=str(report))
+    assert run(options, [sys.executable, "-c", "pass"]) == 0
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    assert first == f"[launcher] report written to {report}" and json.loads(report.read_text())["islands"]
+    assert run(options, [sys.executable, "-c", "pass"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"[launcher] report written to {report}, replacing an earlier run's"
