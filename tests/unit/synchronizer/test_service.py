@@ -1,5 +1,6 @@
 """The synchronizer in-process: validation, refusals, idempotency, checkpoints, the closer threads."""
 
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -197,15 +198,18 @@ def test_a_step_that_would_not_be_finite_leaves_its_contributor_out():
     assert sync.status().refused == {"non_finite_step": 1}
 
 
-def test_restart_from_checkpoint_keeps_versions_fragments_momentum_and_rounds(tmp_path):
+def test_restart_from_checkpoint_keeps_versions_fragments_momentum_and_rounds(tmp_path, caplog):
     config = run_config()
     sync = _started(config, 1, checkpoint_dir=tmp_path, checkpoint_every=1)
     numel = layout(config).fragment_numel(1)
     for v in range(3):
         sync.push(contribution(config, 0, 1, torch.full((numel,), 0.01 * (v + 1)), round=v + 1, base_version=v, seq=v))
         sync.poll()
-    restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
+    with caplog.at_level(logging.INFO):
+        restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
     assert restarted.versions() == {0: 0, 1: 3}
+    # a rerun of a documented command with the same folder continues the old run: it is said
+    assert f"from {tmp_path} after 3 outer steps" in caplog.text and "a new run needs a new --checkpoint-dir" in caplog.text
     for p in range(2):
         a, b = sync.state.fragments[p], restarted.state.fragments[p]
         assert torch.equal(a.value, b.value) and a.next_round == b.next_round
