@@ -103,7 +103,12 @@ def run_synchronizer(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from lightning_diloco.synchronizer.metrics import serve_metrics
 
-        serve_metrics(service, args.metrics_port)
+        try:
+            metrics, _ = serve_metrics(service, args.metrics_port)
+        except OSError as err:
+            server.stop(grace=0)
+            raise ValueError(f"--metrics-port {args.metrics_port}: {err.strerror or err}; choose a free port") from None
+        log.info("metrics at http://127.0.0.1:%d/metrics", metrics.server_address[1])
     if args.status_port is not None:
         from lightning_diloco.synchronizer.status_page import serve_status_page
 
@@ -111,7 +116,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
             page = serve_status_page(service.status, args.status_port)
         except OSError as err:
             server.stop(grace=0)
-            raise SystemExit(f"--status-port {args.status_port}: {err.strerror or err}; choose a free port") from None
+            raise ValueError(f"--status-port {args.status_port}: {err.strerror or err}; choose a free port") from None
         log.info("status page at http://127.0.0.1:%d/", page.server_address[1])
     # What start-up made (torch's modules, hundreds of thousands of objects) lives as long as the
     # process: out of the cyclic collector's way, whose full passes scanned it again and again
