@@ -136,6 +136,13 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"--islands={args.islands} and --devices={args.devices} must be >= 1")
     if args.strategy != "ddp" and (args.min_quorum or 1) > args.islands:
         raise SystemExit(f"--min-quorum={args.min_quorum} exceeds --islands={args.islands}: no round could ever close")
+    if args.chaos:  # now, before an earlier run in --out is moved aside for one that cannot start
+        from lightning_diloco.launch.chaos import parse_schedule
+
+        try:
+            parse_schedule(args.chaos, num_islands=args.islands)
+        except (ValueError, OSError) as err:
+            raise SystemExit(f"--chaos: {err}") from None
     return args
 
 

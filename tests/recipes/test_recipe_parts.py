@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from lightning_diloco.core.settings import given_settings
-from recipes import compare, data
+from recipes import compare, data, text_lm
 from recipes.common import build_parser, cosine_with_warmup, resolve
 from recipes.text_lm import RECIPE as TEXT
 from recipes.vision import RECIPE as VISION
@@ -138,6 +138,21 @@ def test_bad_island_count_or_quorum_is_refused_with_the_flag_named():
         _args(TEXT, "--islands", "0")
     with pytest.raises(SystemExit, match="--min-quorum=3 exceeds --islands=2"):
         _args(TEXT, "--islands", "2", "--min-quorum", "3")
+
+
+def test_a_chaos_schedule_that_cannot_be_read_is_refused_before_an_earlier_run_is_moved_aside(tmp_path):
+    """`bash scripts/run.sh --chaos "kil 1 at step 300"` moved runs/main aside, then failed with a
+    traceback, leaving an empty runs/main."""
+    out = tmp_path / "main"
+    out.mkdir()
+    (out / "result.json").write_text("{}")
+    for schedule, said in [("kil 1 at step 300", "--chaos: cannot read fault 'kil 1 at step 300'"),
+                           ("kill 4 at step 300", "names island 4, but the run has islands 0..3"),
+                           ("@no-such-file", "--chaos: "), ]:
+        with pytest.raises(SystemExit, match=said):
+            text_lm.main(["--islands", "4", "--out", str(out), "--chaos", schedule])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["main"] and (out / "result.json").exists()
+    assert _args(TEXT, "--chaos", "kill 1 at step 300").chaos == "kill 1 at step 300"
 
 
 def test_unknown_preset_in_compare_is_refused_before_any_folder_is_made(tmp_path):
