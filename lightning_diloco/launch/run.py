@@ -48,14 +48,15 @@ class Run:
     def __init__(self, options: RunOptions, command: list[str], observers: Sequence[Callable[[SynchronizerStatus], None]] = ()) -> None:
         self.options, self.command = options, command
         self.observers = list(observers)  # called with each synchronizer status the launcher samples
+        # a schedule that cannot be read is refused before an earlier run in --workdir is moved aside
+        horizon = options.chaos_horizon
+        self.pending: list[Fault] = parse_schedule(options.chaos, num_islands=options.islands, horizon_s=horizon) if options.chaos else []
         self.temporary = options.workdir is None  # a folder nobody else knows of: removed when the run ends
         self.workdir = Path(options.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
         note = set_aside(self.workdir, resume=options.resume) if options.workdir else None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ddp = options.baseline == "ddp"
         self.units = 1 if self.ddp else options.islands  # supervised process trees
-        horizon = options.chaos_horizon
-        self.pending: list[Fault] = parse_schedule(options.chaos, num_islands=options.islands, horizon_s=horizon) if options.chaos else []
         self.fired: list[str] = []
         self.synchronizer_downs: list[float] = []  # run times at which the synchronizer went away
         self._sync_reachable = True

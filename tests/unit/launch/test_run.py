@@ -234,3 +234,12 @@ def test_an_island_script_that_is_not_there_is_refused_before_any_island_starts(
     (tmp_path / "examples" / "train_lm.py").write_text("")
     assert run(options, [sys.executable, "-u", "examples/train_lm.py", "--steps", "48"]) == 0  # there: it runs
     assert run(options, [sys.executable, "-W", "ignore", "-c", "pass"]) == 0  # no script to look for
+
+
+def test_a_chaos_schedule_that_cannot_be_read_leaves_an_earlier_run_in_the_workdir_alone(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "synchronizer").mkdir()  # an earlier run's state
+    with pytest.raises(ValueError, match="cannot read fault 'kil 1 at 3s'"):
+        _run(work, "--chaos", "kil 1 at 3s")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"] and (work / "synchronizer").is_dir()
