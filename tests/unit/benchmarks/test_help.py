@@ -20,3 +20,11 @@ def test_help_lists_the_options(name, capsys):
     assert exited.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage:") and "--help" in out
+
+
+def test_the_codec_help_says_the_defaults_docs_benchmarks_md_quotes(capsys):
+    """docs/benchmarks.md: 'the figures below used the defaults, 16M values and 5 repeats'."""
+    with pytest.raises(SystemExit):
+        importlib.import_module("benchmarks.codec").main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default 16M)" in out and "the best is reported (default 5)" in out and "int8/int4/int2 (default 64)" in out
