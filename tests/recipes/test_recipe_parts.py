@@ -191,3 +191,15 @@ def test_the_ddp_reference_is_printed_only_for_the_setting_it_was_measured_at():
     assert other.startswith("no DDP reference for this setting")
     assert other.endswith("python -m recipes.text_lm --strategy ddp --islands 2 --steps 60 --out runs/text_lm-cpu-tiny-decoupled_diloco-ddp")
     assert reference_line(VISION, _args(VISION, "--islands", "4"), 0.8143, []).endswith("this run -1.69 points")
+
+
+def test_the_summary_ends_saying_where_the_results_are(tmp_path):
+    """README: 'everything (result JSON, eval curves, CSV logs) is in runs/main'; the run says so too."""
+    from recipes.summary import format_summary
+
+    args = _args(TEXT, "--islands", "4", "--out", "runs/main")
+    summary = {"preset": "cpu-tiny", "strategy": "decoupled_diloco", "islands": 4, "final": {"eval_loss": 1.89, "perplexity": 6.6},
+               "tokens": 3276800, "wall_s": 79, "outer_steps": 313, "bytes_across": 2e7, "bytes_across_how": "measured",
+               "islands_results": [{"diloco": {}}]}
+    last = format_summary(TEXT, args, summary).splitlines()[-1]
+    assert last.startswith("  results in runs/main: result.json, eval curves curve-*.csv, CSV logs logs/"), last
