@@ -145,7 +145,9 @@ def run_status(args: argparse.Namespace) -> int:
         try:
             shards = [client.status(i) for i in range(client.num_shards)]
         except SynchronizerError as err:
-            hint = " (pass the run's token: --token-file or $DILOCO_TOKEN)" if err.reason == Reason.UNAUTHENTICATED else ""
+            hint = {Reason.UNAUTHENTICATED: " (pass the run's token: --token-file or $DILOCO_TOKEN)",
+                    Reason.UNREACHABLE: f"; is a synchronizer running at {args.address}? (its log's 'listening on' line "
+                                        "names its address)" if "TLS" not in str(err) else ""}.get(err.reason, "")
             raise ValueError(f"{err}{hint}") from None
     if args.json:
         print(json.dumps([st.to_dict() for st in shards], indent=2))

@@ -111,6 +111,13 @@ def test_a_port_in_use_is_refused_naming_it_without_a_traceback(flag):
     assert said.startswith("lightning-diloco synchronizer: error: ") and str(port) in said and "choose" in said, said
 
 
+def test_status_of_an_address_where_nothing_listens_asks_whether_a_synchronizer_runs_there():
+    address = f"127.0.0.1:{_free_port()}"
+    result = subprocess.run([*CLI, "status", address], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"is a synchronizer running at {address}?" in result.stderr, result.stderr
+
+
 def test_status_without_the_token_says_so_without_a_traceback(synchronizer_process, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
