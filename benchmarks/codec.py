@@ -39,8 +39,8 @@ def measure(name: str, x: torch.Tensor, repeats: int, block_size: int) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=int, default=1 << 24, help="values in the test tensor (default 16M)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported")
-    parser.add_argument("--block-size", type=int, default=64, help="values per scale for int8/int4/int2")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported (default %(default)s)")
+    parser.add_argument("--block-size", type=int, default=64, help="values per scale for int8/int4/int2 (default %(default)s)")
     args = parser.parse_args(argv)
 
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(flag, type=int if field.type == "int" else float, default=None)
     p.add_argument("--learners", choices=["elastic", "restart"], default="elastic",
                    help="inside a Decoupled DiLoCo learner, a failure drops its slice (elastic) or restarts the learner")
-    p.add_argument("--json", action="store_true", help='print {"rows": {row: {chips: goodput %}}} only')
+    p.add_argument("--json", action="store_true", help='print {"rows": {row: {chips: goodput %%}}} only')
     args = p.parse_args(argv)
     if args.seeds < 1 or min(args.chips) < 1:
         p.error(f"--seeds and --chips must be at least 1, got --seeds {args.seeds} --chips {args.chips}")

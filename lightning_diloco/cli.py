@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from lightning_diloco import __version__
@@ -79,6 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> str:
+    """argparse's "unrecognized arguments", plus the flag a misspelt one was probably meant to
+    be, or, for `run`, that the training command goes after --."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    for word in unknown:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1)
+            if close:
+                return f"{message} (did you mean {close[0]}?)"
+    if command == "run" and not unknown[0].startswith("-"):
+        return (f"{message}: the training command goes after --, e.g. "
+                f"lightning-diloco run --islands 2 -- {' '.join(unknown)}")
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -86,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:  # everything after -- is the island command, never our options
         split = argv.index("--")
         argv, command_line = argv[:split], argv[split + 1 :]
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand that was given them, with what was probably meant
+        _subcommand(parser, args.command).error(_unrecognized(_subcommand(parser, args.command), args.command, unknown))
     args.command_line = command_line
     if getattr(args, "run", None) is None:
         parser.print_help()

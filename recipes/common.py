@@ -82,15 +82,16 @@ def build_parser(recipe: Recipe, description: str | None) -> argparse.ArgumentPa
     p.add_argument("--islands", type=int, default=4, help="M: islands, or DDP processes for --strategy ddp (default %(default)s)")
     p.add_argument("--devices", type=int, default=1, help="processes inside each island: DDP, or FSDP2 (default %(default)s)")
     p.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto (default %(default)s)")
-    p.add_argument("--preset", choices=sorted(recipe.presets), default=next(iter(recipe.presets)))
+    p.add_argument("--preset", choices=sorted(recipe.presets), default=next(iter(recipe.presets)),
+                   help="model, data and run settings sized for a machine (default %(default)s)")
     p.add_argument("--steps", type=int, help="inner steps per island (default: the preset's)")
     p.add_argument("--batch", type=int, help="samples per process and step (default: the preset's)")
     p.add_argument("--lr", type=float, help="inner AdamW peak learning rate (default: the preset's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="model init and, unless --data-seed, the data's shuffle (default %(default)s)")
     p.add_argument("--eval-every", type=int, help="steps between evaluation points of the curve (default: steps / 10)")
     p.add_argument("--eval-batches", type=int, default=8, help="batches per curve point (default %(default)s)")
     p.add_argument("--final-eval-batches", type=int, default=64, help="batches of the final evaluation (default %(default)s)")
-    p.add_argument("--out", default=None, help="results, curves and CSV logs (default runs/<recipe>-<strategy>); an "
+    p.add_argument("--out", default=None, help="results, curves and CSV logs (default runs/<recipe>-<preset>-<strategy>); an "
                    "earlier run there is moved aside to OUT.prev-<time>")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (its synchronizer checkpoint; islands "
                    "resume from their last checkpoint when one was saved) instead of moving it aside")
@@ -135,6 +136,13 @@ def resolve(recipe: Recipe, args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"--islands={args.islands} and --devices={args.devices} must be >= 1")
     if args.strategy != "ddp" and (args.min_quorum or 1) > args.islands:
         raise SystemExit(f"--min-quorum={args.min_quorum} exceeds --islands={args.islands}: no round could ever close")
+    if args.chaos:  # now, before an earlier run in --out is moved aside for one that cannot start
+        from lightning_diloco.launch.chaos import parse_schedule
+
+        try:
+            parse_schedule(args.chaos, num_islands=args.islands)
+        except (ValueError, OSError) as err:
+            raise SystemExit(f"--chaos: {err}") from None
     return args
 
 

@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", choices=sorted(RECIPES), default="text_lm")
-    p.add_argument("--preset", default="cpu-tiny")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="text_lm", help="(default %(default)s)")
+    p.add_argument("--preset", default="cpu-tiny", help="one of the recipe's presets (its --help lists them; default %(default)s)")
     p.add_argument("--islands", type=int, default=4, help="M: islands and DDP processes (default %(default)s)")
     p.add_argument("--steps", type=int, help="inner steps (default: the preset's)")
     p.add_argument("--sweep", action="store_true", help="also run the outer-settings sweep (%d arms)" % len(SWEEP))
@@ -168,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wandb-project", default="lightning-diloco")
     args = p.parse_args(argv)
     module, metric = RECIPES[args.recipe]
+    base_lr = _preset_lr(module, args.preset)  # a misspelt preset is refused before any folder is made
     out = Path(args.out or f"runs/compare-{args.recipe}-{args.preset}")
     out.mkdir(parents=True, exist_ok=True)
     args.group = out.resolve().name
-    base_lr = _preset_lr(module, args.preset)
 
     ddp_dir, diloco_dir = out / "ddp", out / "diloco"
     rows = [(f"DDP, {args.islands} processes", run_arm(module, ddp_dir, args, ["--strategy=ddp"], passthrough))]

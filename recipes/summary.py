@@ -55,6 +55,8 @@ def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict, argv: list
     unmerged = sum(r["diloco"].get("diloco/syncs_unmerged", 0) for r in s["islands_results"])
     if unmerged:
         lines.append(f"  {unmerged:.0f} contribution(s) from the islands' last steps were not in the global model they ended with")
+    lines.append(f"  results in {args.out}: result.json, eval curves curve-*.csv, CSV logs logs/, run report run-report.json, "
+                 "each process's output run/*.log")
     return "\n".join(lines)
 
 

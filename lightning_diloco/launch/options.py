@@ -60,15 +60,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synchronizer", help="use this synchronizer (host:port[,...]) instead of starting one")
     add_token_arguments(parser, "run's shared secret")
     parser.add_argument("--chaos", help="fault schedule, e.g. 'kill 1 at 20s; pause 2 at 30s for 5s' or @FILE")
-    parser.add_argument("--chaos-horizon", type=float, default=d.chaos_horizon, help="seconds over which random faults are drawn")
+    parser.add_argument("--chaos-horizon", type=float, default=d.chaos_horizon, help="seconds over which random faults are drawn (default %(default)s)")
     parser.add_argument("--report", help="write the run report as JSON here")
-    parser.add_argument("--max-restarts", type=int, default=d.max_restarts, help="restarts per island before the run fails")
-    parser.add_argument("--restart-backoff", type=float, default=d.restart_backoff, help="first restart delay after a crash, doubling")
+    parser.add_argument("--max-restarts", type=int, default=d.max_restarts, help="restarts per island before the run fails (default %(default)s)")
+    parser.add_argument("--restart-backoff", type=float, default=d.restart_backoff, help="first restart delay after a crash, doubling (default %(default)s)")
     parser.add_argument("--stagger", type=float, default=d.stagger,
                         help="start island i i x this many seconds after island 0 (islands out of phase, as on a real cluster)")
-    parser.add_argument("--liveness-timeout", type=float, default=d.liveness_timeout, help="synchronizer: seconds of silence before an island is not waited for")
+    parser.add_argument("--liveness-timeout", type=float, default=d.liveness_timeout, help="synchronizer: seconds of silence before an island is not waited for (default %(default)s)")
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                        help="synchronizer: outer steps between checkpoints; a killed synchronizer loses at most this many - 1")
+                        help="synchronizer: outer steps between checkpoints; a killed synchronizer loses at most this many - 1 "
+                        "(default %(default)s)")
     parser.add_argument("--progress-every", type=float, default=d.progress_every, metavar="S",
                         help="print a progress line (steps, loss, outer steps) every S seconds and send each process's "
                         "output to WORKDIR/NAME.log, showing only warnings and errors; 0 (default): print all output")

@@ -19,7 +19,7 @@ _FINDS_PACKAGE = f"import importlib.util, sys; sys.exit(importlib.util.find_spec
 
 def check_command(command: Sequence[str], env: dict[str, str], timeout: float = 120.0) -> None:
     """Raise ValueError, naming the fix, when ``command`` cannot be run or (a Python command)
-    its interpreter cannot import this package."""
+    its interpreter cannot import this package or its script is not there."""
     program = command[0]
     path = program if os.sep in program else shutil.which(program, path=env.get("PATH"))
     if path is None or not os.access(path, os.X_OK):
@@ -30,12 +30,32 @@ def check_command(command: Sequence[str], env: dict[str, str], timeout: float = 
     try:  # find_spec only locates the package: no torch import, a fraction of a second
         found = subprocess.run([path, "-c", _FINDS_PACKAGE], env=env, capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return  # a very loaded host: the islands will say it themselves
-    if found.returncode != 0:
+        found = None  # a very loaded host: the islands will say it themselves
+    if found is not None and found.returncode != 0:
         raise ValueError(
             f"the island command's Python ({path}) cannot import {PACKAGE}: every island would crash at start. "
             f"Install it there ({path} -m pip install lightning-diloco) or run the command with the Python that "
             f"has it: lightning-diloco run ... -- {sys.executable} {' '.join(command[1:])}")
+    script = _script(command[1:])
+    if script is not None and not os.path.isfile(script):
+        raise ValueError(f"the island script {script!r} does not exist in {os.getcwd()}, the folder the islands start "
+                         "in: run lightning-diloco from the folder the path is relative to, or give its full path")
+
+
+def _script(arguments: Sequence[str]) -> str | None:
+    """The script a ``python [options] SCRIPT ...`` command runs; None for ``-m``, ``-c`` or none."""
+    takes_value = {"-W", "-X", "--check-hash-based-pycs"}
+    skip = False
+    for arg in arguments:
+        if skip:
+            skip = False
+        elif arg in ("-m", "-c", "-") or arg.startswith(("-m", "-c")) and not arg.startswith("--"):
+            return None
+        elif arg in takes_value:
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 def import_failure(lines: Iterable[str]) -> str | None:

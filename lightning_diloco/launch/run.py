@@ -48,14 +48,15 @@ class Run:
     def __init__(self, options: RunOptions, command: list[str], observers: Sequence[Callable[[SynchronizerStatus], None]] = ()) -> None:
         self.options, self.command = options, command
         self.observers = list(observers)  # called with each synchronizer status the launcher samples
+        # a schedule that cannot be read is refused before an earlier run in --workdir is moved aside
+        horizon = options.chaos_horizon
+        self.pending: list[Fault] = parse_schedule(options.chaos, num_islands=options.islands, horizon_s=horizon) if options.chaos else []
         self.temporary = options.workdir is None  # a folder nobody else knows of: removed when the run ends
         self.workdir = Path(options.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
         note = set_aside(self.workdir, resume=options.resume) if options.workdir else None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ddp = options.baseline == "ddp"
         self.units = 1 if self.ddp else options.islands  # supervised process trees
-        horizon = options.chaos_horizon
-        self.pending: list[Fault] = parse_schedule(options.chaos, num_islands=options.islands, horizon_s=horizon) if options.chaos else []
         self.fired: list[str] = []
         self.synchronizer_downs: list[float] = []  # run times at which the synchronizer went away
         self._sync_reachable = True
@@ -390,6 +391,7 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
         raise ValueError("give the training command after --, e.g. "
                          "lightning-diloco run --islands 2 -- python examples/train_lm.py --steps 48")
     check_command(command, clean_environment({}))
+    replaces = bool(options.report) and Path(options.report).exists()
     if options.report:  # its folder now, not after the whole run
         Path(options.report).parent.mkdir(parents=True, exist_ok=True)
     launcher = Run(options, command, observers)
@@ -408,6 +410,7 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
         print("run failed: " + "; ".join(report.failures), flush=True)
     if options.report:
         Path(options.report).write_text(json.dumps(report.to_dict(), indent=2, default=sorted))
+        print(f"[launcher] report written to {options.report}" + (", replacing an earlier run's" if replaces else ""), flush=True)
     if launcher.temporary:  # its checkpoints and progress files: keep them with --workdir
         shutil.rmtree(launcher.workdir, ignore_errors=True)
     return code

@@ -159,7 +159,10 @@ class IslandStrategy:
         self.island = env_int("DILOCO_ISLAND", island, 0)
         self.num_islands = env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
         if not 0 <= self.island < self.num_islands:
-            raise ValueError(f"island={self.island} must be in [0, num_islands={self.num_islands}); set DILOCO_ISLAND below DILOCO_NUM_ISLANDS")
+            unset = (" (neither num_islands= nor DILOCO_NUM_ISLANDS was given: every island of a run needs the run's "
+                     "island count)") if num_islands is None and not os.environ.get("DILOCO_NUM_ISLANDS") else ""
+            raise ValueError(f"island={self.island} must be in [0, num_islands={self.num_islands}){unset}; "
+                             "set DILOCO_ISLAND (island=) below DILOCO_NUM_ISLANDS (num_islands=)")
         if self.num_islands > 1 and self.address is None:
             # an embedded synchronizer serves this process only: the island would train alone, on
             # 1/M of the data, and no other island could ever reach it

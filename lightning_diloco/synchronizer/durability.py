@@ -44,7 +44,9 @@ def resume(directory: Path | None, identity: dict, layout_hash: str | None) -> S
     problem = layout_pin_problem(layout_hash, loaded.layout.hash)
     if problem:
         raise ValueError(f"the checkpoint in {directory}: {problem}")
-    log.info("resumed from %s at versions %s", directory, loaded.versions())
+    # a user who reruns a command with the same --checkpoint-dir continues the earlier run: say so
+    log.info("resumed run %s from %s after %d outer steps (versions %s); a new run needs a new --checkpoint-dir",
+             identity["run_id"] or "(unnamed)", directory, loaded.outer_steps, loaded.versions())
     return loaded
 
 

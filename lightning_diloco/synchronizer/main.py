@@ -39,18 +39,18 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 for every interface (default %(default)s)")
     parser.add_argument("--port", type=int, default=7470, help="port; 0 picks a free one (default %(default)s)")
     parser.add_argument("--shard", type=int, default=0, help="this shard's index (default %(default)s)")
-    parser.add_argument("--num-shards", type=int, default=1, help="shards in the run; shard i owns fragments p %% S == i")
+    parser.add_argument("--num-shards", type=int, default=1, help="shards in the run; shard i owns fragments p %% S == i (default %(default)s)")
     parser.add_argument("--checkpoint-dir", help="resume from and write checkpoints here")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="outer steps between checkpoints (default %(default)s)")
     parser.add_argument("--run-id", help="the run's name, written into its checkpoints: a checkpoint of another run "
                         "is refused (default: the checkpoint's, or a new one)")
     parser.add_argument("--layout-hash", help="the run's model layout (its hash, as Status and the islands' logs show it): "
                         "a first island with another model is refused instead of adopted")
-    parser.add_argument("--liveness-timeout", type=float, default=15.0, help="seconds of silence before an island is not waited for")
+    parser.add_argument("--liveness-timeout", type=float, default=15.0, help="seconds of silence before an island is not waited for (default %(default)s)")
     add_token_arguments(parser, "shared secret islands must present")
     parser.add_argument("--tls-cert", help="PEM certificate file: serve TLS")
     parser.add_argument("--tls-key", help="PEM private key file for --tls-cert")
-    parser.add_argument("--max-workers", type=int, default=256, help="concurrent calls; a waiting push holds one")
+    parser.add_argument("--max-workers", type=int, default=256, help="concurrent calls; a waiting push holds one (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus text metrics over HTTP on this port")
     parser.add_argument("--status-port", type=int,
                         help="serve a live HTML status page (and /status.json) on this port, on 127.0.0.1")
@@ -103,7 +103,12 @@ def run_synchronizer(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from lightning_diloco.synchronizer.metrics import serve_metrics
 
-        serve_metrics(service, args.metrics_port)
+        try:
+            metrics, _ = serve_metrics(service, args.metrics_port)
+        except OSError as err:
+            server.stop(grace=0)
+            raise ValueError(f"--metrics-port {args.metrics_port}: {err.strerror or err}; choose a free port") from None
+        log.info("metrics at http://127.0.0.1:%d/metrics", metrics.server_address[1])
     if args.status_port is not None:
         from lightning_diloco.synchronizer.status_page import serve_status_page
 
@@ -111,7 +116,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
             page = serve_status_page(service.status, args.status_port)
         except OSError as err:
             server.stop(grace=0)
-            raise SystemExit(f"--status-port {args.status_port}: {err.strerror or err}; choose a free port") from None
+            raise ValueError(f"--status-port {args.status_port}: {err.strerror or err}; choose a free port") from None
         log.info("status page at http://127.0.0.1:%d/", page.server_address[1])
     # What start-up made (torch's modules, hundreds of thousands of objects) lives as long as the
     # process: out of the cyclic collector's way, whose full passes scanned it again and again
@@ -140,7 +145,9 @@ def run_status(args: argparse.Namespace) -> int:
         try:
             shards = [client.status(i) for i in range(client.num_shards)]
         except SynchronizerError as err:
-            hint = " (pass the run's token: --token-file or $DILOCO_TOKEN)" if err.reason == Reason.UNAUTHENTICATED else ""
+            hint = {Reason.UNAUTHENTICATED: " (pass the run's token: --token-file or $DILOCO_TOKEN)",
+                    Reason.UNREACHABLE: f"; is a synchronizer running at {args.address}? (its log's 'listening on' line "
+                                        "names its address)" if "TLS" not in str(err) else ""}.get(err.reason, "")
             raise ValueError(f"{err}{hint}") from None
     if args.json:
         print(json.dumps([st.to_dict() for st in shards], indent=2))

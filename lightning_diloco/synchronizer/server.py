@@ -275,11 +275,18 @@ class SynchronizerServer:
             if not (tls_cert and tls_key):
                 raise ValueError("TLS needs both a certificate and a key file (--tls-cert and --tls-key)")
             credentials = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
-            self.port = self.server.add_secure_port(address, credentials)
+            bind = lambda: self.server.add_secure_port(address, credentials)  # noqa: E731
         else:
-            self.port = self.server.add_insecure_port(address)
+            bind = lambda: self.server.add_insecure_port(address)  # noqa: E731
+        try:
+            self.port = bind()
+        except RuntimeError:  # grpc >= 1.60 raises where older ones returned 0
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind the synchronizer to {address}; is the port in use?")
+            self.executor.shutdown(wait=False)
+            tls = " (or --tls-cert and --tls-key are not a PEM certificate and its key)" if tls_cert else ""
+            raise ValueError(f"cannot listen on {address}: the port is in use (another synchronizer?) or {host} is "
+                             f"not an address of this host{tls}; choose another --port (0 picks a free one) or --host")
         self.address = f"{host}:{self.port}"
         self._started = self._stopped = False
 

@@ -186,7 +186,8 @@ class Synchronizer(Intake):
         self.config = dataclasses.replace(self.config, schedule=dataclasses.replace(self.config.schedule, num_fragments=tensors))
         self.offsets = fragment_offsets(tensors, self.config.schedule.sync_every)
         self.adjustments.append(f"num_fragments lowered from {wanted} to {tensors}: the first island's model has "
-                                f"{tensors} trainable tensors (set --num-fragments to choose)")
+                                f"{tensors} trainable tensors (the strategy's num_fragments=, or the synchronizer's --num-fragments, "
+                                f"sets fewer)")
         log.warning("%s", self.adjustments[-1])
 
     def _check_session(self, island: int, session: str | None, what: str) -> None:

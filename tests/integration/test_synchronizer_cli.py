@@ -96,6 +96,28 @@ def test_an_unwritable_checkpoint_directory_is_refused_at_start(tmp_path):
     assert result.returncode == 2 and "is not writable" in result.stderr and "--checkpoint-dir" in result.stderr
 
 
+@pytest.mark.parametrize("flag", ["--port", "--status-port", "--metrics-port"])
+def test_a_port_in_use_is_refused_naming_it_without_a_traceback(flag):
+    """A second synchronizer started as the docs print it, beside the first, or beside anything
+    else on that port: one line that says which port and what to do, exit 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["--port", str(port)] if flag == "--port" else ["--port", "0", flag, str(port)]
+        result = subprocess.run([*CLI, "synchronizer", *argv], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    said = result.stderr.strip().splitlines()[-1]
+    assert said.startswith("lightning-diloco synchronizer: error: ") and str(port) in said and "choose" in said, said
+
+
+def test_status_of_an_address_where_nothing_listens_asks_whether_a_synchronizer_runs_there():
+    address = f"127.0.0.1:{_free_port()}"
+    result = subprocess.run([*CLI, "status", address], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"is a synchronizer running at {address}?" in result.stderr, result.stderr
+
+
 def test_status_without_the_token_says_so_without_a_traceback(synchronizer_process, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")

@@ -145,8 +145,17 @@ def test_zero_argument_constructor_and_double_registration_work():
 def test_bad_arguments_are_refused_at_construction():
     with pytest.raises(ValueError, match="overlap_steps=30"):
         DecoupledDiLoCoStrategy(overlap_steps=30)
-    with pytest.raises(ValueError, match="island=2 must be in"):
+    with pytest.raises(ValueError, match=r"island=2 must be in \[0, num_islands=2\); set DILOCO_ISLAND"):
         DecoupledDiLoCoStrategy(island=2, num_islands=2, synchronizer="127.0.0.1:1")
+
+
+def test_an_island_index_without_the_island_count_says_the_count_is_missing(monkeypatch):
+    """DILOCO_ISLAND=1 with DILOCO_NUM_ISLANDS forgotten: the count defaulted to 1 and the error told
+    the user to set DILOCO_ISLAND below a DILOCO_NUM_ISLANDS they had not set."""
+    monkeypatch.delenv("DILOCO_NUM_ISLANDS", raising=False)
+    monkeypatch.setenv("DILOCO_ISLAND", "1")
+    with pytest.raises(ValueError, match="neither num_islands= nor DILOCO_NUM_ISLANDS was given"):
+        DecoupledDiLoCoStrategy(synchronizer="127.0.0.1:1")
 
 
 @pytest.mark.parametrize("name", [s.name for s in run_settings()])

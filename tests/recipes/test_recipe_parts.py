@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from lightning_diloco.core.settings import given_settings
-from recipes import compare, data
+from recipes import compare, data, text_lm
 from recipes.common import build_parser, cosine_with_warmup, resolve
 from recipes.text_lm import RECIPE as TEXT
 from recipes.vision import RECIPE as VISION
@@ -140,9 +140,34 @@ def test_bad_island_count_or_quorum_is_refused_with_the_flag_named():
         _args(TEXT, "--islands", "2", "--min-quorum", "3")
 
 
-def test_unknown_preset_in_compare_is_refused():
+def test_a_chaos_schedule_that_cannot_be_read_is_refused_before_an_earlier_run_is_moved_aside(tmp_path):
+    """`bash scripts/run.sh --chaos "kil 1 at step 300"` moved runs/main aside, then failed with a
+    traceback, leaving an empty runs/main."""
+    out = tmp_path / "main"
+    out.mkdir()
+    (out / "result.json").write_text("{}")
+    for schedule, said in [("kil 1 at step 300", "--chaos: cannot read fault 'kil 1 at step 300'"),
+                           ("kill 4 at step 300", "names island 4, but the run has islands 0..3"),
+                           ("@no-such-file", "--chaos: "), ]:
+        with pytest.raises(SystemExit, match=said):
+            text_lm.main(["--islands", "4", "--out", str(out), "--chaos", schedule])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["main"] and (out / "result.json").exists()
+    assert _args(TEXT, "--chaos", "kill 1 at step 300").chaos == "kill 1 at step 300"
+
+
+def test_unknown_preset_in_compare_is_refused_before_any_folder_is_made(tmp_path):
     with pytest.raises(SystemExit, match="not one of"):
         compare._preset_lr("recipes.text_lm", "cpu-huge")
+    with pytest.raises(SystemExit, match="--preset='cpu_tiny' is not one of"):
+        compare.main(["--preset", "cpu_tiny", "--out", str(tmp_path / "cmp")])
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_the_help_says_the_defaults_of_preset_seed_and_out():
+    help_text = " ".join(build_parser(TEXT, None).format_help().split())
+    assert "(default cpu-tiny)" in help_text and "(default 0)" in help_text
+    assert "(default runs/<recipe>-<preset>-<strategy>)" in help_text
+    assert _args(TEXT).out == "runs/text_lm-cpu-tiny-decoupled_diloco"  # what the help says
 
 
 def test_wandb_runs_are_offline_without_credentials(monkeypatch, tmp_path):
@@ -166,3 +191,15 @@ def test_the_ddp_reference_is_printed_only_for_the_setting_it_was_measured_at():
     assert other.startswith("no DDP reference for this setting")
     assert other.endswith("python -m recipes.text_lm --strategy ddp --islands 2 --steps 60 --out runs/text_lm-cpu-tiny-decoupled_diloco-ddp")
     assert reference_line(VISION, _args(VISION, "--islands", "4"), 0.8143, []).endswith("this run -1.69 points")
+
+
+def test_the_summary_ends_saying_where_the_results_are(tmp_path):
+    """README: 'everything (result JSON, eval curves, CSV logs) is in runs/main'; the run says so too."""
+    from recipes.summary import format_summary
+
+    args = _args(TEXT, "--islands", "4", "--out", "runs/main")
+    summary = {"preset": "cpu-tiny", "strategy": "decoupled_diloco", "islands": 4, "final": {"eval_loss": 1.89, "perplexity": 6.6},
+               "tokens": 3276800, "wall_s": 79, "outer_steps": 313, "bytes_across": 2e7, "bytes_across_how": "measured",
+               "islands_results": [{"diloco": {}}]}
+    last = format_summary(TEXT, args, summary).splitlines()[-1]
+    assert last.startswith("  results in runs/main: result.json, eval curves curve-*.csv, CSV logs logs/"), last

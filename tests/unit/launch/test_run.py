@@ -200,3 +200,46 @@ def test_an_island_that_ignores_its_devices_is_said_once(tmp_path, capsys):
     assert out.count("island 0 joined with 1 process(es), not --devices-per-island=2") == 1 and "DILOCO_DEVICES" in out
     assert _run(tmp_path, "--synchronizer", "127.0.0.1:1")._check_world_sizes(status) is None
     assert capsys.readouterr().out == ""
+
+
+def test_the_report_file_is_named_and_replacing_an_earlier_one_is_said(tmp_path, capsys):
+    """A second run with the same --report replaces the first's file: the launcher says where the
+    report went and that it replaced one, rather than overwriting it silently."""
+    import sys
+
+    from lightning_diloco.launch.run import run
+
+    report = tmp_path / "runs" / "report.json"
+    options = RunOptions(workdir=str(tmp_path / "work"), islands=1, synchronizer="127.0.0.1:1", report=str(report))
+    assert run(options, [sys.executable, "-c", "pass"]) == 0
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    assert first == f"[launcher] report written to {report}" and json.loads(report.read_text())["islands"]
+    assert run(options, [sys.executable, "-c", "pass"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"[launcher] report written to {report}, replacing an earlier run's"
+
+
+def test_an_island_script_that_is_not_there_is_refused_before_any_island_starts(tmp_path, monkeypatch, capsys):
+    """Run from another folder, `-- python examples/train_lm.py` named no file: the islands used to
+    crash and be restarted 5 times each (about 30 s) before the run failed."""
+    import sys
+
+    from lightning_diloco.launch.run import run
+
+    monkeypatch.chdir(tmp_path)
+    options = RunOptions(workdir=str(tmp_path / "work"), islands=2, synchronizer="127.0.0.1:1")
+    with pytest.raises(ValueError, match=r"the island script 'examples/train_lm.py' does not exist in .*full path"):
+        run(options, [sys.executable, "-u", "examples/train_lm.py", "--steps", "48"])
+    assert "[island" not in capsys.readouterr().out
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "train_lm.py").write_text("")
+    assert run(options, [sys.executable, "-u", "examples/train_lm.py", "--steps", "48"]) == 0  # there: it runs
+    assert run(options, [sys.executable, "-W", "ignore", "-c", "pass"]) == 0  # no script to look for
+
+
+def test_a_chaos_schedule_that_cannot_be_read_leaves_an_earlier_run_in_the_workdir_alone(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "synchronizer").mkdir()  # an earlier run's state
+    with pytest.raises(ValueError, match="cannot read fault 'kil 1 at 3s'"):
+        _run(work, "--chaos", "kil 1 at 3s")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"] and (work / "synchronizer").is_dir()

@@ -1,5 +1,6 @@
 """The synchronizer in-process: validation, refusals, idempotency, checkpoints, the closer threads."""
 
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -197,15 +198,18 @@ def test_a_step_that_would_not_be_finite_leaves_its_contributor_out():
     assert sync.status().refused == {"non_finite_step": 1}
 
 
-def test_restart_from_checkpoint_keeps_versions_fragments_momentum_and_rounds(tmp_path):
+def test_restart_from_checkpoint_keeps_versions_fragments_momentum_and_rounds(tmp_path, caplog):
     config = run_config()
     sync = _started(config, 1, checkpoint_dir=tmp_path, checkpoint_every=1)
     numel = layout(config).fragment_numel(1)
     for v in range(3):
         sync.push(contribution(config, 0, 1, torch.full((numel,), 0.01 * (v + 1)), round=v + 1, base_version=v, seq=v))
         sync.poll()
-    restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
+    with caplog.at_level(logging.INFO):
+        restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
     assert restarted.versions() == {0: 0, 1: 3}
+    # a rerun of a documented command with the same folder continues the old run: it is said
+    assert f"from {tmp_path} after 3 outer steps" in caplog.text and "a new run needs a new --checkpoint-dir" in caplog.text
     for p in range(2):
         a, b = sync.state.fragments[p], restarted.state.fragments[p]
         assert torch.equal(a.value, b.value) and a.next_round == b.next_round
@@ -228,7 +232,9 @@ def test_a_standalone_synchronizer_fits_its_fragments_to_the_first_islands_model
     sync = Synchronizer(config, clock=FakeClock())
     reply = sync.join(0, 1, SPECS)
     assert reply.config.schedule.num_fragments == 4 == len(sync.rounds)
-    assert "num_fragments lowered from 24 to 4" in sync.status().adjustments[0]
+    said = sync.status().adjustments[0]
+    assert "num_fragments lowered from 24 to 4" in said
+    assert "num_fragments=" in said and "--num-fragments" in said  # an embedded run has no flags: both spellings
     with pytest.raises(Refusal, match="model's 3 trainable tensors"):
         sync.join(1, 1, SPECS[:3])  # a later island with another model is still refused
 
