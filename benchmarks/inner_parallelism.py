@@ -1,4 +1,4 @@
-"""Same algorithm whatever the inner parallelism: DDP islands against FSDP2 islands (issue 20).
+"""Same algorithm whatever the inner parallelism: DDP islands against FSDP2 islands.
 
     python -m benchmarks.inner_parallelism [--seeds 0 1 2] [--steps 800] [--fault]
 

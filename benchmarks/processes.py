@@ -2,7 +2,7 @@
 
 A benchmark arm is a process that starts others (Lightning's DDP ranks, the launcher's islands and
 synchronizer). ``subprocess.run(timeout=...)`` kills only the child it started, so a hung or
-interrupted arm left its ranks running (a 2-process arm ignores SIGTERM, issue 24's overhead
+interrupted arm left its ranks running (a 2-process arm ignores SIGTERM, the overhead benchmark's
 work). Here the child gets a session of its own; on a timeout or an interrupt its process group is
 asked to stop (SIGTERM: the launcher then stops its islands, which run in sessions of their own),
 then killed.

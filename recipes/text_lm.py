@@ -31,7 +31,7 @@ PRESETS = {
     "cpu-tiny-moe": Preset(model={**TINY, "arch": "mixtral", "intermediate": 96, "experts": 4, "experts_per_token": 2},
                            batch=16, steps=800, lr=3e-3, run_config=small_model(8), reference=Reference(4, 1.7331, 0.0064)),
     # 6.5x cpu-tiny's parameters (0.85M) at twice its steps: what a 2-core machine trains in minutes,
-    # to see which way the gap to DDP moves with size (issue 24; benchmarks/RESULTS.md)
+    # to see which way the gap to DDP moves with size (benchmarks/RESULTS.md)
     "cpu-small": Preset(model={**TINY, "hidden": 128, "layers": 4, "intermediate": 384},
                         batch=16, steps=1600, lr=3e-3, run_config=small_model(8), reference=Reference(4, 1.5477, 0.0072)),
     # GPU sizes: unchanged code, bigger configs. About 125M and 1.1B parameters (dense), 1.3B (MoE).

@@ -42,7 +42,7 @@ def norm64(x: torch.Tensor) -> float:
     1e-8 measured on 16M Gaussian values) and the pieces' sums in float64; a piece whose float32
     sum could have overflowed or underflowed is taken in float64 instead. ``vector_norm(x,
     dtype=float64)`` made a float64 copy of the whole tensor first: twice the fragment's size in
-    fresh memory, 54 ms for a 16M-parameter fragment, against 4 ms here (issue 24).
+    fresh memory, 54 ms for a 16M-parameter fragment, against 4 ms here.
     """
     total = 0.0
     for piece in x.reshape(-1).split(NORM_PIECE):

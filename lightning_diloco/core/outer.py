@@ -20,7 +20,7 @@ def outer_gradient(delta: torch.Tensor) -> torch.Tensor:
     Why its own base and not the current global value (the paper's Theta_p - theta_m): the two
     agree when the base is current, but for a base that is ``age`` versions old the current value
     adds -(Theta_now - Theta_base), which undoes the rounds the island missed; with outer momentum
-    that feedback diverged with quorum 1 and islands out of phase (measured, issue 12). Measured
+    that feedback diverged with quorum 1 and islands out of phase (measured). Measured
     against its own base a late contribution adds only its own progress, and the round discounts
     it by its age.
     """

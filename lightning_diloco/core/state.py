@@ -51,8 +51,8 @@ class FragmentState:
 
     def apply(self, outer_gradient: torch.Tensor) -> int | None:
         """One outer step; publishes and returns the new version. Keeps what the last S versions
-        (the ``history`` setting, whatever the number of islands: issue 21 measured members + 1
-        kept after 2,000 made-up joins, 2 GB) need to be sent the new one as deltas: the exact
+        (the ``history`` setting, whatever the number of islands: keeping one per member
+        measured 2 GB after 2,000 made-up joins) need to be sent the new one as deltas: the exact
         versions (fp32 downlink) or the published chain's steps. An island further behind is sent
         the full value.
 
@@ -199,7 +199,7 @@ class SynchronizerState:
         out = cls(config, layout, frags)
         for p, f in state["fragments"].items():
             out.fragments[int(p)].load_state_dict(f)
-        out.identity = dict(state.get("identity", {}))  # none in checkpoints written before issue 21
+        out.identity = dict(state.get("identity", {}))  # none in checkpoints of older versions
         return out
 
     def summary(self) -> dict:

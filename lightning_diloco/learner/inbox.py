@@ -42,7 +42,7 @@ class Arrival:
 class Inbox:
     """Holds no copy of the global model: a version arriving as a delta stays a delta until the
     island applies it to its own base (each rank to its part), so an island's leader needs no
-    whole model beside its parameters (issue 20: +56 MB of peak memory on an FSDP2 island's
+    whole model beside its parameters (+56 MB of peak memory on an FSDP2 island's
     leader, the global model it kept as the base of the next delta)."""
 
     def __init__(self, versions: list[int], numels: list[int], block_size: int) -> None:

@@ -303,7 +303,7 @@ class IslandStrategy:
         """A synchronizer in this process and a link that calls it directly. No gRPC server: no
         one outside the process is told of it (the island says "embedded"), and over loopback
         gRPC the island's own traffic cost 3-4 ms of CPU per 170 ms step beside the training
-        loop (issue 24, benchmarks/RESULTS.md)."""
+        loop (benchmarks/RESULTS.md)."""
         from lightning_diloco.core.state import SynchronizerState
         from lightning_diloco.synchronizer.local_link import LocalLink
         from lightning_diloco.synchronizer.service import Synchronizer

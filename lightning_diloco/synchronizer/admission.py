@@ -1,7 +1,7 @@
 """Admission of the numbers a client sends: each is checked against the run before it can reach
 state that later replies, Status or a checkpoint carry.
 
-Why it matters (issue 21): a push naming round 2**61 used to become the fragment's next round, so
+Why it matters: a push naming round 2**61 used to become the fragment's next round, so
 the run's step (round x H) no longer fit the int64 of every later Join, Heartbeat and Status reply,
 and the checkpoint carried it into every restart. The rule: a number that sizes, orders or places
 anything is bounded by what the run itself makes plausible, not only by its sign.
@@ -12,7 +12,7 @@ anything is bounded by what the run itself makes plausible, not only by its sign
   latest admitted one: its work is kept, and it cannot open a round the run has not reached.
 - First contact: the first layout can be pinned by the operator (``--layout-hash``) instead of
   adopted from whoever joins first, and a seed (version 0, the first offer wins) must look like a
-  model's weights: finite (codecs.py) and below ``MAX_SEED_ABS`` in magnitude (issue 21: a first
+  model's weights: finite (codecs.py) and below ``MAX_SEED_ABS`` in magnitude (a first
   seed of 3e38 became the global model).
 - Counters (tokens, steps) and sequence numbers: requests.py; schedule steps and step times:
   membership.py (a robust clock and a rate bound); wait times: server.py.

@@ -2,7 +2,7 @@
 
 The credential of island i is ``island-<i>.<HMAC-SHA256(run token, "lightning-diloco island <i>")>``.
 The synchronizer, holding the run token, checks one by recomputing it; a holder of island 1's
-credential cannot compute island 0's, so it can act only as island 1 (issue 21: with one shared
+credential cannot compute island 0's, so it can act only as island 1 (with one shared
 token any holder could join as any island, push with its id and lock it out). The run token
 itself still acts as every island: it is the operator's key (the launcher, ``lightning-diloco
 status``, an embedded synchronizer), not one to hand to an island. ``lightning-diloco credential

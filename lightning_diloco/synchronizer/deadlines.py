@@ -4,7 +4,7 @@ gRPC's synchronous server reads a client stream by blocking on its next message,
 sends a valid header and then one byte every few seconds holds a worker (and one of its island's
 stream slots) for as long as it likes. Every payload read is therefore watched: one thread
 cancels the streams that have not delivered their payload within a grace period plus the time
-the declared size takes at a minimum rate (issue 21: pushes with a valid session had no read
+the declared size takes at a minimum rate (pushes with a valid session had no read
 deadline, only a cap of P + 2 streams per island).
 """
 

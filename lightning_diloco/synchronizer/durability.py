@@ -34,7 +34,7 @@ def resume(directory: Path | None, identity: dict, layout_hash: str | None) -> S
     if loaded is None:
         return None
     theirs = loaded.identity
-    if theirs:  # checkpoints written before issue 21 name no owner
+    if theirs:  # checkpoints of older versions name no owner
         ours = {**identity, "run_id": identity["run_id"] or theirs.get("run_id")}
         if any(theirs.get(k) != v for k, v in ours.items()):
             raise ValueError(f"the checkpoint in {directory} is {describe_owner(theirs)}, but this synchronizer is "

@@ -2,7 +2,7 @@
 
 An island given no synchronizer address runs an embedded one (learner/island_strategy.py). Over
 loopback gRPC its own traffic cost the training process 3-4 ms of CPU per 170 ms step beside the
-training loop, in gRPC's workers and threads and in serializing (benchmarks/RESULTS.md, issue 24);
+training loop, in gRPC's workers and threads and in serializing (benchmarks/RESULTS.md);
 :class:`LocalLink` calls the :class:`~lightning_diloco.synchronizer.service.Synchronizer`
 instead, and keeps what the gRPC client gives an island (tests/learner/test_link_conformance.py
 runs one exchange against both):

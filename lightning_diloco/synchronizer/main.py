@@ -66,7 +66,7 @@ def keep_freed_memory() -> bool:
     every thread: a worker thread's own arena grows in heaps of at most 64 MB, so a larger buffer
     (a 16M-parameter fp32 fragment) was still mmapped afresh on every push; measured on 16
     learners of 16M parameters, the shard's system time fell from 4.6-4.7 s to 1.8-2.5 s per 3
-    rounds (issue 24). Costs nothing where glibc is absent (returns False).
+    rounds. Costs nothing where glibc is absent (returns False).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -120,7 +120,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
         log.info("status page at http://127.0.0.1:%d/", page.server_address[1])
     # What start-up made (torch's modules, hundreds of thousands of objects) lives as long as the
     # process: out of the cyclic collector's way, whose full passes scanned it again and again
-    # (gc was 5-8% of a shard's samples in perf, issue 24).
+    # (gc was 5-8% of a shard's samples in perf).
     gc.freeze()
     print(f"synchronizer listening on {server.address}", flush=True)  # launchers parse this line
 
@@ -145,7 +145,8 @@ def run_status(args: argparse.Namespace) -> int:
         try:
             shards = [client.status(i) for i in range(client.num_shards)]
         except SynchronizerError as err:
-            hint = {Reason.UNAUTHENTICATED: " (pass the run's token: --token-file or $DILOCO_TOKEN)",
+            # the server's refusal already says to pass the token: say only how this command takes it
+            hint = {Reason.UNAUTHENTICATED: "; `status` takes it as --token-file FILE or $DILOCO_TOKEN",
                     Reason.UNREACHABLE: f"; is a synchronizer running at {args.address}? (its log's 'listening on' line "
                                         "names its address)" if "TLS" not in str(err) else ""}.get(err.reason, "")
             raise ValueError(f"{err}{hint}") from None

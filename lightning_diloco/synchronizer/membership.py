@@ -2,7 +2,7 @@
 
 The run's clock is the lower median of the schedule steps the live islands reported (with every
 contribution and every heartbeat): a place at least half of them have reached, so no one island
-can move it, however far ahead it claims to be (issue 21: one island reporting 2**62 used to
+can move it, however far ahead it claims to be (one island reporting 2**62 used to
 carry the clock, and make every honest push late). Islands stay in phase because one that falls
 behind is asked for each round as it opens and skips to it (its requests wait here until its
 subscription picks them up), so the median sits within a round of the fastest. The clock is not

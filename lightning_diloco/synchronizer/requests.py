@@ -74,7 +74,7 @@ def payload_digest(payload: Payload) -> bytes:
     is answered as a retry and not merged, so a forger only drops its own work. What it is there
     for, a client that reuses a sequence number for new work by mistake, it catches but for one
     case in 2**32. CRC-32 reads 7 GB/s here, blake2b 1.45 and SHA-256 2.1: the digest was the
-    largest single cost of a push (issue 24, benchmarks/RESULTS.md).
+    largest single cost of a push (benchmarks/RESULTS.md).
     """
     data = payload.numpy() if isinstance(payload, torch.Tensor) else payload
     return payload_size(payload).to_bytes(8, "little") + zlib.crc32(data).to_bytes(4, "little")

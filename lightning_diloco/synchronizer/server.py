@@ -89,7 +89,7 @@ def _events(events: Iterator, context: grpc.ServicerContext, release, downlink: 
 class IslandStreams:
     """How many streams of each kind one island holds: each kind has a few slots per island, so
     a client with one island's credential cannot hold the workers (or the subscription slots)
-    every other island needs (issue 21: 260 subscriptions, or 300 pushes sending a byte every
+    every other island needs (260 subscriptions, or 300 pushes sending a byte every
     5 s, locked honest islands out)."""
 
     def __init__(self, service: Synchronizer) -> None:

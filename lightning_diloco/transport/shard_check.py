@@ -2,7 +2,7 @@
 
 Checked on every join, before any shard's session is used: the same run settings on every shard
 (the differing ones named), the same shard count, and shard i at the i-th address, once each
-(issue 21: different H per shard was a bare SHARD_MISMATCH, and two processes started as
+(different H per shard was a bare SHARD_MISMATCH, and two processes started as
 ``--shard 0`` were accepted until the first seed failed).
 """
 

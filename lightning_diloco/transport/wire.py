@@ -2,7 +2,7 @@
 ``PushChunk``, ``FragmentChunk`` and ``SyncEvent``, with one copy of the payload where protobuf
 makes three or four.
 
-Why (issue 24, benchmarks/RESULTS.md): through protobuf, every chunk of a payload was copied out of
+Why (benchmarks/RESULTS.md): through protobuf, every chunk of a payload was copied out of
 its tensor (``tobytes``), into a message, into the serialized string, and on the receiving side out
 of the received string into a message, out of the message into ``bytes`` and into a growing
 buffer; and a synchronizer serialized every new version once per subscribed island. Here a chunk

@@ -1,4 +1,4 @@
-"""Every attack of issue 13 against a real server: refused with its reason (or bounded), the global
+"""Every attack of the first adversarial review against a real server: refused with its reason (or bounded), the global
 state finite and, when refused, bit-identical, and Status still answered within a second."""
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def test_header_only_streams_allocate_nothing(target):
         with pytest.raises(grpc.RpcError) as err:
             c.result()
         refusals.append(err.value.details().split(":")[0])
-    # one island holds at most P + 2 push streams (issue 21): the rest are refused at once
+    # one island holds at most P + 2 push streams: the rest are refused at once
     assert set(refusals) <= {"bad_payload", "busy"} and refusals.count("bad_payload") <= 2 + 2
     grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
     assert grown_kb < 16 * numel * 4 / 1024 + 20_000

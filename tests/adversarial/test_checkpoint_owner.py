@@ -1,4 +1,4 @@
-"""Checkpoints know whose they are (issue 21): another run's or another shard's checkpoint is
+"""Checkpoints know whose they are: another run's or another shard's checkpoint is
 refused naming both, a summary without its data refuses to start, and a killed write's
 temporary files are cleaned at start."""
 
@@ -69,7 +69,7 @@ def test_a_killed_writes_temporary_files_are_removed_at_start(tmp_path):
 
 
 def test_a_pinned_layout_refuses_another_first_joiner_and_checkpoint(tmp_path):
-    """The first joiner no longer decides the run's model when the operator pinned it (issue 21:
+    """The first joiner no longer decides the run's model when the operator pinned it (
     a first joiner with a 1-tensor model locked every honest island out, also after restarts)."""
     from lightning_diloco.core.fragments import TensorSpec
     from lightning_diloco.synchronizer.requests import Refusal

@@ -1,4 +1,4 @@
-"""One island cannot move the run's clock or stretch the grace window (issue 21): a heartbeat
+"""One island cannot move the run's clock or stretch the grace window: a heartbeat
 claiming schedule step 2**62, or a step time of 1e9 s, and honest rounds still open and close."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A client can act only as the island its credential names, and a session's sequence numbers
-cannot lock out the island's later sessions (issue 21)."""
+cannot lock out the island's later sessions."""
 
 from __future__ import annotations
 

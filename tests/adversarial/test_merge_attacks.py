@@ -1,5 +1,5 @@
 """One hostile island of four, every round, with the largest counters it may claim: the global
-model still reaches the honest islands' target (issue 21: a sign-flipping island took the
+model still reaches the honest islands' target (a sign-flipping island took the
 distance to the target from 2.9 to 202,519, a noise island to 738,618).
 
 Honest islands step a tenth of the way toward a fixed target with noise, as local training

@@ -1,4 +1,4 @@
-"""Resources are bounded before anything is trusted (issue 21): a push's header is checked before
+"""Resources are bounded before anything is trusted: a push's header is checked before
 its payload is read, one island's streams take only that island's slots, and the version history
 does not grow with the islands that ever joined."""
 
@@ -24,7 +24,7 @@ def test_slow_push_streams_from_no_session_hold_no_worker(target):
 
     def header_then_trickle():
         yield pb.PushChunk(header=header(target.config, island=0, session=""), data=b"\0")
-        hung.wait(10)  # a byte every few seconds, as the attack of issue 21 sent
+        hung.wait(10)  # a byte every few seconds, as the slow-stream attack sent
         yield pb.PushChunk(data=b"\0")
 
     calls = [stub.Push.future(header_then_trickle(), timeout=20) for _ in range(40)]  # the server has 24 workers

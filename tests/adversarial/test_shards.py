@@ -1,4 +1,4 @@
-"""Addresses that are not one run's shards are refused at join, naming what differs (issue 21)."""
+"""Addresses that are not one run's shards are refused at join, naming what differs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every number of every RPC at its extremes, over the real gRPC server: each is refused with a
 reason or bounded, and afterwards join, heartbeat, status, push and a restart from the checkpoint
-still work (issue 21: one push naming round 2**61 made every later call, and every restart, fail)."""
+still work (one push naming round 2**61 made every later call, and every restart, fail)."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def test_every_number_of_every_rpc_at_its_extremes_leaves_the_run_working(tmp_pa
 
 @pytest.mark.parametrize("field", ["round", "seq", "base_version", "steps"])
 def test_a_huge_number_in_one_push_does_not_reach_any_reply(target, field):
-    """The attack of issue 21 itself: one push with a value of 2**61, then every call of every kind."""
+    """The attack that started it: one push with a value of 2**61, then every call of every kind."""
     stub = target.stub()
     numel = layout(target.config).fragment_numel(0)
     fields = dict(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,

@@ -125,6 +125,7 @@ def test_status_without_the_token_says_so_without_a_traceback(synchronizer_proce
     assert "s3cret" not in " ".join(proc.args)  # the token is not on the command line
     table = subprocess.run([*CLI, "status", address], capture_output=True, text=True, timeout=60)
     assert table.returncode == 2 and "Traceback" not in table.stderr and "--token-file" in table.stderr
+    assert table.stderr.count("pass the run's token") == 1, table.stderr  # the hint once, not twice
     ok = subprocess.run([*CLI, "status", address, "--token-file", str(token_file)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
 

@@ -1,4 +1,4 @@
-"""`lightning-diloco run --token`: each island is started with its own credential (issue 21) and
+"""`lightning-diloco run --token`: each island is started with its own credential and
 trains; the launcher reads Status with the run token (real processes)."""
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_strategy_name_trains_a_tiny_model_and_syncs():
 
 def test_a_one_process_island_calls_its_embedded_synchronizer_without_grpc():
     """No server, no port and no gRPC threads beside the training loop (over loopback gRPC the
-    island's own traffic cost 3-4 ms of CPU per step, issue 24): a one-process run that syncs,
+    island's own traffic cost 3-4 ms of CPU per step): a one-process run that syncs,
     and counts its bytes up and down, never even loads gRPC. In a fresh interpreter, since other
     tests load it."""
     root = Path(__file__).resolve().parents[2]
