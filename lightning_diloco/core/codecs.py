@@ -196,7 +196,7 @@ class BlockQuantCodec(Codec):
         full = flat[: nfull * bs].view(nfull, bs)  # the whole blocks, read in place (no padded copy)
         tail = None
         if nfull < nblocks:  # the last block, zero-padded on its own
-            tail = torch.zeros(1, bs)
+            tail = flat.new_zeros(1, bs)  # fp32 whatever torch's default dtype
             tail[0, : numel - nfull * bs] = flat[nfull * bs :]
         scale = self._scales(full, tail, numel - nfull * bs).to(torch.bfloat16)
         _refuse_non_finite(scale.float() * self.top, f"{self.name} input's largest level")  # bf16 rounding up past fp32

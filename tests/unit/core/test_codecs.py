@@ -175,3 +175,22 @@ def test_int4_size_formula():
     codec = get_codec("int4", 64)
     assert codec.encoded_size(64 * 10) == 10 * 2 + 10 * 32
     assert math.isclose(codec.encoded_size(64 * 1000) / (64 * 1000), 0.53125)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_a_float64_default_dtype_changes_nothing(name):
+    """A caller that set torch's default dtype to float64 (common in scientific code) gets the
+    same payload as everyone else: the tail block once followed the default dtype, and int2
+    refused every fragment whose size is not a multiple of the block."""
+    codec = get_codec(name)
+    x = _gaussian(100)
+    expected = codec.encode(x)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        payload = codec.encode(x)
+        out = codec.decode(payload, 100)
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.equal(payload, expected)
+    assert out.dtype == torch.float32 and torch.equal(out, codec.decode(expected, 100))
