@@ -1,6 +1,7 @@
 """Every codec runs one conformance suite; quantized codecs also meet their stated error bound."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -194,3 +195,24 @@ def test_a_float64_default_dtype_changes_nothing(name):
         torch.set_default_dtype(previous)
     assert torch.equal(payload, expected)
     assert out.dtype == torch.float32 and torch.equal(out, codec.decode(expected, 100))
+
+
+def test_a_thread_that_only_decodes_keeps_one_byte_per_chunk_value():
+    """Decoding runs on the synchronizer's gRPC workers (up to 256 threads that live as long as
+    the server): each keeps its scratch, so a decode must keep only the levels it uses, not the
+    encoder's fp32 values too (1.25 MB a worker, 320 MB for a full pool, before this)."""
+    from lightning_diloco.core import codecs
+
+    codec = get_codec("int2")
+    numel = 4 * codecs.BlockQuantCodec.chunk_values  # a body of chunk_values bytes: the most one decode keeps
+    payload = codec.encode(_gaussian(numel))
+    held = []
+
+    def worker():
+        codec.decode(payload, numel)
+        held.append(sum(t.numel() * t.element_size() for t in vars(codecs._scratch).values() if isinstance(t, torch.Tensor)))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(timeout=60)
+    assert held == [codecs.BlockQuantCodec.chunk_values]
