@@ -69,7 +69,9 @@ class Codec:
             )
         if isinstance(data, torch.Tensor):
             assert data.dtype == torch.uint8 and data.dim() == 1, f"{data.dtype=} {data.dim()=}"
-            return data.contiguous(), False
+            # a view into a larger byte tensor (payloads packed side by side) at an offset that is
+            # no whole number of fp32 or bf16 values cannot be viewed as them: decode a copy
+            return (data.contiguous() if data.storage_offset() % 4 == 0 else data.clone()), False
         if size == 0:
             return torch.zeros(0, dtype=torch.uint8), True
         with warnings.catch_warnings():  # decoding reads the received bytes and never writes to them

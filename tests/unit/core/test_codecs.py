@@ -298,3 +298,17 @@ def test_block_codecs_on_many_threads_give_one_thread_s_bytes():
     for one, other in zip(alone, together):
         for (p1, d1), (p2, d2) in zip(one, other):
             assert torch.equal(p1, p2) and torch.equal(d1, d2)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_a_payload_viewed_at_any_offset_of_a_larger_byte_tensor_decodes(name):
+    """Payloads kept side by side in one uint8 tensor, each decoded from its slice: an offset
+    that is no multiple of 4 (fp32) or 2 (bf16 scales) once raised "storage_offset() must be
+    divisible by 4 to view Byte as Float"."""
+    codec = get_codec(name)
+    payload = codec.encode(_gaussian(130))
+    expected = codec.decode(payload, 130)
+    for offset in (1, 2, 3, 5):
+        packed = torch.cat([torch.zeros(offset, dtype=torch.uint8), payload])
+        assert torch.equal(codec.decode(packed[offset:], 130), expected), offset
+        assert torch.equal(packed[offset:], payload)  # read, never written
