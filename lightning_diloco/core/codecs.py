@@ -136,13 +136,17 @@ class _Scratch(threading.local):
     def values(self, n: int) -> torch.Tensor:
         """n fp32 values, reused: the caller's until its next ``values``."""
         if self._values.numel() < n:
-            self._values = torch.empty(n, dtype=torch.float32)
+            with torch.inference_mode(False):  # see levels()
+                self._values = torch.empty(n, dtype=torch.float32)
         return self._values[:n]
 
     def levels(self, n: int) -> torch.Tensor:
         """n uint8 levels, reused: the caller's until its next ``levels``."""
         if self._levels.numel() < n:
-            self._levels = torch.empty(n, dtype=torch.uint8)
+            # a normal tensor even when made under inference_mode (Lightning validates under it):
+            # an inference tensor could not be written outside it, on every later call of the thread
+            with torch.inference_mode(False):
+                self._levels = torch.empty(n, dtype=torch.uint8)
         return self._levels[:n]
 
 

@@ -312,3 +312,33 @@ def test_a_payload_viewed_at_any_offset_of_a_larger_byte_tensor_decodes(name):
         packed = torch.cat([torch.zeros(offset, dtype=torch.uint8), payload])
         assert torch.equal(codec.decode(packed[offset:], 130), expected), offset
         assert torch.equal(packed[offset:], payload)  # read, never written
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("first", ["encode", "decode"])
+def test_a_thread_s_first_call_inside_inference_mode_leaves_later_calls_working(name, first):
+    """Each thread keeps its scratch buffers. One first made under ``torch.inference_mode()``
+    (Lightning validates under it; so may a user's evaluation script) was an inference tensor,
+    and every later encode on that thread outside inference mode raised "Inplace update to
+    inference tensor outside InferenceMode is not allowed"."""
+    codec = get_codec(name)
+    x, big = _gaussian(1000), _gaussian(1 << 20)  # big: a decode that takes all the levels an encode of x needs
+    expected, big_payload = codec.encode(x), codec.encode(big)
+    outcome = {}
+
+    def worker():
+        try:
+            with torch.inference_mode():
+                outcome["inside"] = codec.encode(x) if first == "encode" else codec.decode(big_payload, big.numel())
+            outcome["payload"], outcome["values"] = codec.encode(x), codec.decode(expected, 1000)
+            with torch.inference_mode():  # and back inside, on the same buffers
+                outcome["again"] = codec.encode(x)
+        except RuntimeError as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=worker)  # a fresh thread: fresh scratch
+    thread.start()
+    thread.join(timeout=60)
+    assert "error" not in outcome, outcome.get("error")
+    assert torch.equal(outcome["payload"], expected) and torch.equal(outcome["again"], expected)
+    assert torch.equal(outcome["values"], codec.decode(expected, 1000))
