@@ -69,7 +69,9 @@ class Codec:
             )
         if isinstance(data, torch.Tensor):
             assert data.dtype == torch.uint8 and data.dim() == 1, f"{data.dtype=} {data.dim()=}"
-            return data.contiguous(), False
+            # a view into a larger byte tensor (payloads packed side by side) at an offset that is
+            # no whole number of fp32 or bf16 values cannot be viewed as them: decode a copy
+            return (data.contiguous() if data.storage_offset() % 4 == 0 else data.clone()), False
         if size == 0:
             return torch.zeros(0, dtype=torch.uint8), True
         with warnings.catch_warnings():  # decoding reads the received bytes and never writes to them
@@ -122,19 +124,30 @@ class _Scratch(threading.local):
     A fresh multi-MB temporary per call is not free: the allocator hands back memory it took from
     the kernel, and each first touch of a 4 KB page is a fault (about 5 us each here). On a 210K
     value fragment that was 2.4 ms of a 3.7 ms int4 encode; buffers kept per thread (a push pool
-    thread, a closer) are touched once. Per thread at most 5 bytes per ``chunk_values`` value.
+    thread, a closer) are touched once. Per thread at most 5 bytes per ``chunk_values`` value
+    after an encode, 1 after only decodes (a gRPC worker of the synchronizer, of which there are
+    up to 256, keeps 256 KB, not 1.25 MB).
     """
 
     def __init__(self) -> None:
-        self.values = torch.empty(0, dtype=torch.float32)
-        self.levels = torch.empty(0, dtype=torch.uint8)
+        self._values = torch.empty(0, dtype=torch.float32)
+        self._levels = torch.empty(0, dtype=torch.uint8)
 
-    def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n fp32 values, n uint8 levels), reused: the caller's until its next ``take``."""
-        if self.values.numel() < n:
-            self.values = torch.empty(n, dtype=torch.float32)
-            self.levels = torch.empty(n, dtype=torch.uint8)
-        return self.values[:n], self.levels[:n]
+    def values(self, n: int) -> torch.Tensor:
+        """n fp32 values, reused: the caller's until its next ``values``."""
+        if self._values.numel() < n:
+            with torch.inference_mode(False):  # see levels()
+                self._values = torch.empty(n, dtype=torch.float32)
+        return self._values[:n]
+
+    def levels(self, n: int) -> torch.Tensor:
+        """n uint8 levels, reused: the caller's until its next ``levels``."""
+        if self._levels.numel() < n:
+            # a normal tensor even when made under inference_mode (Lightning validates under it):
+            # an inference tensor could not be written outside it, on every later call of the thread
+            with torch.inference_mode(False):
+                self._levels = torch.empty(n, dtype=torch.uint8)
+        return self._levels[:n]
 
 
 _scratch = _Scratch()
@@ -196,7 +209,7 @@ class BlockQuantCodec(Codec):
         full = flat[: nfull * bs].view(nfull, bs)  # the whole blocks, read in place (no padded copy)
         tail = None
         if nfull < nblocks:  # the last block, zero-padded on its own
-            tail = torch.zeros(1, bs)
+            tail = flat.new_zeros(1, bs)  # fp32 whatever torch's default dtype
             tail[0, : numel - nfull * bs] = flat[nfull * bs :]
         scale = self._scales(full, tail, numel - nfull * bs).to(torch.bfloat16)
         _refuse_non_finite(scale.float() * self.top, f"{self.name} input's largest level")  # bf16 rounding up past fp32
@@ -207,7 +220,8 @@ class BlockQuantCodec(Codec):
 
         body = out[nblocks * 2 :]
         per_byte = 8 // self.bits
-        values, levels = _scratch.take(min(nblocks * bs, self.chunk_values) + bs)
+        scratch_size = min(nblocks * bs, self.chunk_values) + bs
+        values, levels = _scratch.values(scratch_size), _scratch.levels(scratch_size)
         for lo, hi in self._chunks(nblocks):
             n = (hi - lo) * bs
             q = values[:n].view(hi - lo, bs)
@@ -247,7 +261,7 @@ class BlockQuantCodec(Codec):
         else:
             per_byte, mask = 8 // self.bits, (1 << self.bits) - 1
             columns = out.view(-1, per_byte)
-            level = _scratch.take(min(body.numel(), self.chunk_values))[1]
+            level = _scratch.levels(min(body.numel(), self.chunk_values))
             for lo in range(0, body.numel(), level.numel()):
                 packed = body[lo : lo + level.numel()]
                 part = level[: packed.numel()]

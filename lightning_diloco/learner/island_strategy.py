@@ -296,7 +296,7 @@ class IslandStrategy:
             message = f"island {self.island}: {where} refused it ({err.reason}): {err}"
             log.error(message)
             raise RefusedByRun(message) from None
-        self._warn_on_conflicts(info.config)
+        self._warn_on_conflicts(info.config, tensors=len(specs))
         return link, info
 
     def _start_embedded(self):
@@ -315,12 +315,14 @@ class IslandStrategy:
         self.embedded = Synchronizer(self.run_config, state=state).start()
         return LocalLink(self.embedded)
 
-    def _warn_on_conflicts(self, authoritative: RunConfig) -> None:
+    def _warn_on_conflicts(self, authoritative: RunConfig, tensors: int) -> None:
         # what the user asked for: the named settings, and all of a run_config they passed
         asked = {s.name for s in run_settings()} if self.base_config is not None else set(self.explicit)
         conflicts = []
         for name in sorted(asked):
             value, actual = value_of(self.run_config, name), value_of(authoritative, name)
+            if name == "num_fragments" and actual == tensors < value:
+                continue  # lowered to the model's tensors (the banner says P): no setting anywhere could give more
             if actual != value:
                 conflicts.append(f"{name}={value!r} (synchronizer: {actual!r})")
         if conflicts:

@@ -410,3 +410,27 @@ def test_islands_of_different_sizes_train_on_disjoint_shards_that_cover_the_data
     shards = {(0, r): set(sampler(0, 2, r)) for r in range(2)} | {(1, 0): set(sampler(1, 1, 0))}
     assert all(len(s) == 16 for k, s in shards.items() if k[0] == 0) and len(shards[1, 0]) == 32
     assert set().union(*shards.values()) == set(range(64))  # each sample once: 16 + 16 + 32 = 64
+
+
+def test_a_preset_on_a_small_model_warns_of_no_conflict_and_a_real_one_is_named(recwarn):
+    """run_config=low_bandwidth() (every setting at once) on a model of fewer tensors than its 24
+    fragments once warned "ignoring num_fragments=24 ... Set them on the synchronizer instead",
+    about the embedded synchronizer fitting P to the model, which nothing can undo. A synchronizer
+    of its own with other settings is still named, setting by setting."""
+    from lightning_diloco.core.presets import low_bandwidth
+
+    t = trainer(DecoupledDiLoCoStrategy(run_config=low_bandwidth()), max_epochs=1)
+    t.fit(TinyRegressor(), loader(regression_data()))
+    assert not [w for w in recwarn if "authoritative" in str(w.message)]
+
+    server = SynchronizerServer(Synchronizer(config_with({"sync_every": 8, "num_fragments": 4})), host="127.0.0.1", port=0).start()
+    try:
+        t = trainer(DecoupledDiLoCoStrategy(synchronizer=server.address, num_islands=1, run_config=low_bandwidth(), sync_every=8),
+                    max_epochs=1)
+        with pytest.warns(UserWarning, match="authoritative") as caught:
+            t.fit(TinyRegressor(), loader(regression_data()))
+    finally:
+        server.stop(grace=0)
+    message = next(str(w.message) for w in caught if "authoritative" in str(w.message))
+    assert "uplink_codec='int2' (synchronizer: 'fp32')" in message or "uplink_codec='int2' (synchronizer: 'int4')" in message
+    assert "block_size=128 (synchronizer: 64)" in message and "num_fragments" not in message

@@ -1,6 +1,7 @@
 """Every codec runs one conformance suite; quantized codecs also meet their stated error bound."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -175,3 +176,169 @@ def test_int4_size_formula():
     codec = get_codec("int4", 64)
     assert codec.encoded_size(64 * 10) == 10 * 2 + 10 * 32
     assert math.isclose(codec.encoded_size(64 * 1000) / (64 * 1000), 0.53125)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_a_float64_default_dtype_changes_nothing(name):
+    """A caller that set torch's default dtype to float64 (common in scientific code) gets the
+    same payload as everyone else: the tail block once followed the default dtype, and int2
+    refused every fragment whose size is not a multiple of the block."""
+    codec = get_codec(name)
+    x = _gaussian(100)
+    expected = codec.encode(x)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        payload = codec.encode(x)
+        out = codec.decode(payload, 100)
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.equal(payload, expected)
+    assert out.dtype == torch.float32 and torch.equal(out, codec.decode(expected, 100))
+
+
+def test_a_thread_that_only_decodes_keeps_one_byte_per_chunk_value():
+    """Decoding runs on the synchronizer's gRPC workers (up to 256 threads that live as long as
+    the server): each keeps its scratch, so a decode must keep only the levels it uses, not the
+    encoder's fp32 values too (1.25 MB a worker, 320 MB for a full pool, before this)."""
+    from lightning_diloco.core import codecs
+
+    codec = get_codec("int2")
+    numel = 4 * codecs.BlockQuantCodec.chunk_values  # a body of chunk_values bytes: the most one decode keeps
+    payload = codec.encode(_gaussian(numel))
+    held = []
+
+    def worker():
+        codec.decode(payload, numel)
+        held.append(sum(t.numel() * t.element_size() for t in vars(codecs._scratch).values() if isinstance(t, torch.Tensor)))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(timeout=60)
+    assert held == [codecs.BlockQuantCodec.chunk_values]
+
+
+def _reference_block_encode(x, bits, block):
+    """The block codecs' layout the plain way: the whole input padded, fresh buffers, no chunks."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    nblocks = math.ceil(flat.numel() / block)
+    blocks = torch.nn.functional.pad(flat, (0, nblocks * block - flat.numel())).view(nblocks, block)
+    top = 1.5 if bits == 2 else 2 ** (bits - 1) - 1
+    if bits == 2:
+        counts = torch.full((nblocks,), float(block))
+        counts[-1] = flat.numel() - block * (nblocks - 1)
+        wide = torch.float64 if float(blocks.abs().max()) ** 2 * block > 1e38 else torch.float32  # squares past fp32
+        scale = torch.linalg.vector_norm(blocks, dim=1, dtype=wide) / counts.sqrt()
+    else:
+        scale = blocks.abs().amax(dim=1) / top
+    scale = scale.to(torch.bfloat16)
+    divisor = scale.float().where(scale.float() > 0, torch.tensor(1.0))
+    q = blocks / divisor[:, None]
+    levels = (q.floor().clamp(-2, 1) + 2) if bits == 2 else (q.round().clamp(-top, top) + (8 if bits == 4 else 0))
+    levels = levels.reshape(-1).to(torch.int64)
+    if bits == 8:
+        body = levels.to(torch.int8).view(torch.uint8)
+    else:
+        per_byte = 8 // bits
+        columns = levels.view(-1, per_byte)
+        body = sum(columns[:, k] << (bits * k) for k in range(per_byte)).to(torch.uint8)
+    return scale, body
+
+
+def _assert_matches_reference(payload, x, bits, block):
+    scale, body = _reference_block_encode(x, bits, block)
+    got_scale = payload[: scale.numel() * 2].view(torch.bfloat16)
+    # an all-zero block's scale may be +0 or -0 (the max of 0 and -0): both decode to zeros
+    assert torch.equal(got_scale.float(), scale.float()), (bits, block, x.numel())
+    assert torch.equal(payload[scale.numel() * 2 :], body), (bits, block, x.numel())
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_block_codecs_match_a_plain_reference_byte_for_byte_at_every_edge(bits):
+    """Whole blocks read in place, the tail padded alone, chunks through reused per-thread
+    buffers: the same bytes as padding everything into fresh memory, at the sizes where chunks
+    and blocks meet, for inputs that are views, strided, or of another dtype."""
+    from lightning_diloco.core.codecs import BlockQuantCodec
+
+    chunk = BlockQuantCodec.chunk_values
+    for block in (4, 12, 64, 1000):
+        codec = BlockQuantCodec(bits, block)
+        for n in sorted({1, 3, block - 1, block, block + 1, chunk - 1, chunk, chunk + 1, 2 * chunk + block + 1}):
+            x = _gaussian(n, seed=n) * 3
+            _assert_matches_reference(codec.encode(x), x, bits, block)
+    codec = BlockQuantCodec(bits, 64)
+    base = _gaussian(3 * chunk + 77)
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 1e-30, 7.0, -1e38]).repeat(40)
+    for x in (base[1::3], base[5 : 5 + chunk + 3], base[: 2 * chunk].view(2, -1).t(), base[:999].to(torch.bfloat16),
+              base[:999].double(), (base[:999] * 50).to(torch.int32), torch.tensor(2.5).expand(999), special, torch.zeros(130)):
+        _assert_matches_reference(codec.encode(x), x, bits, 64)
+
+
+def test_block_codecs_on_many_threads_give_one_thread_s_bytes():
+    """Each thread's scratch is its own: 8 threads encoding and decoding at once, codecs and sizes
+    mixed, give exactly what one thread gives, and a decode between encodes changes nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_diloco.core.codecs import BlockQuantCodec
+
+    chunk = BlockQuantCodec.chunk_values
+
+    def work(i):
+        results = []
+        for k in range(4):
+            codec = get_codec(("int8", "int4", "int2")[(i + k) % 3], (8, 64, 128)[k % 3])
+            n = (1, 63, chunk + 1, 2 * chunk - 5, 777)[(i + k) % 5]
+            payload = codec.encode(_gaussian(n, seed=i * 10 + k))
+            results.append((payload, codec.decode(payload, n)))
+        return results
+
+    alone = [work(i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(work, range(8)))
+    for one, other in zip(alone, together):
+        for (p1, d1), (p2, d2) in zip(one, other):
+            assert torch.equal(p1, p2) and torch.equal(d1, d2)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_a_payload_viewed_at_any_offset_of_a_larger_byte_tensor_decodes(name):
+    """Payloads kept side by side in one uint8 tensor, each decoded from its slice: an offset
+    that is no multiple of 4 (fp32) or 2 (bf16 scales) once raised "storage_offset() must be
+    divisible by 4 to view Byte as Float"."""
+    codec = get_codec(name)
+    payload = codec.encode(_gaussian(130))
+    expected = codec.decode(payload, 130)
+    for offset in (1, 2, 3, 5):
+        packed = torch.cat([torch.zeros(offset, dtype=torch.uint8), payload])
+        assert torch.equal(codec.decode(packed[offset:], 130), expected), offset
+        assert torch.equal(packed[offset:], payload)  # read, never written
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("first", ["encode", "decode"])
+def test_a_thread_s_first_call_inside_inference_mode_leaves_later_calls_working(name, first):
+    """Each thread keeps its scratch buffers. One first made under ``torch.inference_mode()``
+    (Lightning validates under it; so may a user's evaluation script) was an inference tensor,
+    and every later encode on that thread outside inference mode raised "Inplace update to
+    inference tensor outside InferenceMode is not allowed"."""
+    codec = get_codec(name)
+    x, big = _gaussian(1000), _gaussian(1 << 20)  # big: a decode that takes all the levels an encode of x needs
+    expected, big_payload = codec.encode(x), codec.encode(big)
+    outcome = {}
+
+    def worker():
+        try:
+            with torch.inference_mode():
+                outcome["inside"] = codec.encode(x) if first == "encode" else codec.decode(big_payload, big.numel())
+            outcome["payload"], outcome["values"] = codec.encode(x), codec.decode(expected, 1000)
+            with torch.inference_mode():  # and back inside, on the same buffers
+                outcome["again"] = codec.encode(x)
+        except RuntimeError as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=worker)  # a fresh thread: fresh scratch
+    thread.start()
+    thread.join(timeout=60)
+    assert "error" not in outcome, outcome.get("error")
+    assert torch.equal(outcome["payload"], expected) and torch.equal(outcome["again"], expected)
+    assert torch.equal(outcome["values"], codec.decode(expected, 1000))
