@@ -73,7 +73,7 @@ class Codec:
             # no whole number of fp32 or bf16 values cannot be viewed as them: decode a copy
             return (data.contiguous() if data.storage_offset() % 4 == 0 else data.clone()), False
         if size == 0:
-            return torch.zeros(0, dtype=torch.uint8), True
+            return torch.zeros(0, dtype=torch.uint8, device="cpu"), True
         with warnings.catch_warnings():  # decoding reads the received bytes and never writes to them
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             consumed = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
@@ -130,14 +130,14 @@ class _Scratch(threading.local):
     """
 
     def __init__(self) -> None:
-        self._values = torch.empty(0, dtype=torch.float32)
-        self._levels = torch.empty(0, dtype=torch.uint8)
+        self._values = torch.empty(0, dtype=torch.float32, device="cpu")
+        self._levels = torch.empty(0, dtype=torch.uint8, device="cpu")
 
     def values(self, n: int) -> torch.Tensor:
         """n fp32 values, reused: the caller's until its next ``values``."""
         if self._values.numel() < n:
             with torch.inference_mode(False):  # see levels()
-                self._values = torch.empty(n, dtype=torch.float32)
+                self._values = torch.empty(n, dtype=torch.float32, device="cpu")
         return self._values[:n]
 
     def levels(self, n: int) -> torch.Tensor:
@@ -146,7 +146,7 @@ class _Scratch(threading.local):
             # a normal tensor even when made under inference_mode (Lightning validates under it):
             # an inference tensor could not be written outside it, on every later call of the thread
             with torch.inference_mode(False):
-                self._levels = torch.empty(n, dtype=torch.uint8)
+                self._levels = torch.empty(n, dtype=torch.uint8, device="cpu")
         return self._levels[:n]
 
 
@@ -201,7 +201,7 @@ class BlockQuantCodec(Codec):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().reshape(-1).to(torch.float32)
         numel = flat.numel()
-        out = torch.empty(self.encoded_size(numel), dtype=torch.uint8)
+        out = torch.empty(self.encoded_size(numel), dtype=torch.uint8, device="cpu")
         if numel == 0:
             return out
         nblocks, bs = self._num_blocks(numel), self.block_size
@@ -250,12 +250,12 @@ class BlockQuantCodec(Codec):
     def decode(self, data: Payload, numel: int) -> torch.Tensor:
         raw, _ = self._as_uint8(data, numel)
         if numel == 0:
-            return torch.zeros(0, dtype=torch.float32)
+            return torch.zeros(0, dtype=torch.float32, device="cpu")
         nblocks = self._num_blocks(numel)
         scale = raw[: nblocks * 2].view(torch.bfloat16).to(torch.float32)
         _refuse_non_finite(scale * self.top, f"{self.name} payload scale")
         body = raw[nblocks * 2 :]
-        out = torch.empty(nblocks * self.block_size, dtype=torch.float32)
+        out = torch.empty(nblocks * self.block_size, dtype=torch.float32, device="cpu")
         if self.bits == 8:
             out.copy_(body.view(torch.int8))
         else:

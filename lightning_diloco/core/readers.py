@@ -5,7 +5,8 @@ there: the gRPC client's subscription (transport/subscription.py) and the in-pro
 (synchronizer/local_link.py). What a close of either promises, from whichever caller and however
 many at once:
 
-- once it has begun, no callback starts: a reader that gets an event after it hands it to nobody;
+- once it has begun, a reader that gets an event hands it to nobody (one that was handing an
+  event over as the close began may still call its callback: the close waits for it as for any);
 - when it returns, no reader runs, except one still inside a callback after ``JOIN_TIMEOUT``
   seconds. The close does not wait for that one for ever (a callback that waits on the thread
   that closes would never return): it returns and logs a warning naming the reader and the

@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core import codecs
+from lightning_diloco.core.codecs import BlockQuantCodec, get_codec
 
 CODECS = ["fp32", "bf16", "int8", "int4", "int2"]
 
@@ -197,11 +198,25 @@ def test_a_float64_default_dtype_changes_nothing(name):
     assert out.dtype == torch.float32 and torch.equal(out, codec.decode(expected, 100))
 
 
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "int2"])
+def test_a_thread_whose_default_device_is_another_gets_cpu_payloads_and_values(name):
+    """Torch's default device is the calling thread's: a caller that set it (to a GPU, or to
+    meta while building a model) still gets CPU payloads and values from CPU input (meta
+    tensors have no data: before, a decode under it returned garbage)."""
+    codec = get_codec(name)
+    x = _gaussian(100)
+    expected = codec.encode(x)
+    with torch.device("meta"):
+        payload = codec.encode(x)
+        out = codec.decode(expected, 100)
+    assert payload.device.type == "cpu" and torch.equal(payload, expected)
+    assert out.device.type == "cpu" and torch.equal(out, codec.decode(expected, 100))
+
+
 def test_a_thread_that_only_decodes_keeps_one_byte_per_chunk_value():
     """Decoding runs on the synchronizer's gRPC workers (up to 256 threads that live as long as
     the server): each keeps its scratch, so a decode must keep only the levels it uses, not the
     encoder's fp32 values too (1.25 MB a worker, 320 MB for a full pool, before this)."""
-    from lightning_diloco.core import codecs
 
     codec = get_codec("int2")
     numel = 4 * codecs.BlockQuantCodec.chunk_values  # a body of chunk_values bytes: the most one decode keeps
@@ -258,7 +273,6 @@ def test_block_codecs_match_a_plain_reference_byte_for_byte_at_every_edge(bits):
     """Whole blocks read in place, the tail padded alone, chunks through reused per-thread
     buffers: the same bytes as padding everything into fresh memory, at the sizes where chunks
     and blocks meet, for inputs that are views, strided, or of another dtype."""
-    from lightning_diloco.core.codecs import BlockQuantCodec
 
     chunk = BlockQuantCodec.chunk_values
     for block in (4, 12, 64, 1000):
@@ -279,7 +293,6 @@ def test_block_codecs_on_many_threads_give_one_thread_s_bytes():
     mixed, give exactly what one thread gives, and a decode between encodes changes nothing."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from lightning_diloco.core.codecs import BlockQuantCodec
 
     chunk = BlockQuantCodec.chunk_values
 
