@@ -14,11 +14,28 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import warnings
 from collections.abc import Callable
 from typing import Optional
 
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.settings import load_run_config, run_settings
+from lightning_diloco.core.settings import load_run_config, run_settings, value_of
+
+
+def warn_on_conflicts(asked: set[str], wanted: RunConfig, authoritative: RunConfig, tensors: int) -> None:
+    """Warn, naming each, of the settings in ``asked`` whose value in ``wanted`` (the island's)
+    the synchronizer's ``authoritative`` one overrides. A fragment count lowered to the model's
+    ``tensors`` is no conflict: no setting anywhere could give more."""
+    conflicts = []
+    for name in sorted(asked):
+        value, actual = value_of(wanted, name), value_of(authoritative, name)
+        if name == "num_fragments" and actual == tensors < value:
+            continue
+        if actual != value:
+            conflicts.append(f"{name}={value!r} (synchronizer: {actual!r})")
+    if conflicts:
+        warnings.warn("the synchronizer's run settings are authoritative; ignoring " + ", ".join(conflicts)
+                      + ". Set them on the synchronizer instead.", stacklevel=2)
 
 
 def env_int(name: str, value: int | None, default: int) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from lightning_diloco.core.exit_codes import EXIT_REFUSED
 from lightning_diloco.core.fragments import build_layout, tensor_specs
 from lightning_diloco.core.settings import config_with, run_settings, value_of
 from lightning_diloco.core.token_options import read_token
-from lightning_diloco.learner.arguments import as_run_config, env_int, refuse_unknown
+from lightning_diloco.learner.arguments import as_run_config, env_int, refuse_unknown, warn_on_conflicts
 from lightning_diloco.learner.collective import Collective, TorchCollective
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.learner.tokens import default_tokens_per_batch
@@ -296,7 +295,9 @@ class IslandStrategy:
             message = f"island {self.island}: {where} refused it ({err.reason}): {err}"
             log.error(message)
             raise RefusedByRun(message) from None
-        self._warn_on_conflicts(info.config, tensors=len(specs))
+        # what the user asked for: the named settings, and all of a run_config they passed
+        asked = {s.name for s in run_settings()} if self.base_config is not None else set(self.explicit)
+        warn_on_conflicts(asked, self.run_config, info.config, tensors=len(specs))
         return link, info
 
     def _start_embedded(self):
@@ -314,23 +315,6 @@ class IslandStrategy:
         state = SynchronizerState.from_state_dict(saved) if saved else None
         self.embedded = Synchronizer(self.run_config, state=state).start()
         return LocalLink(self.embedded)
-
-    def _warn_on_conflicts(self, authoritative: RunConfig, tensors: int) -> None:
-        # what the user asked for: the named settings, and all of a run_config they passed
-        asked = {s.name for s in run_settings()} if self.base_config is not None else set(self.explicit)
-        conflicts = []
-        for name in sorted(asked):
-            value, actual = value_of(self.run_config, name), value_of(authoritative, name)
-            if name == "num_fragments" and actual == tensors < value:
-                continue  # lowered to the model's tensors (the banner says P): no setting anywhere could give more
-            if actual != value:
-                conflicts.append(f"{name}={value!r} (synchronizer: {actual!r})")
-        if conflicts:
-            warnings.warn(
-                "the synchronizer's run settings are authoritative; ignoring " + ", ".join(conflicts)
-                + ". Set them on the synchronizer instead.",
-                stacklevel=2,
-            )
 
     # ---- the inner loop ------------------------------------------------------------------------
 
