@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, command_line = argv[:split], argv[split + 1 :]
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the subcommand that was given them, with what was probably meant
-        _subcommand(parser, args.command).error(_unrecognized(_subcommand(parser, args.command), args.command, unknown))
+        given = _subcommand(parser, args.command)
+        given.error(_unrecognized(given, args.command, unknown))
     args.command_line = command_line
     if getattr(args, "run", None) is None:
         parser.print_help()

@@ -195,7 +195,7 @@ class BlockQuantCodec(Codec):
             return absmax / self.top
         # the rms in float64 only where a sum of fp32 squares could overflow
         wide = torch.float64 if float(absmax.max()) ** 2 * self.block_size > 1e38 else torch.float32
-        sizes = [self.block_size] * (len(rows) - 1) + [tail_values if tail is not None else self.block_size]
+        sizes = [self.block_size] if tail is None else [self.block_size, tail_values]
         return torch.cat([torch.linalg.vector_norm(r, dim=1, dtype=wide).div_(math.sqrt(n)) for r, n in zip(rows, sizes)])
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,8 @@ def test_overhead_benchmark_prints_the_step_time_ratio_of_both_island_sizes(caps
     assert cpu["training loop"] > 0 and "diloco-closer-N" in cpu and "diloco-islandN-sync_N" in cpu
     assert not [group for group in cpu if group.startswith(("diloco-sync", "native grpc", "native event_engine"))]
     assert "CPU ms per step, diloco" in out
-    # each arm's minor page faults per step by thread: the training loop faults in both arms
-    assert results[1]["plain_faults_per_step"].get("training loop", 0) >= 0 and "diloco-closer-N" in results[1]["diloco_faults_per_step"]
+    # each arm's minor page faults per step by thread, the training loop and the closers among them
+    faults = results[1]["diloco_faults_per_step"]
+    assert "training loop" in results[1]["plain_faults_per_step"] and {"training loop", "diloco-closer-N"} <= set(faults)
+    assert all(n >= 0 for n in faults.values()) and sum(faults.values()) > 0  # counted from /proc, not left at 0
     assert "minor page faults per step, diloco" in out
