@@ -2,6 +2,7 @@
 2-process DDP island.
 
     python -m benchmarks.overhead [--processes 1 2] [--steps 150] [--hidden 256] [--layers 4] [--repeats 4]
+                                  [--torch-threads N]
 
 The same tiny Llama on the same random tokens, trained by plain Lightning and by
 ``DecoupledDiLoCoStrategy`` at the paper's schedule (P = 24, H = 24, tau = 2, int4 uplink)
@@ -14,6 +15,10 @@ and streams to the synchronizer. Each arm runs in fresh processes and the arms a
 ``--repeats`` times: on a shared 2-core VM, identical runs in one process drift by +-20%
 (allocator and scheduler state), which would swamp the figure. The figure per process count is
 the ratio of the medians of the per-run median step times of rank 0 (warm-up steps excluded).
+``--torch-threads 1`` runs both one-process arms on one torch thread, leaving this VM's second
+core beside the training as any GPU host has cores beside its training loop: the island's
+background threads then cost the training loop only what they take from it directly (the GIL,
+memory bandwidth), not a training thread's core.
 
 Beside the wall clock, each arm reports the CPU its process's threads spent per step after the
 warm-up (rank 0's process; Linux's per-thread ``schedstat``), by thread: the training loop (the
@@ -180,6 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=4, help="alternations of the two arms, each in fresh processes")
     parser.add_argument("--processes", type=int, nargs="+", choices=[1, 2], default=[1, 2],
                         help="island sizes to measure: 1 (one process) and/or 2 (DDP inside); default both")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch threads of a one-process arm (default: torch's own, one per core); 1 leaves a core "
+                             "beside the training, as a GPU host has")
     parser.add_argument("--json", action="store_true", help="also print the results, every run's figures included, as JSON")
     parser.add_argument("--arm", choices=["plain", "diloco"], help=argparse.SUPPRESS)  # one run, JSON out
     parser.add_argument("--results", help=argparse.SUPPRESS)  # where rank 0 of an arm writes its figures
@@ -187,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.arm:
         processes = args.processes[0]
+        if args.torch_threads and processes == 1:
+            torch.set_num_threads(args.torch_threads)
         strategy = "ddp" if processes > 1 else "auto"
         if args.arm == "diloco":
             strategy = DecoupledDiLoCoStrategy(sync_every=24, num_fragments=args.num_fragments, overlap_steps=2, uplink_codec="int4")
@@ -198,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     forwarded = [f"--{name.replace('_', '-')}={getattr(args, name)}"
-                 for name in ("steps", "warmup", "hidden", "layers", "vocab", "seq", "batch", "num_fragments")]
+                 for name in ("steps", "warmup", "hidden", "layers", "vocab", "seq", "batch", "num_fragments", "torch_threads")]
     params = sum(p.numel() for p in LM(args.hidden, args.layers, args.vocab).parameters())
     print(f"overhead benchmark: {params / 1e6:.1f}M-parameter Llama, batch {args.batch}x{args.seq} per process, "
           f"{args.steps} steps, {args.repeats} alternations of fresh processes")
@@ -222,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
             "diloco_step_s": statistics.median(diloco),
             "plain_runs_s": plain,
             "diloco_runs_s": diloco,
+            "torch_threads": threads,
             "syncs_applied": metrics.get("diloco/syncs_applied", 0.0),
             "blocked_s": metrics.get("diloco/blocked_s", 0.0),
             "hook_ms_per_step_runs": hook_ms,

@@ -22,7 +22,8 @@ at equal tokens. The Decoupled DiLoCo arms start island i at i x 3 s and make is
   before it);
 * ``k1-mix-int2``: int2 both ways, blocks of 128, with error feedback both ways (the codec that
   reaches the paper's byte reduction at H = 24); ``k1-mix-int2-up``, ``k1-mix-int2-down``: int2
-  one way and int4 the other, blocks of 128 (which direction costs what).
+  one way and int4 the other, blocks of 128 (which direction costs what);
+* ``k1-low-bandwidth``: ``k1-mix-int2`` at outer learning rate 0.5, i.e. ``presets.low_bandwidth()``.
 
 Per arm, the mean and standard deviation over seeds of the final eval loss of the global model,
 and the health of its rounds from the synchronizer's last status and the islands' counters: outer
@@ -75,6 +76,9 @@ ARMS = {
                                     "--block-size=128", "--uplink-feedback"]),
     "k1-mix-int2-down": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--uplink-codec=int4", "--downlink-codec=int2",
                                       "--block-size=128", "--uplink-feedback"]),
+    # presets.low_bandwidth(): k1-mix-int2 at outer lr 0.5
+    "k1-low-bandwidth": (any_island, ["--apply=mix", *OUT_OF_PHASE, "--uplink-codec=int2", "--downlink-codec=int2",
+                                      "--block-size=128", "--uplink-feedback", "--outer-lr=0.5"]),
 }
 
 

@@ -25,3 +25,15 @@ def test_overhead_benchmark_prints_the_step_time_ratio_of_both_island_sizes(caps
     assert "training loop" in results[1]["plain_faults_per_step"] and {"training loop", "diloco-closer-N"} <= set(faults)
     assert all(n >= 0 for n in faults.values()) and sum(faults.values()) > 0  # counted from /proc, not left at 0
     assert "minor page faults per step, diloco" in out
+
+
+def test_overhead_benchmark_can_leave_a_core_beside_a_one_process_island(capsys):
+    results = overhead.main(["--steps", "8", "--warmup", "2", "--hidden", "64", "--layers", "1", "--vocab", "256",
+                             "--seq", "16", "--batch", "2", "--repeats", "1", "--num-fragments", "8",
+                             "--processes", "1", "--torch-threads", "1"])
+    assert set(results) == {1} and results[1]["torch_threads"] == 1
+    assert "one-process island vs single-device (1 torch thread(s) per process)" in capsys.readouterr().out
+    # one torch thread: no OpenMP worker of the training beside the loop (with two it spends about as
+    # much CPU as the loop itself)
+    plain = results[1]["plain_cpu_ms_per_step"]
+    assert sum(ms for group, ms in plain.items() if group != "training loop") < 0.25 * plain["training loop"]
