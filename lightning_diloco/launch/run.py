@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -26,22 +24,17 @@ from lightning_diloco.core.exit_codes import EXIT_REFUSED
 from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.console import Console, progress_line
+from lightning_diloco.launch.environments import (free_port, island_environment, synchronizer_command,
+                                                  synchronizer_environment)
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.preflight import check_command, import_failure
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
 from lightning_diloco.launch.supervisor import (Supervised, UnitState, children, clean_environment, read_progress,
                                                 read_progress_line, safe_kill)
-from lightning_diloco.launch.workdir import set_aside
-from lightning_diloco.synchronizer.credentials import island_credential
+from lightning_diloco.launch.workdir import checkpoint_folder, progress_file, set_aside
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY = 0.25
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Run:
@@ -90,42 +83,9 @@ class Run:
     def _start_synchronizer(self) -> None:
         port = free_port()
         self.address = f"127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", str(port),
-               "--checkpoint-dir", str(self.workdir / "synchronizer"), "--checkpoint-every", str(self.options.checkpoint_every),
-               "--liveness-timeout", str(self.options.liveness_timeout)]
-        if self.options.run_config is not None:
-            config = self.workdir / "run-config.json"
-            config.write_text(json.dumps(self.options.run_config.to_dict(), indent=2))
-            cmd += ["--config", str(config)]
-        cmd += self.options.synchronizer_args
-        # the token goes by environment, never on a command line (the process list shows those)
-        env = {"OMP_NUM_THREADS": "1", **({"DILOCO_TOKEN": self.token} if self.token else {})}
-        self.synchronizer = Supervised("synchronizer", cmd, lambda: clean_environment(env), self.console.output_of("synchronizer"))
+        self.synchronizer = Supervised("synchronizer", synchronizer_command(self.options, self.workdir, port),
+                                       lambda: synchronizer_environment(self.token), self.console.output_of("synchronizer"))
         self.synchronizer.start()
-
-    def _island_env(self, i: int) -> dict[str, str]:
-        extra = {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-            "DILOCO_NUM_ISLANDS": str(self.options.islands),
-            "DILOCO_DEVICES": str(self.options.devices_per_island * (self.options.islands if self.ddp else 1)),
-            "DILOCO_PROGRESS_FILE": str(self.workdir / f"progress-{i}.txt"),
-            "DILOCO_CHECKPOINT_DIR": str(self.workdir / f"checkpoints-{i}"),
-        }
-        if "OMP_NUM_THREADS" not in os.environ:
-            # Every island process shares this host's cores. Left unset, Lightning gives each
-            # process cores // its own world size threads, so M one-process islands ran M times
-            # too many OpenMP threads, spinning against each other (measured: 4 islands on 2
-            # cores trained 5x slower).
-            processes = self.options.islands * self.options.devices_per_island
-            extra["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
-        if self.ddp:
-            extra["DILOCO_STRATEGY"] = "ddp"
-        else:
-            extra.update(DILOCO_STRATEGY="decoupled_diloco", DILOCO_ISLAND=str(i), DILOCO_SYNCHRONIZER=self.address)
-            if self.token:  # each island its own credential: it can act only as itself
-                extra["DILOCO_TOKEN"] = island_credential(self.token, i)
-        return clean_environment(extra)
 
     def start(self) -> None:
         if not self.ddp and self.address is None:
@@ -135,7 +95,9 @@ class Run:
 
             self.client = SynchronizerClient(self.address, token=self.token, max_retries=0, timeout=2.0)
         names = ["ddp-job"] if self.ddp else [f"island {i}" for i in range(self.units)]
-        self.islands = [Supervised(names[i], self.command, lambda i=i: self._island_env(i), self.console.output_of(names[i]))
+        self.islands = [Supervised(names[i], self.command,  # a fresh environment (MASTER_PORT) at each start
+                                   lambda i=i: island_environment(self.options, i, self.workdir, self.address),
+                                   self.console.output_of(names[i]))
                         for i in range(self.units)]
         if self.console.quiet:
             self.echo(f"[launcher] {len(names)} {'DDP job' if self.ddp else 'islands'}: each one's output in "
@@ -209,7 +171,7 @@ class Run:
                 return
 
     def _sample(self, now: float) -> None:
-        files = {i: self.workdir / f"progress-{self._unit_index(i)}.txt" for i in range(self.options.islands)}
+        files = {i: progress_file(self.workdir, self._unit_index(i)) for i in range(self.options.islands)}
         steps = {i: read_progress(f) for i, f in files.items()}
         alive = {i for i in range(self.options.islands) if self._unit(i).alive}
         status = None
@@ -270,7 +232,7 @@ class Run:
                 if not self.ddp:  # a recovery counts from the moment the island went down
                     with self._lock:
                         self.recovery.island_restarted(index, island.lifetimes[-2][1] or now, now)
-                    note = without_checkpoint(island.name, self.workdir / f"checkpoints-{index}")
+                    note = without_checkpoint(island.name, checkpoint_folder(self.workdir, index))
                     if note:
                         self.echo(note)
             elif island.state is UnitState.PAUSED and now >= island.due:
@@ -333,7 +295,7 @@ class Run:
         return 1 if any(i.state is UnitState.FAILED for i in self.islands) or self._stop.is_set() else 0
 
     def _print_progress(self, now: float) -> None:
-        progress = {i: read_progress_line(self.workdir / f"progress-{i}.txt") for i in range(self.units)}
+        progress = {i: read_progress_line(progress_file(self.workdir, i)) for i in range(self.units)}
         running = sum(unit.alive for unit in self.islands)
         self.echo(progress_line(now - self.t0, progress, running, self.units, self.last_status,
                                 "DDP job" if self.ddp else "island"))

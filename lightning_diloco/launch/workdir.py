@@ -20,6 +20,16 @@ RUN_FILES = ("synchronizer", "progress-*", "checkpoints-*", "run-config.json", "
              "ddp-job.log")
 
 
+def progress_file(workdir: Path, unit: int) -> Path:
+    """Where island ``unit`` (with ``--baseline ddp``: the DDP job, 0) writes its progress (``DILOCO_PROGRESS_FILE``)."""
+    return workdir / f"progress-{unit}.txt"
+
+
+def checkpoint_folder(workdir: Path, unit: int) -> Path:
+    """Where island ``unit`` saves its own checkpoints to resume from (``DILOCO_CHECKPOINT_DIR``)."""
+    return workdir / f"checkpoints-{unit}"
+
+
 class FolderInUse(ValueError):
     """The folder holds an earlier run and other files: it cannot be moved aside safely."""
 

@@ -18,6 +18,7 @@ from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.token_options import add_token_arguments, resolve_token
 from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings, load_run_config
+from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
                         "is refused (default: the checkpoint's, or a new one)")
     parser.add_argument("--layout-hash", help="the run's model layout (its hash, as Status and the islands' logs show it): "
                         "a first island with another model is refused instead of adopted")
-    parser.add_argument("--liveness-timeout", type=float, default=15.0, help="seconds of silence before an island is not waited for (default %(default)s)")
+    parser.add_argument("--liveness-timeout", type=float, default=LIVENESS_TIMEOUT, help="seconds of silence before an island is not waited for (default %(default)s)")
     add_token_arguments(parser, "shared secret islands must present")
     parser.add_argument("--tls-cert", help="PEM certificate file: serve TLS")
     parser.add_argument("--tls-key", help="PEM private key file for --tls-cert")

@@ -32,6 +32,7 @@ MAX_ISLANDS = 10_000
 MAX_STEP_TIME = 3600.0  # seconds: a reported step time beyond this is not a step time
 MAX_STEPS_PER_SECOND = 1000  # how fast an island's reported place on the clock may advance, at most
 RATE_SLACK = 4.0  # x the run's step rate: how much faster than the typical island one may advance
+LIVENESS_TIMEOUT = 15.0  # default seconds of silence after which an island is not waited for
 FORGET_AFTER = 600.0  # seconds of silence after which an island leaves Status (it may rejoin)
 
 

@@ -41,7 +41,7 @@ from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, resume
 from lightning_diloco.synchronizer.intake import Intake
-from lightning_diloco.synchronizer.membership import Membership, SessionError
+from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, Membership, SessionError
 from lightning_diloco.synchronizer.requests import Refusal, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
@@ -57,7 +57,7 @@ class Synchronizer(Intake):
         num_shards: int = 1,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
-        liveness_timeout: float = 15.0,
+        liveness_timeout: float = LIVENESS_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
         state: SynchronizerState | None = None,
         run_id: str | None = None,

@@ -7,8 +7,8 @@ its tensor (``tobytes``), into a message, into the serialized string, and on the
 of the received string into a message, out of the message into ``bytes`` and into a growing
 buffer; and a synchronizer serialized every new version once per subscribed island. Here a chunk
 is serialized straight from the tensor's memory (:func:`chunk_messages`), a received chunk's data
-is a view of the received bytes (:func:`read_chunk`), and :class:`DownlinkMessages` serializes each
-version once for every island that gets it.
+is a view of the received bytes (:func:`chunk_reader`, :func:`read_event`), and
+:class:`DownlinkMessages` serializes each version once for every island that gets it.
 
 Any valid encoding of the messages is read (fields in any order, repeated, unknown fields skipped),
 so a client built from the .proto alone talks to these functions and the other way round;

@@ -3,6 +3,7 @@ anchors, the design's module:function table, test files, docs/ pages named in co
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 
@@ -56,18 +57,22 @@ def test_every_function_the_design_names_exists():
 
 
 def test_every_file_a_page_names_exists():
-    """Test files, modules and scripts named in backticks (`tests/...py`, `lightning_diloco/...`)."""
+    """Test files, modules and scripts named in backticks (`tests/...py`, `lightning_diloco/...`,
+    or a module within the package: `synchronizer/local_link.py`)."""
     missing = []
     for page in PAGES:
         for path in re.findall(r"`((?:tests|lightning_diloco|recipes|benchmarks|examples|scripts)/[\w/.-]*\w)`", page.read_text()):
             if not (ROOT / path).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
+        for path in re.findall(r"`((?:core|transport|synchronizer|learner|launch)/[\w/.-]*\w)`", page.read_text()):
+            if not (ROOT / "lightning_diloco" / path).exists():  # a module named within the package
+                missing.append(f"{page.relative_to(ROOT)}: lightning_diloco/{path}")
     assert missing == [], "\n".join(missing)
 
 
 def test_code_points_only_to_documents_in_the_repository():
     """No DESIGN.md outside the repository; every docs/ page (and #section) the code names exists,
-    and every test file a module names."""
+    and every test file and package module (``core/guard.py``) a source file names."""
     problems = []
     this = ROOT / "tests" / "docs" / "test_references.py"
     for source in SOURCES:
@@ -85,7 +90,42 @@ def test_code_points_only_to_documents_in_the_repository():
         for test_file in re.findall(r"\b(tests/[\w/]+\.py)\b", text):
             if not (ROOT / test_file).exists():
                 problems.append(f"{where}: {test_file} does not exist")
+        for module in re.findall(r"(?<![\w/])(?:lightning_diloco/)?((?:core|transport|synchronizer|learner|launch)/\w+\.(?:py|proto))\b", text):
+            if not (ROOT / "lightning_diloco" / module).exists():
+                problems.append(f"{where}: lightning_diloco/{module} does not exist")
     assert problems == [], "\n".join(problems)
+
+
+CROSS_REFERENCE = re.compile(r":(?:func|meth|class|data|attr|exc):`~?([\w.]+)`")
+
+
+def _names_defined(sources) -> set[str]:
+    """Every function, class, assigned name and ``self.`` attribute the sources define."""
+    names = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return names
+
+
+def test_every_name_a_docstring_cross_references_exists():
+    """A docstring's :func:`name` (or :class:, :meth:, ...) names something the package defines:
+    a rename must take its mentions along (wire.py's docstring named a read_chunk that was gone)."""
+    package = [p for p in SOURCES if p.is_relative_to(ROOT / "lightning_diloco") and p.suffix == ".py"]
+    defined = _names_defined(package)
+    missing = []
+    for source in package:
+        for reference in CROSS_REFERENCE.findall(source.read_text()):
+            if reference.startswith(("lightning.", "torch.")):  # another project's
+                continue
+            if reference.split(".")[-1] not in defined:
+                missing.append(f"{source.relative_to(ROOT)}: {reference}")
+    assert missing == [], "docstrings name what the package does not define:\n" + "\n".join(missing)
 
 
 def test_the_readme_stays_short():

@@ -10,15 +10,26 @@ import pytest
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.settings import config_with
+from lightning_diloco.launch.environments import island_environment
 from lightning_diloco.launch.options import RunOptions, add_run_arguments
 from lightning_diloco.launch.run import Run
 from lightning_diloco.launch.supervisor import UnitState
 
 
-def _run(tmp_path, *argv):
+def _options(tmp_path, *argv):
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
-    return Run(RunOptions.from_args(parser.parse_args(["--workdir", str(tmp_path), *argv])), ["true"])
+    return RunOptions.from_args(parser.parse_args(["--workdir", str(tmp_path), *argv]))
+
+
+def _run(tmp_path, *argv):
+    return Run(_options(tmp_path, *argv), ["true"])
+
+
+def _island_environment(tmp_path, island, *argv):
+    """What island ``island`` of a run with these flags is started with."""
+    options = _options(tmp_path, *argv)
+    return island_environment(options, island, tmp_path, options.synchronizer)
 
 
 def test_the_flags_and_the_options_agree():
@@ -50,14 +61,13 @@ def test_islands_share_the_hosts_cores_when_the_user_set_no_thread_count(tmp_pat
     """Left to Lightning, each one-process island would take every core: M x too many threads."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    run = _run(tmp_path, "--islands", "4", "--synchronizer", "127.0.0.1:1")
-    assert run._island_env(0)["OMP_NUM_THREADS"] == "2"
-    assert _run(tmp_path, "--islands", "16", "--synchronizer", "127.0.0.1:1")._island_env(3)["OMP_NUM_THREADS"] == "1"
+    assert _island_environment(tmp_path, 0, "--islands", "4", "--synchronizer", "127.0.0.1:1")["OMP_NUM_THREADS"] == "2"
+    assert _island_environment(tmp_path, 3, "--islands", "16", "--synchronizer", "127.0.0.1:1")["OMP_NUM_THREADS"] == "1"
 
 
 def test_a_thread_count_the_user_set_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert _run(tmp_path, "--islands", "4", "--synchronizer", "127.0.0.1:1")._island_env(1)["OMP_NUM_THREADS"] == "3"
+    assert _island_environment(tmp_path, 1, "--islands", "4", "--synchronizer", "127.0.0.1:1")["OMP_NUM_THREADS"] == "3"
 
 
 def test_staggered_islands_wait_their_turn(tmp_path, monkeypatch):
@@ -151,9 +161,8 @@ def _wait_for(condition, what, timeout=30.0):
 def test_each_island_is_given_its_own_credential_not_the_run_token(tmp_path):
     from lightning_diloco.synchronizer.credentials import identify, island_credential
 
-    run = _run(tmp_path, "--islands", "3", "--synchronizer", "127.0.0.1:1", "--token", "s3cret")
     for i in range(3):
-        given = run._island_env(i)["DILOCO_TOKEN"]
+        given = _island_environment(tmp_path, i, "--islands", "3", "--synchronizer", "127.0.0.1:1", "--token", "s3cret")["DILOCO_TOKEN"]
         assert given == island_credential("s3cret", i) and identify("s3cret", given).island == i
 
 
