@@ -73,6 +73,8 @@ def test_version_history_is_bounded_by_the_setting_not_by_islands_that_joined(ta
         stub.Join(pb.JoinRequest(island=1000 + i, world_size=1, tensors=specs), timeout=5)
     numel = layout(target.config).fragment_numel(0)
     for r in range(12):
+        time.sleep(0.01)  # the island's pace: 200 islands at step 0 hold the run's clock, so its own place,
+        # which advances at most 1000 steps a second (membership.py), is what admits its round (4 steps each)
         target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), round=r, base_version=r, seq=r + 1)
         target.settle(0, r + 1)
     assert len(target.service.state.fragments[0].history) <= target.config.merge.history
