@@ -350,6 +350,20 @@ class FragmentRounds:
                                          included=since < merged <= d.version))
         return updates
 
+    def memory(self) -> dict:
+        """What the rounds remember beyond the fragment's state, for its checkpoint: the influence
+        guard's votes and each island's settled contribution (so a retry of a push merged before
+        a restart is still a retry after it, whatever session it comes with)."""
+        return {"guard": self.guard.state_dict(),
+                "settled": {i: {"seq": s.seq, "round": s.round, "digest": s.digest.hex(), "session": s.session}
+                            for i, s in self.settled.items()}}
+
+    def restore(self, memory: dict) -> None:
+        """Take back :meth:`memory` from a checkpoint."""
+        self.guard.load_state_dict(memory.get("guard", {}))
+        self.settled = {int(i): _Settled(seq=int(s["seq"]), round=int(s["round"]), digest=bytes.fromhex(s["digest"]),
+                                         session=str(s["session"])) for i, s in memory.get("settled", {}).items()}
+
     def status(self) -> RoundStatus:
         t = self.totals
         return RoundStatus(

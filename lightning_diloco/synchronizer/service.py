@@ -134,6 +134,8 @@ class Synchronizer(Intake):
             if self.owned(p) and p not in self.rounds:
                 rounds = FragmentRounds(p, layout.fragment_specs(p), self.config)
                 rounds.frag = self.state.fragments.get(p)
+                if p in self.state.memory:  # from a checkpoint
+                    rounds.restore(self.state.memory[p])
                 self.rounds[p] = rounds
         if self._started:
             self.closers.start()
@@ -337,6 +339,7 @@ class Synchronizer(Intake):
                 if frag is not None:
                     snapshot.seed(p, frag.value)
                     snapshot.fragments[p].load_state_dict(frag.state_dict())
+                    snapshot.memory[p] = rounds.memory()
         return snapshot
 
     def status(self) -> SynchronizerStatus:
