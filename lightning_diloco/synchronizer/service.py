@@ -36,7 +36,7 @@ from lightning_diloco.core.protocol import Beat, JoinInfo, RoundRequest, Synchro
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem
+from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem, tensor_count_problem
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, resume
@@ -149,6 +149,13 @@ class Synchronizer(Intake):
         return Refusal(reason, message)
 
     # ---- membership -----------------------------------------------------------------------
+
+    def admit_join(self, tensors: int) -> None:
+        """A join's checks before its tensors are read (the server calls it with their count)."""
+        state = self.state
+        problem = tensor_count_problem(tensors, None if state is None else len(state.layout.specs))
+        if problem:
+            raise self.refuse(Reason.LAYOUT_MISMATCH, problem)
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> JoinInfo:
         """Register an island; returns the run settings, layout hash, versions, run step and session."""
