@@ -7,9 +7,9 @@ and the checkpoint carried it into every restart. The rule: a number that sizes,
 anything is bounded by what the run itself makes plausible, not only by its sign.
 
 - Rounds: a send may name a round up to ``lead_steps`` ahead of the run's clock (core of the
-  schedule: islands in phase are within a round of each other) or of its island's own place
-  (membership.py: it advances no faster than a rate, so an island ahead of a stalled one goes on
-  at its pace). A send for a round further ahead is taken for the latest admitted one: its work
+  schedule: islands in phase are within a round of each other) or a round ahead of its island's
+  own place (membership.py: it advances no faster than a rate, so an island ahead of a stalled one
+  goes on at its pace). A send for a round further ahead is taken for the latest admitted one: its work
   is kept, and it cannot open a round the run has not reached. The fragment's next round is no
   floor: one island that sent for it as soon as the last round closed opened and closed rounds
   alone, as fast as a grace window allows, each an outer step of its contribution alone. (A
@@ -34,10 +34,11 @@ MAX_WORLD_SIZE = 1 << 20  # processes per island: past this it is not a world si
 MAX_SEED_ABS = 1e6  # no model starts with a weight this large; a seed beyond it is not one
 
 
-def admitted_round(sent_for: int, *, clock_step: int, lead_steps: int, offset: int, sync_every: int) -> int:
-    """The round a send for ``sent_for`` is taken for: itself, or the latest round the run admits
-    (``clock_step``: the run's clock or the sending island's place, the later)."""
-    return min(sent_for, max(0, latest_round(clock_step + lead_steps, offset, sync_every)))
+def admitted_round(sent_for: int, *, clock_step: int, place: int, lead_steps: int, offset: int, sync_every: int) -> int:
+    """The round a send for ``sent_for`` is taken for: itself, or the latest round the run admits:
+    due by ``lead_steps`` past the run's clock or a round past the sending island's ``place`` (its
+    place may lag its sends by a heartbeat; a lead on it too let an island jump twice the lead)."""
+    return min(sent_for, max(0, latest_round(max(clock_step + lead_steps, place + sync_every), offset, sync_every)))
 
 
 def join_problem(island: int, world_size: int) -> str | None:
