@@ -42,7 +42,7 @@ from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, resume
 from lightning_diloco.synchronizer.intake import Intake
 from lightning_diloco.synchronizer.membership import Membership, SessionError
-from lightning_diloco.synchronizer.requests import Refusal, layout_difference
+from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class Synchronizer(Intake):
         self.closing = threading.Event()  # set on shutdown: waiting calls return at once
         self.accepted: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
+        self.refusal_log = RefusalLog()
         self.bytes_in = self.bytes_out = 0
         self.state: SynchronizerState | None = state
         self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
@@ -145,7 +146,10 @@ class Synchronizer(Intake):
     def refuse(self, reason: Reason, message: str) -> Refusal:
         with self.lock:
             self.refused[reason.value] += 1
-        log.warning("refused (%s): %s", reason, message)
+        left_out = self.refusal_log.due(reason.value)
+        if left_out is not None:
+            more = f" ({left_out} more refused so since the last said, not logged)" if left_out else ""
+            log.warning("refused (%s): %s%s", reason, message, more)
         return Refusal(reason, message)
 
     # ---- membership -----------------------------------------------------------------------
