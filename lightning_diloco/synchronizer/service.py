@@ -148,7 +148,7 @@ class Synchronizer(Intake):
             self.refused[reason.value] += 1
         left_out = self.refusal_log.due(reason.value)
         if left_out is not None:
-            more = f" ({left_out} more refused so since the last said, not logged)" if left_out else ""
+            more = f" ({left_out} more refused for this reason since its last line, not logged)" if left_out else ""
             log.warning("refused (%s): %s%s", reason, message, more)
         return Refusal(reason, message)
 
