@@ -8,13 +8,13 @@ anything is bounded by what the run itself makes plausible, not only by its sign
 
 - Rounds: a send may name a round up to ``lead_steps`` ahead of the run's clock (core of the
   schedule: islands in phase are within a round of each other) or a round ahead of its island's
-  own place (membership.py: it advances no faster than a rate, so an island ahead of a stalled one
-  goes on at its pace). A send for a round further ahead is taken for the latest admitted one: its work
-  is kept, and it cannot open a round the run has not reached. The fragment's next round is no
-  floor: one island that sent for it as soon as the last round closed opened and closed rounds
-  alone, as fast as a grace window allows, each an outer step of its contribution alone. (A
-  restarted synchronizer's islands join at the step of its latest round, so its next round stays
-  admitted.)
+  own place (membership.py: it advances no faster than a rate, so an island ahead of a stalled
+  one goes on at its pace). A send for a round further ahead is taken for the latest admitted
+  one: its work is kept, and it cannot open a round the run has not reached. The fragment's next
+  round is no floor: one island that sent for it as soon as the last round closed opened and
+  closed rounds alone, as fast as a grace window allows, each an outer step of its contribution
+  alone. (A restarted synchronizer's islands join at the step of its latest round, so its next
+  round stays admitted.)
 - First contact: the first layout can be pinned by the operator (``--layout-hash``) instead of
   adopted from whoever joins first, and a seed (version 0, the first offer wins) must look like a
   model's weights: finite (codecs.py) and below ``MAX_SEED_ABS`` in magnitude (a first
