@@ -144,6 +144,10 @@ class SynchronizerState:
         self.fragments = {p: FragmentState(value, config) for p, value in sorted(fragments.items())}
         self.identity: dict = {}
         """Whose state this is: ``run_id``, ``shard``, ``num_shards`` (checkpoints.py checks them on load)."""
+        self.memory: dict[int, dict] = {}
+        """Per fragment, what its rounds remember besides the value (plain numbers and strings,
+        the synchronizer's to read): a restart that lost it reset the influence bounds to their
+        first round's and forgot which contributions were merged."""
 
     @property
     def outer_steps(self) -> int:
@@ -187,6 +191,7 @@ class SynchronizerState:
             "outer_steps": self.outer_steps,
             "fragments": {p: f.state_dict() for p, f in self.fragments.items()},
             "identity": dict(self.identity),
+            "memory": {p: m for p, m in self.memory.items() if p in self.fragments},
         }
 
     @classmethod
@@ -200,6 +205,7 @@ class SynchronizerState:
         for p, f in state["fragments"].items():
             out.fragments[int(p)].load_state_dict(f)
         out.identity = dict(state.get("identity", {}))  # none in checkpoints of older versions
+        out.memory = {int(p): m for p, m in state.get("memory", {}).items()}  # (nor this)
         return out
 
     def summary(self) -> dict:

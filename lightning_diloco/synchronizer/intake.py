@@ -115,7 +115,7 @@ class Intake:
         with rounds.cond:
             self._seeded(rounds)
             clock, offset = self.membership.run_step(now), self.offsets[c.fragment]
-            sent_for = admitted_round(c.round, next_round=rounds.index, clock_step=clock, offset=offset,
+            sent_for = admitted_round(c.round, clock_step=clock, place=self.membership.place(c.island), offset=offset,
                                       lead_steps=self.membership.lead_steps, sync_every=H)
             entry = Entry(island=c.island, seq=c.seq, sent_for=sent_for, base_version=c.base_version, outer_gradient=gradient,
                           tokens=c.tokens, steps=c.steps, norm=norm, digest=digest, session=c.session or "")

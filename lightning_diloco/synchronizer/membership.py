@@ -152,6 +152,12 @@ class Membership:
         with self.lock:
             return self._clock(self._live(now))
 
+    def place(self, island: int) -> int:
+        """The island's place on the run's clock (bounded as the module says; 0: not joined)."""
+        with self.lock:
+            m = self.members.get(island)
+            return m.schedule_step if m is not None else 0
+
     def ask(self, request: RoundRequest, islands: set[int]) -> None:
         """Ask ``islands`` to send ``request.fragment`` now; wakes their subscriptions."""
         with self.lock:

@@ -5,6 +5,8 @@ bad request. The checks here need no state but the run's layout hash; those that
 
 from __future__ import annotations
 
+import threading
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -33,6 +35,29 @@ class Refusal(Exception):
     def __init__(self, reason: Reason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class RefusalLog:
+    """Which refusals to say in the log: each reason's first, then at most one per ``every``
+    seconds, with how many were left out since (Status counts every one). A client refused in a
+    loop, which needs no token, wrote a line per call: 3,700 a second, 620 kB/s of log from one
+    client here, a disk filled in hours."""
+
+    def __init__(self, every: float = 10.0, clock=time.monotonic) -> None:
+        self.every, self.clock = every, clock
+        self.lock = threading.Lock()
+        self.said_at: dict[str, float] = {}
+        self.left_out: dict[str, int] = {}
+
+    def due(self, reason: str) -> int | None:
+        """None: leave this one out; else say it, with the number left out before it."""
+        with self.lock:
+            now, said = self.clock(), self.said_at.get(reason)
+            if said is not None and now - said < self.every:
+                self.left_out[reason] = self.left_out.get(reason, 0) + 1
+                return None
+            self.said_at[reason] = now
+            return self.left_out.pop(reason, 0)
 
 
 @dataclass(frozen=True, kw_only=True)

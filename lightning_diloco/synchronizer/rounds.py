@@ -92,11 +92,10 @@ class ClosedRound:
                          clipped=self.clipped, dropped=self.dropped, grace_wait_s=self.grace_wait_s, reason=self.reason)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class _Settled:
     seq: int
     round: int
-    version: int
     digest: bytes
     session: str
 
@@ -130,6 +129,11 @@ def each_part(closed: ClosedRound, parts: Sequence[tuple[str, Callable[[], objec
             log.exception("fragment %d round %d closed into version %d, but its %s failed and stays short; "
                           "the round's other effects were applied", closed.fragment, closed.round, closed.version, name)
     return failed
+
+
+def _retry(entry: Entry, seq: int, digest: bytes) -> bool:
+    """``entry`` resends the contribution of sequence number ``seq`` and payload ``digest``."""
+    return entry.seq == seq and entry.digest == digest
 
 
 class FragmentRounds:
@@ -170,19 +174,25 @@ class FragmentRounds:
 
         Sequence numbers order one session's contributions: a rejoin (a new session) starts
         afresh, so a client that once held the island's session cannot lock its later sessions
-        out with a huge number. One entry per island waits in a round: a newer one replaces it.
+        out with a huge number. A retry (the sequence number and payload of the island's waiting
+        or last merged contribution) is answered as one whatever its session: a client resends a
+        push whose answer it lost with the session it holds then, a new one if it rejoined
+        meanwhile (a restart noticed by its heartbeat), and that used to merge the contribution a
+        second time. One entry per island waits in a round: a newer one replaces it.
         """
         assert self.frag is not None, "a fragment takes contributions only once seeded"
         frag, island = self.frag, entry.island
         settled = self.settled.get(island)
-        if settled is not None and settled.session == entry.session and entry.seq <= settled.seq:
+        if settled is not None and (_retry(entry, settled.seq, settled.digest) or
+                                    (settled.session == entry.session and entry.seq <= settled.seq)):
             if entry.seq == settled.seq:
                 self._same_payload(entry, settled.digest)
                 return PushAck(fragment=self.fragment, round=settled.round, late=False, duplicate=True,
                                version=frag.version), False
             raise SequenceError(f"sequence {entry.seq} of island {island} is older than its last merged one ({settled.seq})")
         waiting = self.entries.get(island)
-        if waiting is not None and waiting.session == entry.session and entry.seq <= waiting.seq:
+        if waiting is not None and (_retry(entry, waiting.seq, waiting.digest) or
+                                    (waiting.session == entry.session and entry.seq <= waiting.seq)):
             if entry.seq == waiting.seq:
                 self._same_payload(entry, waiting.digest)
                 return PushAck(fragment=self.fragment, round=self.index, late=waiting.sent_for < self.index, duplicate=True,
@@ -236,6 +246,10 @@ class FragmentRounds:
         assert self.frag is not None and self.entries, "only an open round with entries can close"
         frag, index = self.frag, self.frag.next_round
         entries = sorted(self.entries.values(), key=lambda e: (e.island, e.seq))
+        # what a retry of each entry is answered with is made before the step and recorded with
+        # it, not as a part after it: a settlement that failed there left no record, and the
+        # push's retry was merged a second time
+        settled = self._settle(entries, index)
         gradients, weights, clipped = self._bounded(entries)
         version = None
         kept = list(range(len(entries)))
@@ -251,6 +265,7 @@ class FragmentRounds:
         # the round is closed from here on, whatever the bookkeeping below does: a closer that
         # looks again after an error (closers.py) must find no entries to merge a second time
         self.entries.clear()
+        self.settled.update(settled)
         self.opened_at = self.quorum_at = None
         frag.next_round = index + 1
         dropped = len(entries) - len(kept)
@@ -260,7 +275,6 @@ class FragmentRounds:
         self.last = ClosedRound(fragment=self.fragment, round=index, version=frag.version, islands=islands, late=late,
                                 clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now)
         each_part(self.last, [
-            ("settled sequence numbers", lambda: self._settle(entries, index)),
             ("merged-in versions", lambda: self.merged_in.update({e.island: frag.version for e in merged})),
             ("influence guard's history", lambda: self._record(merged)),
             ("versions' rounds", lambda: self._remember_round(version, index)),
@@ -269,12 +283,14 @@ class FragmentRounds:
         self.cond.notify_all()
         return self.last
 
-    def _settle(self, entries: list[Entry], index: int) -> None:
+    def _settle(self, entries: list[Entry], index: int) -> dict[int, _Settled]:
+        """The islands' settled records once ``entries`` close round ``index`` (not applied here)."""
+        updates = {}
         for e in entries:  # left out or not, each is settled: a retry gets the same answer
             settled = self.settled.get(e.island)
             if settled is None or settled.session != e.session or settled.seq < e.seq:
-                self.settled[e.island] = _Settled(seq=e.seq, round=index, version=self.frag.version, digest=e.digest,
-                                                  session=e.session)
+                updates[e.island] = _Settled(seq=e.seq, round=index, digest=e.digest, session=e.session)
+        return updates
 
     def _record(self, merged: list[Entry]) -> None:
         for e in merged:
@@ -333,6 +349,20 @@ class FragmentRounds:
                                          round=produced_by, codec=d.codec, payload=d.payload,
                                          included=since < merged <= d.version))
         return updates
+
+    def memory(self) -> dict:
+        """What the rounds remember beyond the fragment's state, for its checkpoint: the influence
+        guard's votes and each island's settled contribution (so a retry of a push merged before
+        a restart is still a retry after it, whatever session it comes with)."""
+        return {"guard": self.guard.state_dict(),
+                "settled": {i: {"seq": s.seq, "round": s.round, "digest": s.digest.hex(), "session": s.session}
+                            for i, s in self.settled.items()}}
+
+    def restore(self, memory: dict) -> None:
+        """Take back :meth:`memory` from a checkpoint."""
+        self.guard.load_state_dict(memory.get("guard", {}))
+        self.settled = {int(i): _Settled(seq=int(s["seq"]), round=int(s["round"]), digest=bytes.fromhex(s["digest"]),
+                                         session=str(s["session"])) for i, s in memory.get("settled", {}).items()}
 
     def status(self) -> RoundStatus:
         t = self.totals

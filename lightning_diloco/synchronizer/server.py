@@ -169,6 +169,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     @_handler
     def Join(self, request, context, caller):
         self.acting_as(caller, request.island)
+        self.service.admit_join(len(request.tensors))
         try:
             specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
             reply = self.service.join(request.island, request.world_size, specs)

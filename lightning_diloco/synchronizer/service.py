@@ -36,13 +36,13 @@ from lightning_diloco.core.protocol import Beat, JoinInfo, RoundRequest, Synchro
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem
+from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem, tensor_count_problem
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, resume
 from lightning_diloco.synchronizer.intake import Intake
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, Membership, SessionError
-from lightning_diloco.synchronizer.requests import Refusal, layout_difference
+from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class Synchronizer(Intake):
         self.closing = threading.Event()  # set on shutdown: waiting calls return at once
         self.accepted: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
+        self.refusal_log = RefusalLog()
         self.bytes_in = self.bytes_out = 0
         self.state: SynchronizerState | None = state
         self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
@@ -134,6 +135,8 @@ class Synchronizer(Intake):
             if self.owned(p) and p not in self.rounds:
                 rounds = FragmentRounds(p, layout.fragment_specs(p), self.config)
                 rounds.frag = self.state.fragments.get(p)
+                if p in self.state.memory:  # from a checkpoint
+                    rounds.restore(self.state.memory[p])
                 self.rounds[p] = rounds
         if self._started:
             self.closers.start()
@@ -143,10 +146,20 @@ class Synchronizer(Intake):
     def refuse(self, reason: Reason, message: str) -> Refusal:
         with self.lock:
             self.refused[reason.value] += 1
-        log.warning("refused (%s): %s", reason, message)
+        left_out = self.refusal_log.due(reason.value)
+        if left_out is not None:
+            more = f" ({left_out} more refused for this reason since its last line, not logged)" if left_out else ""
+            log.warning("refused (%s): %s%s", reason, message, more)
         return Refusal(reason, message)
 
     # ---- membership -----------------------------------------------------------------------
+
+    def admit_join(self, tensors: int) -> None:
+        """A join's checks before its tensors are read (the server calls it with their count)."""
+        state = self.state
+        problem = tensor_count_problem(tensors, None if state is None else len(state.layout.specs))
+        if problem:
+            raise self.refuse(Reason.LAYOUT_MISMATCH, problem)
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> JoinInfo:
         """Register an island; returns the run settings, layout hash, versions, run step and session."""
@@ -337,6 +350,7 @@ class Synchronizer(Intake):
                 if frag is not None:
                     snapshot.seed(p, frag.value)
                     snapshot.fragments[p].load_state_dict(frag.state_dict())
+                    snapshot.memory[p] = rounds.memory()
         return snapshot
 
     def status(self) -> SynchronizerStatus:

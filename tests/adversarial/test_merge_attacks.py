@@ -70,3 +70,54 @@ def test_many_late_entries_of_one_island_are_one_vote():
     [closed] = sync.poll()
     assert closed.islands == (0, 1) and sync.status().rounds[0].merged_entries == 2
     assert sync.status().rounds[0].superseded == 149
+
+
+FLOOD_ROUNDS = 60
+
+
+def _flooded(flood: int, seed: int = 0) -> tuple[int, float]:
+    """Three honest islands and a hostile one, 60 rounds: after each honest round the hostile
+    island sends ``flood`` more pushes at once, each for the fragment's next round and pointing
+    away from the target. The fragment's version and its distance to the target at the end."""
+    config = run_config(num_fragments=1, min_quorum=1, gamma=0.0)
+    clock = FakeClock()
+    sync = Synchronizer(config, clock=clock)
+    for i in range(4):
+        sync.join(i, 1, SPECS)
+    start = initial_fragments(config)[0]
+    sync.seed(0, 0, get_codec("fp32").encode(start))
+    g = torch.Generator().manual_seed(seed)
+    target = 3 * torch.randn(start.numel(), generator=g)
+    for r in range(FLOOD_ROUNDS):
+        clock.advance(1.0)
+        for i in range(4):
+            sync.heartbeat(i, 4 * r, 0.25, schedule_step=4 * r)
+        version, theta = sync.pull(0)
+        honest = 0.1 * (target - theta)
+        for i in range(4):  # the hostile island sends as an honest one on the run's schedule
+            sync.push(contribution(config, i, 0, honest + 0.02 * torch.randn(theta.numel(), generator=g), round=r,
+                                   base_version=version, seq=1000 * r))
+        sync.poll()
+        for k in range(flood):
+            clock.advance(0.01)
+            version, theta = sync.pull(0)
+            sync.push(contribution(config, 3, 0, -0.1 * (target - theta), round=sync.rounds[0].index, base_version=version,
+                                   seq=1000 * r + k + 1))
+            sync.poll()
+    return sync.versions()[0], float((sync.pull(0)[1] - target).norm())
+
+
+def test_one_island_cannot_open_rounds_faster_than_the_runs_clock():
+    """A send for the fragment's next round was always admitted, so one island that sent again as
+    soon as a round closed opened and closed rounds alone, each an outer step of its own
+    contribution: 20 such pushes after each of 60 honest rounds took 1,201 outer steps and left the
+    model too far from the honest islands' target for float32 to say (inf; honest: 0.62). Rounds
+    are admitted only up to the run's clock plus the lead, or a round past the island's own place
+    (which advances at a bounded rate): the extra pushes replace the island's entry in the next
+    round, and flooding gains nothing over one hostile push per round (1.06 vs 1.09 here)."""
+    honest_version, honest = _flooded(0)
+    once_version, once = _flooded(1)
+    version, flooded = _flooded(20)
+    assert honest_version == FLOOD_ROUNDS and honest < 1.0
+    assert version <= FLOOD_ROUNDS + 6, version  # the lead and a round ahead of the clock, once
+    assert once < 2 * honest and flooded < 1.5 * once, (honest, once, flooded)

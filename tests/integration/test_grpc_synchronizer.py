@@ -23,6 +23,7 @@ from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
+from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
 from tests.helpers import SPECS, initial_fragments, layout, run_config, wait_for_version
 
@@ -224,6 +225,25 @@ def test_missing_or_wrong_token_is_refused(started, client_token):
         client.join(0, 1, SPECS)
     assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
     assert server.service.status().refused == {"unauthenticated": 1}
+
+
+def test_a_client_refused_in_a_loop_does_not_fill_the_log(started, caplog):
+    """Every refusal was a log line: one client without the token calling Status in a loop wrote
+    3,700 lines (620 kB) a second. Now a reason's refusals after its first are said at most once
+    per 10 s, with how many were left out; Status still counts each one."""
+    server, _ = started(run_config(), token="s3cret")
+    stub = pb_grpc.SynchronizerStub(channel := grpc.insecure_channel(server.address))
+    started_at = time.monotonic()
+    try:
+        for _ in range(300):
+            with pytest.raises(grpc.RpcError):
+                stub.Status(pb.StatusRequest(), timeout=5)
+    finally:
+        channel.close()
+    windows = (time.monotonic() - started_at) // 10 + 1  # one line per 10 s at most
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused (unauthenticated)")]
+    assert 1 <= len(said) <= windows, (len(said), windows)
+    assert server.service.status().refused == {"unauthenticated": 300}
 
 
 def test_right_token_is_accepted(started):

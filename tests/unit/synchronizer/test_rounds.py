@@ -1,5 +1,7 @@
 """Rounds on the synchronizer's clock (docs/algorithm.md#rounds), driven by a fake clock: no sleeps, no threads."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -349,3 +351,96 @@ def test_a_close_that_fails_inside_the_outer_step_steps_the_fragment_once_when_t
     version, value = _clipped_round(None)
     retried_version, retried_value = _clipped_round(lambda frag: _fails_once(frag.published, "advance"))
     assert retried_version == version and torch.equal(retried_value, value)
+
+
+def _next_round_opened_by_another_island(sync, config):
+    """Island 1 sends for the fragment's next round, which opens and closes: the round's islands."""
+    delta = torch.full((_numel(config),), 0.02)
+    sync.push(contribution(config, 1, 0, delta, round=sync.rounds[0].index, base_version=sync.versions()[0], seq=100))
+    [closed] = sync.poll()
+    return closed.islands
+
+
+@pytest.mark.parametrize("failing", ["_settle", "_bounded"])
+def test_a_failure_while_closing_never_lets_the_retry_of_a_merged_push_merge_again(failing):
+    """Settling the round's sequence numbers was a part run after the step: when it failed (logged,
+    the round closed), the retry of a push whose answer was lost found no record and was taken as
+    new work, merged a second time in the next round (its islands (0, 1), not (1,)). A close that
+    fails before its step is tried again; either way the contribution is merged once."""
+    config = run_config(min_quorum=1, gamma=0.0)
+    sync, _ = _started(config, 2)
+    push = contribution(config, 0, 0, torch.full((_numel(config),), 0.01), seq=1)
+    sync.push(push)
+    _fails_once(sync.rounds[0], failing)
+    try:
+        sync.poll()
+    except RuntimeError:  # a close that fails before its step raises to its closer, which looks again
+        pass
+    sync.poll()
+    assert sync.versions()[0] == 1 and sync.rounds[0].last.islands == (0,)
+    retry = sync.push(push)  # the client's retry of a push whose answer it lost
+    assert retry.duplicate and _next_round_opened_by_another_island(sync, config) == (1,)
+    assert sync.status().rounds[0].merged_entries == 2
+
+
+@pytest.mark.parametrize("closed_first", [True, False])
+def test_a_push_retried_with_the_session_of_a_rejoin_is_a_retry_not_new_work(closed_first):
+    """A client resends a push whose answer it lost with the session it holds at the retry: a new
+    one when it rejoined meanwhile (its heartbeat noticed a restart). The retry of a merged
+    contribution was taken as new work and merged a second time in the next round; the retry of a
+    waiting one replaced it (counted as superseded). New work of the new session is still taken,
+    whatever its sequence number (sequence numbers order one session's pushes)."""
+    config = run_config(min_quorum=1, gamma=0.0)
+    sync, _ = _started(config, 2)
+    first = sync.join(0, 1, SPECS).session
+    delta = torch.full((_numel(config),), 0.01)
+    push = dataclasses.replace(contribution(config, 0, 0, delta, seq=7), session=first)
+    sync.push(push)
+    if closed_first:
+        sync.poll()
+    second = sync.join(0, 1, SPECS).session
+    retry = sync.push(dataclasses.replace(push, session=second))
+    sync.poll()
+    assert retry.duplicate and sync.versions()[0] == 1 and sync.status().rounds[0].superseded == 0
+    assert _next_round_opened_by_another_island(sync, config) == (1,)
+    new_work = sync.push(dataclasses.replace(contribution(config, 0, 0, delta, round=2, base_version=2, seq=3), session=second))
+    assert not new_work.duplicate and sync.poll()[0].islands == (0,)
+
+
+def test_a_restart_keeps_the_influence_bounds_and_which_pushes_were_merged(tmp_path):
+    """The influence guard's votes and the islands' settled contributions were not checkpointed: after
+    a restart, one island alone in a round was bounded as in the run's first (by the fragment's
+    own norm), and moved the model by 13.3x its norm where the same push before the restart moved it
+    0.12x; and the retry of a push merged before the restart was merged a second time."""
+    config = run_config(num_fragments=1, min_quorum=1, gamma=0.0)
+    g = torch.Generator().manual_seed(0)
+
+    def rounds_then_a_lone_push(restart: bool) -> tuple[float, bool]:
+        directory = tmp_path / str(restart)
+        sync, clock = _started(config, 2, checkpoint_dir=directory, checkpoint_every=1)
+        g.manual_seed(0)
+        for r in range(10):
+            _place(sync, clock, 4 * r, [0, 1])
+            version, value = sync.pull(0)
+            pushes = [contribution(config, i, 0, 0.01 * torch.randn(value.numel(), generator=g), round=r,
+                                   base_version=version, seq=r) for i in (0, 1)]
+            for push in pushes:
+                sync.push(push)
+            sync.poll()
+        if restart:
+            sync = Synchronizer(config, checkpoint_dir=directory, clock=clock)
+        session = sync.join(0, 1, SPECS).session  # the island's client rejoined: a new session
+        sync.join(1, 1, SPECS)
+        _place(sync, clock, 40, [0, 1])
+        version, before = sync.pull(0)
+        lone = 10 * before.norm() * torch.randn(before.numel(), generator=g) / before.numel() ** 0.5
+        sync.push(contribution(config, 1, 0, lone, round=10, base_version=version, seq=99))
+        [closed] = sync.poll()
+        assert closed.islands == (1,)
+        moved = float((sync.pull(0)[1] - before).norm() / before.norm())
+        return moved, sync.push(dataclasses.replace(pushes[0], session=session)).duplicate
+
+    moved, retried = rounds_then_a_lone_push(restart=False)
+    moved_after_restart, retried_after_restart = rounds_then_a_lone_push(restart=True)
+    assert moved < 1.0 and moved_after_restart == pytest.approx(moved, rel=1e-6), (moved, moved_after_restart)
+    assert retried and retried_after_restart
