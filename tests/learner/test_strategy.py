@@ -35,13 +35,17 @@ def test_strategy_name_trains_a_tiny_model_and_syncs():
     assert last < 0.5 * first
     assert isinstance(t.strategy, DecoupledDiLoCoStrategy)
     metrics = t.strategy.final_metrics
-    # 48 steps, H = 24, P lowered to the model's 4 tensors: sends after steps 6, 12, ..., 48;
+    # 48 steps, H = 24, P lowered to the model's 4 tensors: 8 sends due, after steps 6, 12, ..., 48;
     # each lands tau = 2 steps later at the earliest (7 applied on an idle machine), and the last
-    # one is still in flight when training ends. A loaded machine delays arrivals past the end
-    # (beside a running scripts/run.sh: 6), so the count of applied ones is a range
-    assert metrics["diloco/syncs_sent"] == 8 and 1 <= metrics["diloco/syncs_applied"] <= 7
-    assert metrics["diloco/syncs_failed"] == 0 and metrics["diloco/syncs_skipped"] == 0
-    assert metrics["diloco/bytes_up"] > 0 and metrics["diloco/min_version"] == 2
+    # one is still in flight when training ends. This model's steps take milliseconds, so on a
+    # loaded machine a round can still be open 24 steps later, when its fragment is due again:
+    # that send is skipped (never two of one fragment in flight; measured beside a benchmark: 6
+    # sent, 2 skipped in 1 of 5 runs), and arrivals land later. Every due send is accounted for,
+    # none fails, and every fragment got an outer step
+    due = metrics["diloco/syncs_sent"] + metrics["diloco/syncs_skipped"]
+    assert due == 8 and metrics["diloco/syncs_sent"] >= 4 and 1 <= metrics["diloco/syncs_applied"] <= 7
+    assert metrics["diloco/syncs_failed"] == 0
+    assert metrics["diloco/bytes_up"] > 0 and metrics["diloco/min_version"] >= 1
 
 
 def test_a_one_process_island_calls_its_embedded_synchronizer_without_grpc():
