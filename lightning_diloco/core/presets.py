@@ -33,10 +33,10 @@ def low_bandwidth(base: RunConfig | None = None) -> RunConfig:
     """The paper's byte reduction at H = 24: int2 both ways in blocks of 128 (error feedback both
     ways, as always) with the outer learning rate at 0.5 instead of 0.7.
 
-    Measured on the text recipe's cpu-tiny (0.13M parameters, M = 4, 3 seeds; benchmarks/RESULTS.md,
-    "int2 with a smaller outer learning rate"): half the default's bytes (about 240x DDP's at the
-    paper's schedule, against the default's 124x) for 0.6% of DDP's eval loss more than the
-    defaults, where int2 at the default outer lr cost 2.4%. One model size: check it on yours
+    Measured on the text recipe at two sizes (M = 4, 3 seeds each; benchmarks/RESULTS.md): half
+    the default's bytes (about 240-250x DDP's, against the default's 124x) for 0.6% of DDP's eval
+    loss more than the defaults at cpu-tiny (0.13M parameters) and 0.1% less at cpu-small (0.85M),
+    where int2 at the default outer lr cost 2.4%. Both sizes are toys: check it on your model
     against the defaults before relying on it. With a synchronizer of its own the synchronizer's
     settings rule (an island warns of a conflict): start it with these (``--config``, a JSON file
     of ``low_bandwidth().to_dict()``)."""
