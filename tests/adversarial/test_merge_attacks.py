@@ -18,17 +18,23 @@ from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, run
 ROUNDS = 30
 
 
-def _distance_to_target(attack: str | None, seed: int) -> float:
-    config = run_config(num_fragments=1, min_quorum=1, gamma=0.0)  # H = 4, the only fragment due at offset 0
+def _seeded_run(islands: list[int], seed: int):
+    """A synchronizer of one fragment (H = 4, due at offset 0, quorum 1, no grace window) on a fake
+    clock, ``islands`` joined and the fragment seeded; with the noise generator and the target."""
+    config = run_config(num_fragments=1, min_quorum=1, gamma=0.0)
     clock = FakeClock()
     sync = Synchronizer(config, clock=clock)
-    islands = [0, 1, 2] + ([3] if attack else [])
     for i in islands:
         sync.join(i, 1, SPECS)
     start = initial_fragments(config)[0]
     sync.seed(0, 0, get_codec("fp32").encode(start))
     g = torch.Generator().manual_seed(seed)
-    target = 3 * torch.randn(start.numel(), generator=g)
+    return config, clock, sync, g, 3 * torch.randn(start.numel(), generator=g)
+
+
+def _distance_to_target(attack: str | None, seed: int) -> float:
+    islands = [0, 1, 2] + ([3] if attack else [])
+    config, clock, sync, g, target = _seeded_run(islands, seed)
     for r in range(ROUNDS):
         clock.advance(1.0)
         for i in islands:
@@ -79,15 +85,7 @@ def _flooded(flood: int, seed: int = 0) -> tuple[int, float]:
     """Three honest islands and a hostile one, 60 rounds: after each honest round the hostile
     island sends ``flood`` more pushes at once, each for the fragment's next round and pointing
     away from the target. The fragment's version and its distance to the target at the end."""
-    config = run_config(num_fragments=1, min_quorum=1, gamma=0.0)
-    clock = FakeClock()
-    sync = Synchronizer(config, clock=clock)
-    for i in range(4):
-        sync.join(i, 1, SPECS)
-    start = initial_fragments(config)[0]
-    sync.seed(0, 0, get_codec("fp32").encode(start))
-    g = torch.Generator().manual_seed(seed)
-    target = 3 * torch.randn(start.numel(), generator=g)
+    config, clock, sync, g, target = _seeded_run(list(range(4)), seed)
     for r in range(FLOOD_ROUNDS):
         clock.advance(1.0)
         for i in range(4):
