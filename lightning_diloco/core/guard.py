@@ -16,10 +16,16 @@ below the honest ones, so the bound cannot be ratcheted up by a patient client.
   counter bounds alone one island could weigh 64x an honest one and outvote three; capped at 2x
   the median, one island of four cannot turn the merged direction (3 honest votes against 2).
 
-In a round of three or more, two more rules hold, so one island of three or four cannot turn a
-merge, not even an embedding tensor's plain weighted mean (weight x length below the other two's):
-its norm is bounded by ``ROUND_NORM_RATIO`` x the lower median of the round's other entries, and
-:func:`agreeing` takes the weight of an entry that points against the others. Measured
+In a round of any size, an entry's norm is bounded by ``ROUND_NORM_RATIO`` x its peers' lower
+median (the other islands' votes and the round's other entries): the z bound alone let one
+hostile island of two, alone in its rounds, step 10x an honest island's length the other way, and
+the model diverged. In a round of three or more :func:`agreeing` also takes the weight of an
+entry that points against the others.
+
+Over time, :meth:`InfluenceGuard.budgets`: over the fragment's last ``window`` closed rounds an
+island's share of the steps (weight share x bounded length) is kept within the lower median of
+the other islands' shares plus one typical step, so opening many rounds, or sizing entries just
+under the norm bound round after round, moves the model no further than an honest island does. Measured
 (tests/adversarial/test_merge_attacks.py): one sign-flip or noise island of four for 30 rounds
 left the model 4.5e9 / 1,920 from the target (honest: 0.99); with these rules 1.16 / 1.00.
 
@@ -74,6 +80,31 @@ class IslandVotes:
         for island, values in state.items():
             for value in values[-self.window:]:
                 self.record(int(island), float(value))
+
+
+class InfluenceWindow:
+    """How far the fragment's last ``window`` closed rounds moved it on each island's behalf."""
+
+    def __init__(self, window: int) -> None:
+        self.rounds: deque[dict[int, float]] = deque(maxlen=window)
+
+    def add(self, shares: dict[int, float]) -> None:
+        self.rounds.append({i: v for i, v in shares.items() if math.isfinite(v)})
+
+    def totals(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for shares in self.rounds:
+            for island, v in shares.items():
+                out[island] = out.get(island, 0.0) + v
+        return out
+
+    def state_dict(self) -> list[dict[int, float]]:
+        return [dict(r) for r in self.rounds]
+
+    def load_state_dict(self, state: list[dict]) -> None:
+        self.rounds.clear()
+        for shares in state[-self.rounds.maxlen:]:
+            self.add({int(i): float(v) for i, v in shares.items()})
 
 
 @dataclass(frozen=True)
@@ -133,6 +164,7 @@ class InfluenceGuard:
         self.z, self.sync_every = z, sync_every
         self.norms = IslandVotes(window)
         self.tokens_per_step = IslandVotes(window)
+        self.influence = InfluenceWindow(window)
 
     def bound(self, *, norm: float, tokens: float, steps: int, others: list[tuple[float, float]],
               fragment_norm: float, numel: int, island: int | None = None) -> Bounded:
@@ -145,8 +177,12 @@ class InfluenceGuard:
                 reference = max(fragment_norm, math.sqrt(numel))
             reference = max(reference, NORM_FLOOR * fragment_norm)
             cap = self.z * reference
-            if len(others) >= 2:  # a round of three or more: the others' lower median is an honest yardstick
-                cap = min(cap, max(ROUND_NORM_RATIO * lower_median([n for n, _ in others]), NORM_FLOOR * fragment_norm))
+            # the peers' yardstick, in a round of any size: the other islands' recent votes and
+            # the round's other entries (in a round of one or two the norm was bounded only by z x
+            # the reference, 10x an honest step, and one hostile island of two diverged the model)
+            peers = lower_median([*self.norms.votes(island), *(n for n, _ in others)])
+            if peers is not None:
+                cap = min(cap, max(ROUND_NORM_RATIO * peers, NORM_FLOOR * fragment_norm))
             if norm > cap:
                 scale = cap / norm
         steps_cap = STEPS_FACTOR * self.sync_every
@@ -162,12 +198,29 @@ class InfluenceGuard:
         self.norms.record(island, norm)
         self.tokens_per_step.record(island, tokens / steps)
 
+    def budgets(self, islands: list[int], step_reference: float) -> list[float | None]:
+        """How far each of ``islands`` may still move the fragment in this round (None: no bound
+        yet, before any other island's influence is known): the lower median of the other islands'
+        influence over the window, and one ``step_reference`` of slack, less its own."""
+        spent = self.influence.totals()
+        out = []
+        for island in islands:
+            peers = lower_median([t for i, t in spent.items() if i != island])
+            out.append(None if peers is None else max(0.0, peers + step_reference - spent.get(island, 0.0)))
+        return out
+
+    def record_round(self, shares: dict[int, float]) -> None:
+        """A closed round's influence: how far it moved the fragment on each island's behalf."""
+        self.influence.add(shares)
+
     def state_dict(self) -> dict:
         """The votes, for a checkpoint: a restart without them bounded the next round as the run's
         first, by the fragment's own norm (a lone push then moved the model 13.3x its norm, 0.12x
         with the votes: tests/unit/synchronizer/test_rounds.py)."""
-        return {"norms": self.norms.state_dict(), "tokens_per_step": self.tokens_per_step.state_dict()}
+        return {"norms": self.norms.state_dict(), "tokens_per_step": self.tokens_per_step.state_dict(),
+                "influence": self.influence.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.norms.load_state_dict(state.get("norms", {}))
         self.tokens_per_step.load_state_dict(state.get("tokens_per_step", {}))
+        self.influence.load_state_dict(state.get("influence", []))

@@ -93,6 +93,7 @@ class IslandLearner(EndOfRun):
         self.inbox: Inbox | None = None
         self._taken: dict[int, Arrival] = {}  # leader: the arrivals decided on, until applied
         self._seen_reconnects = 0
+        self._realigned_at: int | None = None  # the inner step of the last realignment
         self.leader: LeaderSync | None = None
         if self.is_leader:
             self.leader = LeaderSync(
@@ -212,8 +213,12 @@ class IslandLearner(EndOfRun):
         H = self.config.schedule.sync_every
         requests = self.inbox.take_requests()
         furthest = max((r.due_step for r in requests.values()), default=-1)
-        if furthest > self.schedule_step:  # the run is ahead of us: skip to its step
+        # the run is ahead of us: skip to its step, at most once per H of our own steps (the
+        # synchronizer asks only for rounds due on the run's clock; this holds even if it did not,
+        # so no request can carry this island's clock more than a round past its own steps per H)
+        if furthest > self.schedule_step and (self._realigned_at is None or self.step - self._realigned_at >= H):
             self.schedule_step = furthest
+            self._realigned_at = self.step
             self._count("realigned")
         wanted = {p: r.round for p, r in requests.items()}
         due = due_fragment(self.schedule_step, self.offsets, H)

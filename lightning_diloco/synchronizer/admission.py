@@ -6,15 +6,18 @@ the run's step (round x H) no longer fit the int64 of every later Join, Heartbea
 and the checkpoint carried it into every restart. The rule: a number that sizes, orders or places
 anything is bounded by what the run itself makes plausible, not only by its sign.
 
-- Rounds: a send may name a round up to ``lead_steps`` ahead of the run's clock (core of the
-  schedule: islands in phase are within a round of each other) or a round ahead of its island's
-  own place (membership.py: it advances no faster than a rate, so an island ahead of a stalled
-  one goes on at its pace). A send for a round further ahead is taken for the latest admitted
-  one: its work is kept, and it cannot open a round the run has not reached. The fragment's next
-  round is no floor: one island that sent for it as soon as the last round closed opened and
-  closed rounds alone, as fast as a grace window allows, each an outer step of its contribution
-  alone. (A restarted synchronizer's islands join at the step of its latest round, so its next
-  round stays admitted.)
+- Rounds: a send is admitted for a round at most one round (``lead_steps`` = H) past the later of
+  the run's clock and its island's own place (membership.py: a place advances no faster than a
+  rate, and only the island's own steps or a request for a round due on the clock move it). A
+  send for a round further ahead is taken for the latest admitted one: its work is kept, and it
+  cannot open a round the run has not reached. The fragment's next round is no floor: one island
+  that sent for it as soon as the last round closed opened and closed rounds alone, as fast as a
+  grace window allows, each an outer step of its contribution alone. Nor is the clock plus a
+  lead of 4H any longer: one island that sent for round 2**40 after every close had each send
+  taken for the round 4H ahead, which opened it, asked every honest island to skip to it, and so
+  moved the clock 4H each time (the clock reached 4,660 while the islands made 350 steps).
+  (A restarted synchronizer's islands join at the step of its latest round, so its next round
+  stays admitted.)
 - First contact: the first layout can be pinned by the operator (``--layout-hash``) instead of
   adopted from whoever joins first, and a seed (version 0, the first offer wins) must look like a
   model's weights: finite (codecs.py) and below ``MAX_SEED_ABS`` in magnitude (a first
@@ -35,10 +38,11 @@ MAX_SEED_ABS = 1e6  # no model starts with a weight this large; a seed beyond it
 
 
 def admitted_round(sent_for: int, *, clock_step: int, place: int, lead_steps: int, offset: int, sync_every: int) -> int:
-    """The round a send for ``sent_for`` is taken for: itself, or the latest round the run admits:
-    due by ``lead_steps`` past the run's clock or a round past the sending island's ``place`` (its
-    place may lag its sends by a heartbeat; a lead on it too let an island jump twice the lead)."""
-    return min(sent_for, max(0, latest_round(max(clock_step + lead_steps, place + sync_every), offset, sync_every)))
+    """The round a send for ``sent_for`` is taken for: itself, or the latest round the run admits,
+    due by ``lead_steps`` past the later of the run's clock and the sending island's ``place``
+    (its place may lag its sends by a heartbeat; an island behind the clock is asked to catch up
+    to it, and its send for the round it was asked for is admitted)."""
+    return min(sent_for, max(0, latest_round(max(clock_step, place) + lead_steps, offset, sync_every)))
 
 
 def join_problem(island: int, world_size: int) -> str | None:

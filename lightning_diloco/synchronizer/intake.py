@@ -114,8 +114,8 @@ class Intake:
         norm = norm64(gradient)
         with rounds.cond:
             self._seeded(rounds)
-            clock, offset = self.membership.run_step(now), self.offsets[c.fragment]
-            sent_for = admitted_round(c.round, clock_step=clock, place=self.membership.place(c.island), offset=offset,
+            clock, offset = self.membership.run_step(now) or 0, self.offsets[c.fragment]
+            sent_for = admitted_round(c.round, clock_step=clock, place=self.membership.reach(c.island, now), offset=offset,
                                       lead_steps=self.membership.lead_steps, sync_every=H)
             entry = Entry(island=c.island, seq=c.seq, sent_for=sent_for, base_version=c.base_version, outer_gradient=gradient,
                           tokens=c.tokens, steps=c.steps, norm=norm, digest=digest, session=c.session or "")

@@ -28,7 +28,7 @@ import torch
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
-from lightning_diloco.core.guard import InfluenceGuard, agreeing, capped_weights
+from lightning_diloco.core.guard import InfluenceGuard, agreeing, capped_weights, lower_median
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients, norm64
 from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.state import FragmentState
@@ -153,6 +153,7 @@ class FragmentRounds:
         self.totals = RoundTotals()
         merge = config.merge
         self.guard = InfluenceGuard(merge.outlier_z, merge.outlier_window, config.schedule.sync_every)
+        self._shares: dict[int, float] = {}  # the round being closed: each island's share of its step
 
     # ---- the round now collecting ------------------------------------------------------------
 
@@ -295,6 +296,7 @@ class FragmentRounds:
     def _record(self, merged: list[Entry]) -> None:
         for e in merged:
             self.guard.record(e.island, e.norm, e.tokens, e.steps)
+        self.guard.record_round({e.island: self._shares.get(e.island, 0.0) for e in merged})
 
     def _remember_round(self, version: int | None, index: int) -> None:
         if version is not None:
@@ -310,20 +312,19 @@ class FragmentRounds:
         t.grace_wait_max_s = max(t.grace_wait_max_s, grace)
 
     def _bounded(self, entries: list[Entry]) -> tuple[list[torch.Tensor], list[float], int]:
-        """Each entry's outer gradient scaled down to the norm bound, its merge weight, and how
-        many were scaled. A scaled gradient is a copy: the entries stay as they came in, so a
-        close that fails after this and is tried again (closers.py) bounds them once more from
-        the same values, not a second time over."""
+        """Each entry's outer gradient scaled down to the norm bound and to its island's influence
+        budget (core/guard.py), its merge weight, and how many were scaled. A scaled gradient is a
+        copy: the entries stay as they came in, so a close that fails after this and is tried
+        again (closers.py) bounds them once more from the same values, not a second time over."""
         frag = self.frag
         fragment_norm = norm64(frag.value)
         discount = self.config.merge.staleness_discount
-        gradients, weights, ages, norms, clipped = [], [], [], [], 0
+        scales, weights, ages, norms = [], [], [], []
         for e in entries:
             others = [(o.norm, o.tokens / o.steps) for o in entries if o.island != e.island]
             b = self.guard.bound(norm=e.norm, tokens=e.tokens, steps=e.steps, others=others,
                                  fragment_norm=fragment_norm, numel=frag.value.numel(), island=e.island)
-            gradients.append(e.outer_gradient * b.scale if b.clipped else e.outer_gradient)
-            clipped += b.clipped
+            scales.append(b.scale)
             norms.append(e.norm * b.scale)
             # a base newer than the current version (kept by an island across a synchronizer
             # restart that lost the last versions) is as fresh as it gets: age 0
@@ -331,7 +332,25 @@ class FragmentRounds:
             weights.append(contribution_weight(b.tokens, b.steps))
         # what the islands claim is capped against each other; the age discount is the synchronizer's own
         weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=discount) for w, a in zip(capped_weights(weights), ages)]
-        return gradients, agreeing(weights, gradients, norms), clipped
+        weights = agreeing(weights, [e.outer_gradient for e in entries], [e.norm for e in entries])
+        self._within_budgets(entries, weights, norms, scales)
+        gradients = [e.outer_gradient * s if s < 1.0 else e.outer_gradient for e, s in zip(entries, scales)]
+        return gradients, weights, sum(s < 1.0 for s in scales)
+
+    def _within_budgets(self, entries: list[Entry], weights: list[float], norms: list[float], scales: list[float]) -> None:
+        """Scale each entry (in place: ``norms``, ``scales``) so that its share of the step, its
+        weight's share of the round times its length, fits what its island may still move the
+        fragment over the guard's window; and remember each island's share for that window."""
+        total = sum(weights)
+        shares = [w / total * n if total > 0 else 0.0 for w, n in zip(weights, norms)]
+        reference = lower_median(norms) or 0.0
+        for i, budget in enumerate(self.guard.budgets([e.island for e in entries], reference)):
+            if budget is not None and shares[i] > budget:
+                cut = budget / shares[i]
+                scales[i] *= cut
+                norms[i] *= cut
+                shares[i] = budget
+        self._shares = {e.island: s for e, s in zip(entries, shares)}
 
     def publish(self, island: int, have: int) -> list[VersionUpdate]:
         """What an island holding version ``have`` is sent to hold the current version, in order:

@@ -81,7 +81,7 @@ class Synchronizer(Intake):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.clock = clock
         self.lock = threading.RLock()  # counters, layout adoption
-        self.membership = Membership(liveness_timeout, lead_steps=4 * config.schedule.sync_every)
+        self.membership = Membership(liveness_timeout, lead_steps=config.schedule.sync_every)
         self.closing = threading.Event()  # set on shutdown: waiting calls return at once
         self.accepted: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
@@ -228,10 +228,15 @@ class Synchronizer(Intake):
         return self.membership.live(self.clock() if now is None else now)
 
     def run_step(self, now: float | None = None) -> int:
-        """The run's clock: the live islands' (robust: membership.py), or the step of the latest
-        round any fragment opened if later (a restarted synchronizer, or islands that all went
-        away; rounds are admitted only near the clock: admission.py)."""
+        """The run's clock: the live islands' (robust: membership.py); with none live (a restarted
+        synchronizer, or islands that all went away) the step of the latest round any fragment
+        opened, which the first island to join again starts from. Not the later of the two: a
+        round one island opened ahead of the others would then place every island that joins or
+        rejoins at it, and carry the clock with them."""
         now = self.clock() if now is None else now
+        clock = self.membership.run_step(now)
+        if clock is not None:
+            return clock
         from_rounds = 0
         state = self.state
         if state is not None:
@@ -239,7 +244,7 @@ class Synchronizer(Intake):
             for p, frag in list(state.fragments.items()):
                 if frag.next_round > 0:
                     from_rounds = max(from_rounds, due_step(frag.next_round - 1, self.offsets[p], H))
-        return max(self.membership.run_step(now), from_rounds)
+        return from_rounds
 
     def versions(self) -> dict[int, int]:
         """Fragment versions this shard owns; -1 for a fragment not seeded yet."""
@@ -319,7 +324,7 @@ class Synchronizer(Intake):
         self._check_session(island, session, "subscription")
         delivered = {p: int(versions.get(p, -1)) for p in self.rounds}
         return island_events(island, self.membership.subscribed(island), delivered, self.membership, self.rounds,
-                             self._count_bytes_out, lambda: active() and not self.closing.is_set(), tick)
+                             self._count_bytes_out, lambda: active() and not self.closing.is_set(), tick, self.clock)
 
     def _count_bytes_out(self, n: int) -> None:
         with self.lock:

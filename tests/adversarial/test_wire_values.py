@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import math
 
+import time
+
 import grpc
 import pytest
 import torch
 from google.protobuf.descriptor import FieldDescriptor as FD
 
 from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
@@ -114,6 +117,13 @@ def _honest_round_trip(address, config, island: int) -> None:
         beat = client.heartbeat(island, 1, 0.1, schedule_step=0)
         assert 0 <= beat.run_step < 2**40
         version, round = beat.versions[0], client.status().rounds[0].round
+        # the island steps to that round before it sends for it, as an honest one would (a place
+        # advances at a bounded rate, and a send is admitted a round past its island's place)
+        due = due_step(round, fragment_offsets(2, 4)[0], 4)
+        deadline = time.monotonic() + 30
+        while client.status().islands[island].schedule_step < due - 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            client.heartbeat(island, 1, 0.1, schedule_step=due)
         numel = layout(config).fragment_numel(0)
         ack = client.push(island=island, fragment=0, round=round, base_version=version, tokens=100.0, steps=4,
                           codec="fp32", seq=1, payload=get_codec("fp32").encode(torch.full((numel,), 1e-3)),

@@ -119,10 +119,14 @@ def test_every_lock_is_taken_in_the_documented_order(tmp_path):
     sync.join(0, 1, SPECS)  # the first join builds the rounds: instrument them before anything else
     log = _instrumented(sync)
     sync.join(1, 1, SPECS)
+    sync.join(2, 1, SPECS)
     for p, value in initial_fragments(config).items():
         sync.seed(0, p, get_codec("fp32").encode(value))
     for island in (0, 1):
         sync.heartbeat(island, steps=0, step_time=0.1, schedule_step=0)
+    # island 2 has reached round 0 of fragment 0 (due at step 2): with island 0's push the run's
+    # clock does too, so island 1, behind it, is asked to send now
+    sync.heartbeat(2, steps=2, step_time=0.1, schedule_step=2)
     subscribed = True
     events = sync.subscribe(1, {0: 0, 1: 0}, active=lambda: subscribed, tick=0.01)
     delta = torch.full((layout(config).fragment_numel(0),), 0.01)

@@ -202,8 +202,8 @@ def test_a_late_joiner_starts_at_the_runs_step_never_ahead_of_it():
     config = run_config()
     sync, clock = _started(config, 2, liveness_timeout=5.0)
     clock.advance(4.0)
-    sync.heartbeat(0, 500, 0.01, schedule_step=1200)
-    sync.heartbeat(1, 700, 0.01, schedule_step=1190)
+    sync.heartbeat(0, 500, 0.005, schedule_step=1200)  # 4 s at twice 200 steps a second: a reachable place
+    sync.heartbeat(1, 700, 0.005, schedule_step=1190)
     assert sync.run_step() == 1190  # the lower median: a place both islands reached
     clock.advance(3.0)  # island 1 was killed: still live, but it must not drag the clock ahead
     sync.heartbeat(0, 530, 0.01, schedule_step=1230)
@@ -286,8 +286,9 @@ def test_a_failure_in_a_closed_rounds_bookkeeping_skips_none_of_the_rest_and_the
     """A failure after the step skipped everything after it (counters, credit, the withdrawal of
     the other islands' requests, the checkpoint due), or left them to a closer's look again."""
     config = run_config(min_quorum=1, gamma=0.0)
-    sync, clock = _started(config, 2)
+    sync, clock = _started(config, 3)
     _place(sync, clock, 4, [0, 1])
+    _place(sync, clock, 6, [2])  # with island 0's push, two of three reach round 1 (due at 6): the run's clock
     sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=1, seq=1))  # island 1 is asked
     owner, method = FAILING_PARTS[failing]
     monkeypatch.setattr(owner(sync), method, _raise)
@@ -356,6 +357,7 @@ def test_a_close_that_fails_inside_the_outer_step_steps_the_fragment_once_when_t
 def _next_round_opened_by_another_island(sync, config):
     """Island 1 sends for the fragment's next round, which opens and closes: the round's islands."""
     delta = torch.full((_numel(config),), 0.02)
+    sync.clock.advance(1.0)  # time for island 1 to reach that round (a place advances at a bounded rate)
     sync.push(contribution(config, 1, 0, delta, round=sync.rounds[0].index, base_version=sync.versions()[0], seq=100))
     [closed] = sync.poll()
     return closed.islands

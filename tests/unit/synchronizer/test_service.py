@@ -176,9 +176,11 @@ def test_a_huge_outer_gradient_is_bounded_and_the_state_stays_finite():
     sync = _started(config, 2)
     numel = layout(config).fragment_numel(0)
     for v in range(3):
+        sync.clock.advance(1.0)  # the time to reach each round (a place advances at a bounded rate)
         sync.push(contribution(config, 0, 0, torch.full((numel,), 0.01), round=v, base_version=v, seq=v))
         sync.poll()
     before = sync.pull(0)[1]
+    sync.clock.advance(1.0)
     sync.push(contribution(config, 1, 0, torch.full((numel,), 1e30), round=3, base_version=3, seq=0))
     [closed] = sync.poll()
     after = sync.pull(0)[1]

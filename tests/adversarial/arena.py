@@ -1,0 +1,225 @@
+"""A deterministic run of the real synchronizer against honest and hostile islands, for the
+trust invariants (test_invariants.py).
+
+The synchronizer is the real service (admission, membership and its clock, rounds, guard, RDA
+merge, outer step), driven tick by tick on a fake clock so one seed reproduces a run exactly.
+Honest islands train toward a common target (a fixed fraction of the way each step, with noise,
+as local training toward a shared minimum would), send their fragment when their schedule says,
+apply the new global version one step later, heartbeat every second and realign to the round
+requests the synchronizer hands them, as the learner does. Hostile islands hold their own
+credential and nothing more: each tick one may push (for any round, with any counters, any
+direction and size), heartbeat (any place, any step time), rejoin, or stay quiet, as a seeded
+random generator chooses.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
+from lightning_diloco.synchronizer.requests import Refusal
+from lightning_diloco.synchronizer.service import Synchronizer
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments
+
+H = 4
+TICK_S = 0.1  # seconds per honest inner step
+HEARTBEAT_EVERY = 10  # ticks (1 s, as the learner's heartbeat)
+RATE = 0.03  # of the way to the target an honest island goes per step (about 0.1 per round)
+NOISE = 0.02
+TOKENS_PER_STEP = 100.0
+DIRECTIONS = ("flip", "away", "noise", "alie", "minmax", "honest")
+ROUND_CHOICES = ("own", "next", "ahead", "huge")
+COUNTERS = ("honest", "max_tokens", "one_step", "many_steps")
+SCALES = (1.0, 1.0, 1.5, 10.0, 100.0)
+
+
+def arena_config() -> RunConfig:
+    return RunConfig(schedule=ScheduleConfig(num_fragments=1, sync_every=H, overlap_steps=1),
+                     merge=MergeConfig(min_quorum=1, grace_gamma=0.0),
+                     outer=OuterConfig(lr=0.7, momentum=0.9),
+                     codec=CodecConfig(uplink="fp32", downlink="fp32"))
+
+
+@dataclass
+class Honest:
+    island: int
+    every: int  # ticks per inner step (1: full speed; 2: half)
+    local: torch.Tensor
+    base: torch.Tensor
+    version: int
+    steps: int = 0
+    schedule_step: int = 0
+    sent_round: int = -1
+    apply_at: int | None = None
+    realigned_at: int | None = None
+    seq: int = 0
+    last_delta: torch.Tensor | None = None
+
+
+@dataclass
+class Report:
+    distance: float
+    start_distance: float
+    versions: int
+    merged: dict[int, int]
+    """Contributions merged per honest island."""
+    clock_lead: int
+    """The most the run's clock was ever ahead of the furthest honest island's own steps."""
+    largest_round: int
+    """Entries in the largest round that waited."""
+    largest_requests: int
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+class Arena:
+    def __init__(self, honest: int, hostile: int, seed: int, *, slow: tuple[int, ...] = ()) -> None:
+        self.rng = random.Random(seed)
+        self.g = torch.Generator().manual_seed(seed)
+        self.config = arena_config()
+        self.clock = FakeClock()
+        self.sync = Synchronizer(self.config, clock=self.clock)
+        start = initial_fragments(self.config)[0]
+        self.numel = start.numel()
+        self.target = start + 10.0 * torch.nn.functional.normalize(torch.randn(self.numel, generator=self.g), dim=0)
+        self.honest = []
+        for i in range(honest):
+            self.sync.join(i, 1, SPECS)
+            self.honest.append(Honest(i, 2 if i in slow else 1, start.clone(), start.clone(), 0))
+        self.sync.seed(0, 0, get_codec("fp32").encode(start))
+        self.hostile = list(range(honest, honest + hostile))
+        self.sessions = {i: self.sync.join(i, 1, SPECS).session for i in self.hostile}
+        self.hostile_seq = {i: 0 for i in self.hostile}
+        self.tick_index = 0
+        self.clock_lead = self.largest_round = self.largest_requests = 0
+
+    # ---- honest islands, as the learner behaves -----------------------------------------------
+
+    def _honest_tick(self, h: Honest) -> None:
+        if self.tick_index % h.every:
+            return
+        h.local += RATE * (self.target - h.local) + NOISE * torch.randn(self.numel, generator=self.g)
+        h.steps += 1
+        h.schedule_step += 1
+        with self.sync.membership.lock:
+            requests = self.sync.membership.take_requests(h.island, self.clock())
+        furthest = max((r.due_step for r in requests), default=-1)
+        if furthest > h.schedule_step and (h.realigned_at is None or h.steps - h.realigned_at >= H):
+            h.schedule_step, h.realigned_at = furthest, h.steps
+        wanted = max([r.round for r in requests] + ([h.schedule_step // H] if h.schedule_step % H == 0 else []),
+                     default=-1)
+        if h.apply_at is not None and h.steps >= h.apply_at:
+            version, value = self.sync.pull(0)
+            h.local, h.base, h.version, h.apply_at = value.clone(), value.clone(), version, None
+        if wanted > h.sent_round and h.apply_at is None:
+            h.last_delta = h.local - h.base
+            h.seq += 1
+            try:
+                self.sync.push(contribution(self.config, h.island, 0, h.last_delta, round=wanted, base_version=h.version,
+                                            seq=h.seq, tokens=TOKENS_PER_STEP * H, steps=H))
+            except Refusal:
+                pass
+            h.sent_round, h.apply_at = wanted, h.steps + 1
+        if self.tick_index % HEARTBEAT_EVERY == 0:
+            self.sync.heartbeat(h.island, h.steps, TICK_S * h.every, schedule_step=h.schedule_step)
+
+    # ---- hostile islands: a random choice each tick --------------------------------------------
+
+    def _honest_deltas(self) -> list[torch.Tensor]:
+        return [h.last_delta for h in self.honest if h.last_delta is not None] or [
+            RATE * H * (self.target - self.sync.pull(0)[1])]
+
+    def _hostile_delta(self, direction: str, scale: float) -> torch.Tensor:
+        deltas = torch.stack(self._honest_deltas())
+        mean = deltas.mean(0)
+        spread = deltas.std(0) if len(deltas) > 1 else 0.1 * mean.abs()
+        if direction == "flip":
+            return -scale * mean
+        if direction == "away":  # inside the honest spread, leaning away from the honest mean
+            return mean - spread * torch.sign(mean) * scale
+        if direction == "noise":
+            return scale * mean.norm() * torch.nn.functional.normalize(torch.randn(self.numel, generator=self.g), dim=0)
+        if direction == "alie":  # a little is enough: mean minus z x the spread, per coordinate
+            return mean - 1.5 * spread * scale
+        if direction == "minmax":  # as far from the mean as the farthest honest delta, straight against it
+            radius = max(float((d - mean).norm()) for d in deltas) or float(mean.norm())
+            return mean - radius * scale * torch.nn.functional.normalize(mean, dim=0)
+        return mean
+
+    def _hostile_tick(self, island: int) -> None:
+        action = self.rng.choice(("push", "push", "heartbeat", "quiet", "quiet", "rejoin"))
+        try:
+            if action == "push":
+                self._hostile_push(island)
+            elif action == "heartbeat":
+                place = self.rng.choice((0, max(h.schedule_step for h in self.honest), 2**62))
+                step_time = self.rng.choice((1e-9, TICK_S, 1e9))
+                self.sync.heartbeat(island, self.rng.choice((0, 10**12)), step_time, schedule_step=place,
+                                    session=self.sessions[island])
+            elif action == "rejoin" and self.rng.random() < 0.05:
+                self.sessions[island] = self.sync.join(island, 1, SPECS).session
+        except Refusal:
+            pass
+
+    def _hostile_push(self, island: int) -> None:
+        rounds = self.sync.rounds[0]
+        own = max(h.schedule_step for h in self.honest) // H
+        choice = self.rng.choice(ROUND_CHOICES)
+        round_index = {"own": own, "next": max(0, rounds.index), "ahead": own + 4, "huge": 2**40}[choice]
+        counters = self.rng.choice(COUNTERS)
+        tokens, steps = {"honest": (TOKENS_PER_STEP * H, H), "max_tokens": (1e15, 1), "one_step": (TOKENS_PER_STEP, 1),
+                         "many_steps": (1e12, 10**6)}[counters]
+        delta = self._hostile_delta(self.rng.choice(DIRECTIONS), self.rng.choice(SCALES))
+        self.hostile_seq[island] += 1
+        push = contribution(self.config, island, 0, delta, round=round_index, base_version=self.sync.versions()[0],
+                            seq=self.hostile_seq[island], tokens=tokens, steps=steps)
+        self.sync.push(_with_session(push, self.sessions[island]))
+
+    # ---- the run ---------------------------------------------------------------------------------
+
+    def run(self, ticks: int) -> Report:
+        start = float((self.sync.pull(0)[1] - self.target).norm())
+        for _ in range(ticks):
+            self.tick_index += 1
+            self.clock.advance(TICK_S)
+            order = [("honest", h) for h in self.honest] + [("hostile", i) for i in self.hostile]
+            self.rng.shuffle(order)
+            for kind, who in order:
+                if kind == "honest":
+                    self._honest_tick(who)
+                else:
+                    self._hostile_tick(who)
+            self._observe()
+            self.sync.poll()
+        status = self.sync.status()
+        return Report(distance=float((self.sync.pull(0)[1] - self.target).norm()), start_distance=start,
+                      versions=self.sync.versions()[0],
+                      merged={h.island: status.islands[h.island].accepted for h in self.honest},
+                      clock_lead=self.clock_lead, largest_round=self.largest_round,
+                      largest_requests=self.largest_requests, refused=dict(status.refused))
+
+    def _observe(self) -> None:
+        furthest_own = max(h.steps for h in self.honest)
+        self.clock_lead = max(self.clock_lead, self.sync.run_step() - furthest_own)
+        self.largest_round = max(self.largest_round, len(self.sync.rounds[0].entries))
+        with self.sync.membership.lock:
+            pending = max((len(m.requests) for m in self.sync.membership.members.values()), default=0)
+        self.largest_requests = max(self.largest_requests, pending)
+
+
+def _with_session(push, session: str):
+    from dataclasses import replace
+
+    return replace(push, session=session)
+
+
+def honest_distance(honest: int, seed: int, ticks: int, slow: tuple[int, ...] = ()) -> float:
+    return Arena(honest, 0, seed, slow=slow).run(ticks).distance
+
+
+def finite(x: float) -> bool:
+    return math.isfinite(x)
