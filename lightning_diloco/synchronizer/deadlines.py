@@ -1,11 +1,16 @@
-"""Read deadlines for client streams whose payload the server is reading.
+"""Deadlines for the streams that carry a fragment's payload, in either direction.
 
 gRPC's synchronous server reads a client stream by blocking on its next message, so a client that
 sends a valid header and then one byte every few seconds holds a worker (and one of its island's
-stream slots) for as long as it likes. Every payload read is therefore watched: one thread
-cancels the streams that have not delivered their payload within a grace period plus the time
-the declared size takes at a minimum rate (pushes with a valid session had no read
-deadline, only a cap of P + 2 streams per island).
+stream slots) for as long as it likes. Every payload read (a seed's, a push's) is therefore
+watched: one thread cancels the streams that have not delivered their payload within a grace
+period plus the time the declared size takes at a minimum rate (pushes with a valid session had
+no read deadline, only a cap of P + 2 streams per island).
+
+The other direction has the same rule: gRPC takes a Pull's reply into its own buffers at once,
+so a client that never reads it kept a copy of the fragment in the synchronizer for as long as
+its call lasted (300 unread pulls of a 4 MB fragment held 1.0-1.2 GB). A Pull is cancelled
+unless its client has read the whole reply within the same time.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ MIN_PAYLOAD_BYTES_PER_S = 256 * 1024  # 2 Mbit/s: an island on a slower link sho
 
 
 def payload_deadline(payload_bytes: int) -> float:
-    """Seconds a client may take to send a payload of ``payload_bytes``."""
+    """Seconds a client may take to send (or to read) a payload of ``payload_bytes``."""
     return PAYLOAD_GRACE_S + payload_bytes / MIN_PAYLOAD_BYTES_PER_S
 
 
-class ReadDeadlines:
-    """One watchdog thread for every payload being read; it cancels a stream whose time is up,
-    which ends the handler's blocking read with an error and frees the worker."""
+class StreamDeadlines:
+    """One watchdog thread for every payload in flight; it cancels a stream whose time is up,
+    which ends the handler's blocking read with an error and frees the worker (or drops the
+    reply gRPC was holding for a client that does not read it)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -36,7 +42,7 @@ class ReadDeadlines:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.cancelled = 0  # streams cancelled for being too slow (for tests and metrics)
+        self.cancelled = 0  # streams cancelled for being too slow (for tests and benchmarks)
 
     def watch(self, context: grpc.ServicerContext, seconds: float) -> Callable[[], None]:
         """Cancel the stream of ``context`` unless the returned function is called within ``seconds``."""
@@ -46,7 +52,7 @@ class ReadDeadlines:
                 return lambda: None
             self._due[key] = (time.monotonic() + seconds, context)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="diloco-read-deadlines", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="diloco-stream-deadlines", daemon=True)
                 self._thread.start()
             self._cond.notify()
 

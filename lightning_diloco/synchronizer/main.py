@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import signal
 import threading
 from pathlib import Path
@@ -78,6 +79,21 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open descriptors to its hard limit; returns both, the
+    soft one as it now is. Every connection (gRPC or HTTP) and every checkpoint write takes a descriptor:
+    under the usual soft limit of 1024, about 1,030 idle connections to the HTTP ports made joins
+    time out and checkpoints fail (EMFILE). The hard limit is the operator's to set (ulimit -Hn)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # an unlimited hard limit above the kernel's own ceiling: keep the soft one
+            pass
+    return soft, hard
+
+
 def run_synchronizer(args: argparse.Namespace) -> int:
     from lightning_diloco.synchronizer.server import SynchronizerServer
     from lightning_diloco.synchronizer.service import Synchronizer
@@ -87,6 +103,9 @@ def run_synchronizer(args: argparse.Namespace) -> int:
     # oversubscribe the cores (measured: 1M-parameter rounds ran 1.3-2x faster single-threaded).
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s synchronizer %(levelname)s %(message)s")
+    soft, hard = raise_open_files_limit()
+    log.info("open descriptors: up to %d (soft limit; the hard limit is %s, set by ulimit -Hn)", soft,
+             "unlimited" if hard == resource.RLIM_INFINITY else hard)
     service = Synchronizer(
         run_config_from_args(args),
         shard=args.shard,

@@ -1,10 +1,20 @@
-"""Prometheus text metrics, read from the service's status on every scrape."""
+"""Prometheus text metrics, read from the service's status on every scrape.
+
+Served by prometheus_client's WSGI app on a server of our own rather than its
+``start_http_server``, whose connections had no timeout and no cap: the port answers without the
+token, so it is bounded as the status page is (http_limits.py).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, start_http_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from lightning_diloco.synchronizer.http_limits import (
+    IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedServer, limited_handler, serve_in_background,
+)
 from lightning_diloco.synchronizer.service import Synchronizer
 
 
@@ -32,8 +42,21 @@ class SynchronizerCollector:
         yield version
 
 
-def serve_metrics(service: Synchronizer, port: int, host: str = "127.0.0.1"):
-    """Start an HTTP metrics endpoint; returns (server, thread) so callers can shut it down."""
+class MetricsServer(BoundedServer, WSGIServer):
+    pass
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # a scrape every few seconds would flood the synchronizer's log
+        pass
+
+
+def serve_metrics(service: Synchronizer, port: int, host: str = "127.0.0.1", *, idle_timeout: float = IDLE_TIMEOUT_S,
+                  max_connections: int = MAX_CONNECTIONS):
+    """Start an HTTP metrics endpoint (at ``/metrics``, as every path); returns (server, thread)
+    so callers can shut it down."""
     registry = CollectorRegistry()
     registry.register(SynchronizerCollector(service))
-    return start_http_server(port, addr=host, registry=registry)
+    server = make_server(host, port, make_wsgi_app(registry), lambda *a: MetricsServer(*a, max_connections=max_connections),
+                         handler_class=limited_handler(_QuietHandler, idle_timeout))
+    return server, serve_in_background(server, "diloco-metrics")

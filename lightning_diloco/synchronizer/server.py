@@ -2,6 +2,14 @@
 
 Thin by design: authenticate, reassemble chunked payloads, call the service, stream the reply.
 Every refusal becomes a gRPC status whose details start with the reason code.
+
+Every call is under the same resource rules, so that one island's credential cannot take what
+the others need: it is checked from its header (session, fragment, sizes) before anything is
+read or copied; each stream that can last holds one of its island's few slots of its kind
+(:class:`IslandStreams`: subscriptions, payload streams, pulls); a payload must arrive, and a
+pull's reply be read, within a deadline after which the stream is cancelled (deadlines.py); and
+calls that can hold a worker for long (subscriptions, pulls) leave ``RESERVE`` workers free for
+the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from lightning_diloco.core.protocol import RoundRequest
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.credentials import Caller, identify
-from lightning_diloco.synchronizer.deadlines import ReadDeadlines, payload_deadline
+from lightning_diloco.synchronizer.deadlines import StreamDeadlines, payload_deadline
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -35,8 +43,9 @@ from lightning_diloco.transport.wire import DownlinkMessages, add_servicer, asse
 log = logging.getLogger(__name__)
 
 MAX_DETAILS = 1000  # characters of a refusal's message sent back: it may quote client input
-RESERVE = 8  # workers kept free of long calls (subscriptions) for everything else
+RESERVE = 8  # workers kept free of long calls (subscriptions, pulls) for everything else
 SUBSCRIPTIONS_PER_ISLAND = 2  # open streams of one island: its current one and the one it replaces
+PULLS_PER_ISLAND = 2  # an island pulls one fragment at a time (joining, ending); the second: a retry's overlap
 STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for the rest
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.OUT_OF_RANGE,
@@ -89,8 +98,8 @@ def _events(events: Iterator, context: grpc.ServicerContext, release, downlink: 
 class IslandStreams:
     """How many streams of each kind one island holds: each kind has a few slots per island, so
     a client with one island's credential cannot hold the workers (or the subscription slots)
-    every other island needs (260 subscriptions, or 300 pushes sending a byte every
-    5 s, locked honest islands out)."""
+    every other island needs (260 subscriptions, or 300 pushes or seeds sending a byte every
+    5 s, locked honest islands out), nor the memory (300 pulls never read held 1 GB)."""
 
     def __init__(self, service: Synchronizer) -> None:
         self.service = service
@@ -102,8 +111,8 @@ class IslandStreams:
         key = (island, kind)
         with self.lock:
             if self.held[key] >= slots:
-                raise self.service.refuse(Reason.BUSY, f"island {island} already holds {slots} {kind} streams; "
-                                          "end one first (a reconnect replaces the old one)")
+                raise self.service.refuse(Reason.BUSY, f"island {island} already holds {slots} {kind} streams, the most "
+                                          "one island may; retry once one has ended (each ends by its deadline)")
             self.held[key] += 1
 
         def release() -> None:
@@ -122,7 +131,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         # at once, so Status, joins and pushes always find a worker
         self.long_calls = threading.BoundedSemaphore(max(1, max_workers - RESERVE))
         self.streams = IslandStreams(service)
-        self.deadlines = ReadDeadlines()
+        self.deadlines = StreamDeadlines()
         self.downlink = DownlinkMessages()
 
     def _long_call(self, what: str):
@@ -130,6 +139,23 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             raise self.service.refuse(Reason.BUSY, f"every worker for long calls is taken; the {what} is refused, retry later "
                                       "(or start the synchronizer with more --max-workers)")
         return self.long_calls.release
+
+    def _island_long_call(self, island: int, kind: str, slots: int):
+        """One of ``island``'s slots of ``kind``, then a long-call slot: its own first, so one
+        client's calls never take the workers every other island needs (as Subscribe does, with
+        its session check between the two); returns the release of both."""
+        own = self.streams.take(island, kind, slots)
+        try:
+            shared = self._long_call(kind)
+        except Refusal:
+            own()
+            raise
+
+        def release() -> None:
+            shared()
+            own()
+
+        return release
 
     def authorize(self, context: grpc.ServicerContext) -> Caller:
         if not self.token:
@@ -148,12 +174,17 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot act as island "
                                       f"{island}; each island presents its own (`lightning-diloco credential --island {island}`)")
 
-    def _payload(self, context, first, rest, expected: int, declared: int, what: str) -> memoryview:
-        """The payload after its header; a client that sends it too slowly is cancelled (deadlines.py)."""
+    def _declared(self, declared: int, expected: int, what: str) -> None:
         if declared != expected:
             raise self.service.refuse(
                 Reason.BAD_PAYLOAD, f"{what} declares {declared} bytes but its codec and fragment need {expected}"
             )
+
+    def _payload(self, context, first, rest, island: int, expected: int, what: str) -> memoryview:
+        """The payload after its header (a seed's or a push's), read in one of ``island``'s payload
+        stream slots; a client that sends it too slowly is cancelled (deadlines.py)."""
+        # an island pushes at most one stream per fragment, plus retries overlapping the old ones
+        release = self.streams.take(island, "payload", self.service.config.schedule.num_fragments + 2)
         seconds = payload_deadline(expected)
         done = self.deadlines.watch(context, seconds)
         try:
@@ -165,6 +196,21 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
                                       f"{seconds:.0f} s; a link this slow needs smaller fragments") from None
         finally:
             done()
+            release()
+
+    def _until_read(self, context: grpc.ServicerContext, payload_bytes: int, release) -> None:
+        """Hold a reply's slots (``release``) until the call ends: read in full, or cancelled by
+        its deadline. gRPC keeps a reply's bytes (and, past what it buffers, the worker sending
+        them) until its client reads them, so an unread pull holds its copy of the fragment
+        until then, never past the deadline (deadlines.py)."""
+        done = self.deadlines.watch(context, payload_deadline(payload_bytes))
+
+        def ended() -> None:
+            done()
+            release()
+
+        if not context.add_callback(ended):  # the call has ended already
+            ended()
 
     @_handler
     def Join(self, request, context, caller):
@@ -182,9 +228,13 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         first = next(request_iterator)
         h = first.header
         self.acting_as(caller, h.island)
-        self.service.admit_seed(h.island, h.fragment, h.session)
+        version = self.service.admit_seed(h.island, h.fragment, h.session)
+        what = f"seed of fragment {h.fragment}"
         expected = self.service.expected_payload_bytes("fp32", h.fragment)
-        payload = self._payload(context, first, request_iterator, expected, h.payload_bytes, f"seed of fragment {h.fragment}")
+        self._declared(h.payload_bytes, expected, what)
+        if version is not None:  # the first offer won: answered from the header, the payload never read
+            return pb.SeedReply(seeded=False, version=version)
+        payload = self._payload(context, first, request_iterator, h.island, expected, what)
         seeded = self.service.seed(h.island, h.fragment, payload, session=h.session)
         return pb.SeedReply(seeded=seeded, version=self.service.versions()[h.fragment])
 
@@ -197,12 +247,10 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
                               tokens=h.tokens, steps=h.steps, codec=h.codec, seq=h.seq, payload=b"",
                               layout_hash=h.layout_hash, session=h.session)
         self.service.admit_push(header)  # session, fragment, counters, codec: before a byte of payload is read
+        what = f"push of fragment {h.fragment}"
         expected = self.service.expected_payload_bytes(h.codec, h.fragment)
-        release = self.streams.take(h.island, "push", self.service.config.schedule.num_fragments + 2)
-        try:
-            payload = self._payload(context, first, request_iterator, expected, h.payload_bytes, f"push of fragment {h.fragment}")
-        finally:
-            release()
+        self._declared(h.payload_bytes, expected, what)
+        payload = self._payload(context, first, request_iterator, h.island, expected, what)
         ack = self.service.push(dataclasses.replace(header, payload=payload))
         return to_message(ack, pb.PushAck())
 
@@ -210,7 +258,8 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     def Subscribe(self, request, context, caller):
         self.acting_as(caller, request.island)
         # a joined island's own slots first (a reconnect may overlap the old stream's last tick),
-        # so one client's subscriptions never take the workers every other island needs
+        # so one client's subscriptions never take the workers every other island needs; the
+        # session is checked before a long-call slot is taken
         own = self.streams.take(request.island, "subscription", SUBSCRIPTIONS_PER_ISLAND)
         try:
             events = self.service.subscribe(request.island, dict(request.versions), active=context.is_active,
@@ -223,8 +272,17 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
 
     @_handler
     def Pull(self, request, context, caller):
-        version, value = self.service.pull(request.fragment)
+        self.acting_as(caller, request.island)
+        self.service.admit_pull(request.island, request.fragment, request.session)
+        # gRPC sends a reply as fast as its client reads it: one never read holds its worker
+        release = self._island_long_call(request.island, "pull", PULLS_PER_ISLAND)
+        try:
+            version, value = self.service.pull(request.fragment)
+        except Refusal:
+            release()
+            raise
         payload = get_codec("fp32").encode(value)
+        self._until_read(context, payload.numel(), release)
         header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec="fp32", payload_bytes=payload.numel())
         return chunk_messages(header, payload)
 

@@ -272,6 +272,12 @@ class Synchronizer(Intake):
             raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} has no value yet; seed it first")
         return rounds.frag
 
+    def admit_pull(self, island: int, fragment: int, session: str | None) -> None:
+        """A pull's checks: a fragment of this shard, for a joined island's session. A pull copies
+        its fragment, so only a member may ask (unjoined pulls never read held 1 GB per 300)."""
+        self._rounds(fragment)
+        self._check_session(island, session, "pull")
+
     def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
         """(version, fp32 copy) of a fragment as the islands hold it (with a lossy downlink the
         published value, core/downlink.py, so the next version's delta lands on it): what a

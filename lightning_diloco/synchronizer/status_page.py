@@ -3,18 +3,21 @@
 ``lightning-diloco synchronizer --status-port 8080`` serves it at ``http://127.0.0.1:8080/`` (and
 the same data as JSON at ``/status.json``). Standard library only: one small page, rendered from
 :meth:`Synchronizer.status` on every request, so it never shows anything the service did not
-report. Bound to loopback by default: the page answers without the run's token.
+report. Bound to loopback by default: the page answers without the run's token, so its
+connections are bounded in time and number (http_limits.py).
 """
 
 from __future__ import annotations
 
 import html
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Callable
 
 from lightning_diloco.core.protocol import SynchronizerStatus
+from lightning_diloco.synchronizer.http_limits import (
+    IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedServer, limited_handler, serve_in_background,
+)
 
 REFRESH_S = 2
 
@@ -93,7 +96,12 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def serve_status_page(status: Callable[[], SynchronizerStatus], port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+class StatusPageServer(BoundedServer, HTTPServer):
+    pass
+
+
+def serve_status_page(status: Callable[[], SynchronizerStatus], port: int, host: str = "127.0.0.1", *,
+                      idle_timeout: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> StatusPageServer:
     """Serve the page on a daemon thread; ``server.shutdown(); server.server_close()`` stops it."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -114,7 +122,6 @@ def serve_status_page(status: Callable[[], SynchronizerStatus], port: int, host:
         def log_message(self, *args) -> None:  # a reload every 2 s would flood the synchronizer's log
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="diloco-status-page", daemon=True).start()
+    server = StatusPageServer((host, port), limited_handler(Handler, idle_timeout), max_connections=max_connections)
+    serve_in_background(server, "diloco-status-page")
     return server

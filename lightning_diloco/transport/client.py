@@ -269,15 +269,22 @@ class SynchronizerClient(ShardSessions):
         return self._call(f"push of fragment {fragment}", call, self.shard_of(fragment))
 
     def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
-        """(version, fp32 value) of a fragment: what a joining island starts from."""
-        request = pb.PullRequest(fragment=fragment)
+        """(version, fp32 value) of a fragment: what a joining island starts from. A joined
+        island's call: it carries the island and its session with the fragment's shard."""
+        what = f"pull of fragment {fragment}"
+        self._check_open(what)
+        if self._join_request is None:
+            raise SynchronizerError(None, Reason.NOT_JOINED, f"{what}: this client has not joined the run; call join first "
+                                    "(the synchronizer answers pulls of joined islands only)")
 
-        def call():
+        def call():  # built at each attempt: a rejoin between attempts brings a new session
+            request = pb.PullRequest(fragment=fragment, island=self._join_request.island,
+                                     session=self.sessions[self.shard_of(fragment)])
             replies = self._stub(fragment).Pull(request, timeout=self.timeout, metadata=self.metadata)
-            h, data = self._receive(replies, f"pull of fragment {fragment}")
+            h, data = self._receive(replies, what)
             return h.version, get_codec("fp32").decode(data, len(data) // 4)
 
-        return self._call(f"pull of fragment {fragment}", call, self.shard_of(fragment))
+        return self._call(what, call, self.shard_of(fragment))
 
     def heartbeat(self, island: int, steps: int, step_time: float, schedule_step: int = 0) -> Beat:
         """Report progress to every joined shard; the versions of the fragments they hold (an

@@ -142,10 +142,14 @@ class SeedReply(_message.Message):
     def __init__(self, seeded: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("fragment",)
+    __slots__ = ("fragment", "island", "session")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     fragment: int
-    def __init__(self, fragment: _Optional[int] = ...) -> None: ...
+    island: int
+    session: str
+    def __init__(self, fragment: _Optional[int] = ..., island: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("island", "steps", "step_time", "schedule_step", "session")

@@ -105,7 +105,7 @@ class SynchronizerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """A fragment at its current version (fp32), or at the first version newer than asked for.
+        """A fragment at its current version (fp32), for a joined island's session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

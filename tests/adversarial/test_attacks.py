@@ -101,11 +101,20 @@ def test_a_delta_of_subnormal_values_does_not_stop_its_fragment(target):
 
 def test_a_pull_cannot_pin_the_servers_workers(target):
     """Pull answers with the current version at once (new versions reach islands through their
-    subscriptions, which are counted as long calls): a flood of pulls holds no worker."""
+    subscriptions); a pull can hold its worker while its reply is unread, so it is a long call:
+    a flood of pulls from more islands than the server has workers (each island may have 2 open)
+    is answered or refused busy, and Status and the honest island's pull are still answered."""
     stub = target.stub()
-    calls = [stub.Pull(pb.PullRequest(fragment=0), timeout=30) for _ in range(40)]  # all started, none read yet
+    specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in SPECS]
+    sessions = {i: stub.Join(pb.JoinRequest(island=i, world_size=1, tensors=specs), timeout=10).session for i in range(1, 21)}
+    calls = [stub.Pull(pb.PullRequest(fragment=0, island=i, session=session), timeout=30)  # 40: all started, none read yet
+             for i, session in sessions.items() for _ in range(2)]
     target.answers_status_promptly()
-    assert all(next(c).header.version == 0 for c in calls)
+    for c in calls:
+        try:
+            assert next(c).header.version == 0
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
     assert target.honest.pull(0)[0] == 0
 
 

@@ -103,9 +103,9 @@ def test_slow_pushes_with_a_valid_session_are_cut_off_and_free_their_slots(targe
             assert c.exception(timeout=30).code() == grpc.StatusCode.CANCELLED
         assert target.server.servicer.deadlines.cancelled == slots
         deadline = time.monotonic() + 10  # the handlers release their slots just after the client hears it
-        while target.server.servicer.streams.held[(0, "push")] and time.monotonic() < deadline:
+        while target.server.servicer.streams.held[(0, "payload")] and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert target.server.servicer.streams.held[(0, "push")] == 0
+        assert target.server.servicer.streams.held[(0, "payload")] == 0
         numel = layout(target.config).fragment_numel(0)
         target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), seq=1)  # the island pushes again
         target.settle(0, 1)

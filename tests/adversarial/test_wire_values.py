@@ -80,7 +80,8 @@ class Prober:
                 header = pb.FragmentHeader(**{**fields, field: value})
                 self.stub.Seed(iter([pb.FragmentChunk(header=header, data=b"\0" * (self.numel * 4))]), timeout=5)
             elif rpc == "Pull":
-                for _ in self.stub.Pull(pb.PullRequest(**{"fragment": 0, field: value}), timeout=5):
+                fields = dict(fragment=0, island=PROBER, session=session)
+                for _ in self.stub.Pull(pb.PullRequest(**{**fields, field: value}), timeout=5):
                     pass
             elif rpc == "Subscribe":
                 request = pb.SubscribeRequest(island=PROBER, session=session)
