@@ -19,6 +19,8 @@ _LAZY = {
     "register": "lightning_diloco.learner.strategy",
     "DiLoCoMonitor": "lightning_diloco.learner.monitor",
     "ProgressFile": "lightning_diloco.launch.progress",
+    "data_rank": "lightning_diloco.learner.data",
+    "DataRank": "lightning_diloco.learner.data",
 }
 __all__ = [*_LAZY, "__version__"]
 

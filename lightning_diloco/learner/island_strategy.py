@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_diloco.core.config import RunConfig
@@ -27,6 +28,7 @@ from lightning_diloco.core.settings import config_with, run_settings, value_of
 from lightning_diloco.core.token_options import read_token
 from lightning_diloco.learner.arguments import as_run_config, env_int, refuse_unknown, warn_on_conflicts
 from lightning_diloco.learner.collective import Collective, TorchCollective
+from lightning_diloco.learner.data import rank_of, split_for, unsplit_iterables, unsplit_warning
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.learner.tokens import default_tokens_per_batch
 from lightning_diloco.reasons import Reason, SynchronizerError
@@ -189,8 +191,9 @@ class IslandStrategy:
         self.embedded = None  # the embedded synchronizer (a Synchronizer service), when this island runs one
         self._tokens = 0.0
         self._resume: dict | None = None
+        self.data_split_by_script = False  # set by lightning_diloco.data_rank(): the script splits its iterables
 
-    # ---- data: island i of M trains on shard i of M ---------------------------------------------
+    # ---- data: island i of M trains on shard i of M (learner/data.py) -------------------------
 
     @override
     @property
@@ -204,6 +207,27 @@ class IslandStrategy:
         config = self.learner.config if self.learner is not None else self.run_config  # the synchronizer's, once joined
         return {"num_replicas": self.num_islands * inner["num_replicas"], "rank": inner["rank"] * self.num_islands + self.island,
                 "seed": config.data.seed}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # where Lightning lets a strategy change each loader, after its sampler is injected: an
+        # iterable dataset got none, and a Hugging Face one is split here for the same data rank
+        return super().process_dataloader(split_for(dataloader, rank_of(self.distributed_sampler_kwargs)))
+
+    def _warn_of_unsplit_data(self, trainer) -> None:
+        """Said when training starts: an iterable dataset no one split trains every island on the
+        same samples, and nothing else would show it."""
+        from lightning.pytorch.utilities import rank_zero_warn
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        part = rank_of(self.distributed_sampler_kwargs)
+        if part.world_size == 1 or self.data_split_by_script:
+            return
+        loaders: list[object] = []
+        apply_to_collection(trainer.train_dataloader, (DataLoader, IterableDataset), loaders.append)
+        names = unsplit_iterables(loaders)
+        if names:
+            rank_zero_warn(unsplit_warning(names, self.island, self.num_islands, part))
 
     # ---- joining: after the inner strategy's setup and any checkpoint restore ------------------
 
@@ -224,6 +248,7 @@ class IslandStrategy:
     def on_train_start(self) -> None:
         if self.learner is None:
             self._join()
+        self._warn_of_unsplit_data(self.lightning_module.trainer)
         super().on_train_start()
 
     def _join(self) -> None:
