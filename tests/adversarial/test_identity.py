@@ -3,6 +3,8 @@ cannot lock out the island's later sessions."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -71,7 +73,10 @@ def test_island_ones_credential_cannot_act_as_island_zero(guarded):
         assert not _push(attacker, config, 1, seq=1).late
         version = wait_for_version(attacker.pull, 0, 1, timeout=10)[0]
         honest.join(0, 1, SPECS)
-        _push(honest, config, 0, seq=1, round=server.service.status().rounds[0].round)
+        round_index = server.service.status().rounds[0].round
+        time.sleep(0.1)  # the honest island steps to that round (a place advances at a bounded rate) and says so
+        honest.heartbeat(0, 6, 0.01, schedule_step=round_index * 4 + 2)
+        _push(honest, config, 0, seq=1, round=round_index)
         assert wait_for_version(honest.pull, 0, version + 1, timeout=10)[0] > version
         assert attacker.status().islands[0].accepted >= 1  # status: any credential may read it
         assert all_finite({p: f.value for p, f in server.service.state.fragments.items()})
