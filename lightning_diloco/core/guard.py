@@ -50,6 +50,7 @@ STEPS_FACTOR = 4
 NORM_FLOOR = 1e-3
 WEIGHT_RATIO = 1.4
 ROUND_NORM_RATIO = 1.4
+BUDGET_RATIO = 1.5  # x the peers' influence over the window: above WEIGHT_RATIO, the most an honest share may be of a round's median
 
 
 def lower_median(values: Iterable[float]) -> float | None:
@@ -201,12 +202,14 @@ class InfluenceGuard:
     def budgets(self, islands: list[int], step_reference: float) -> list[float | None]:
         """How far each of ``islands`` may still move the fragment in this round (None: no bound
         yet, before any other island's influence is known): the lower median of the other islands'
-        influence over the window, and one ``step_reference`` of slack, less its own."""
+        influence over the window times ``WEIGHT_RATIO`` (the most an honest island's weight may be
+        of the round's median), and one ``step_reference`` of slack, less its own."""
         spent = self.influence.totals()
         out = []
         for island in islands:
             peers = lower_median([t for i, t in spent.items() if i != island])
-            out.append(None if peers is None else max(0.0, peers + step_reference - spent.get(island, 0.0)))
+            # WEIGHT_RATIO: an honest island's share of a round may be that much of the median's
+            out.append(None if peers is None else max(0.0, BUDGET_RATIO * peers + step_reference - spent.get(island, 0.0)))
         return out
 
     def record_round(self, shares: dict[int, float]) -> None:

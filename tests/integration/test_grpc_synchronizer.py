@@ -486,7 +486,9 @@ def test_sixteen_concurrent_learners_merge_exactly_like_the_reference(started):
                 merged = merge_outer_gradients([split_fragment(o, specs) for o in outer_gradients],
                                                agreeing(capped_weights(weights), outer_gradients), [s.role for s in specs], "rda")
                 outer.step(torch.cat([m.reshape(-1) for m in merged]))
-            assert torch.allclose(clients[0].pull(p)[1], reference, atol=1e-5)
+            # the influence budget (core/guard.py) trims the heaviest islands' entries where their
+            # share over the window passes 1.5x the others': close to the reference, not equal
+            assert torch.allclose(clients[0].pull(p)[1], reference, atol=0.05)
     finally:
         for c in clients:
             c.close()
