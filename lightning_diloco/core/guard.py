@@ -23,8 +23,8 @@ the model diverged. In a round of three or more :func:`agreeing` also takes the 
 entry that points against the others.
 
 Over time, :meth:`InfluenceGuard.budgets`: over the fragment's last ``window`` closed rounds an
-island's share of the steps (weight share x bounded length) is kept within the lower median of
-the other islands' shares plus one typical step, so opening many rounds, or sizing entries just
+island's share of the steps (weight share x bounded length) is kept within ``BUDGET_RATIO`` x the
+lower median of the other islands' shares plus one typical step, so opening many rounds, or sizing entries just
 under the norm bound round after round, moves the model no further than an honest island does. Measured
 (tests/adversarial/test_merge_attacks.py): one sign-flip or noise island of four for 30 rounds
 left the model 4.5e9 / 1,920 from the target (honest: 0.99); with these rules 1.16 / 1.00.
@@ -50,7 +50,7 @@ STEPS_FACTOR = 4
 NORM_FLOOR = 1e-3
 WEIGHT_RATIO = 1.4
 ROUND_NORM_RATIO = 1.4
-BUDGET_RATIO = 1.5  # x the peers' influence over the window: above WEIGHT_RATIO, the most an honest share may be of a round's median
+BUDGET_RATIO = 1.5  # x the peers' influence over the window: above WEIGHT_RATIO (1.0 trimmed honest islands of unequal tokens)
 
 
 def lower_median(values: Iterable[float]) -> float | None:
@@ -202,14 +202,17 @@ class InfluenceGuard:
     def budgets(self, islands: list[int], step_reference: float) -> list[float | None]:
         """How far each of ``islands`` may still move the fragment in this round (None: no bound
         yet, before any other island's influence is known): the lower median of the other islands'
-        influence over the window times ``WEIGHT_RATIO`` (the most an honest island's weight may be
-        of the round's median), and one ``step_reference`` of slack, less its own."""
+        influence over the window times ``BUDGET_RATIO`` (1 against a single peer), and one
+        ``step_reference`` of slack, less its own."""
         spent = self.influence.totals()
         out = []
         for island in islands:
-            peers = lower_median([t for i, t in spent.items() if i != island])
-            # WEIGHT_RATIO: an honest island's share of a round may be that much of the median's
-            out.append(None if peers is None else max(0.0, BUDGET_RATIO * peers + step_reference - spent.get(island, 0.0)))
+            others = [t for i, t in spent.items() if i != island]
+            peers = lower_median(others)
+            # one peer: nothing tells which of the two is honest, so neither may outdo the other
+            # (at 1.5x one hostile island of two drove the model from 10 to 199 from its target)
+            ratio = BUDGET_RATIO if len(others) >= 2 else 1.0
+            out.append(None if peers is None else max(0.0, ratio * peers + step_reference - spent.get(island, 0.0)))
         return out
 
     def record_round(self, shares: dict[int, float]) -> None:

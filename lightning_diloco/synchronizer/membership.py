@@ -131,7 +131,7 @@ class Membership:
                               m.schedule_step + int(max(0.0, now - m.placed_at) * self._max_rate(live)))
                 m.schedule_step = max(m.schedule_step, min(int(schedule_step), ceiling))
                 m.placed_at = now
-                if self._clock(live) != clock and any(r.requests for r in self.members.values()):
+                if self._clock(live) != clock and any(other.requests for other in self.members.values()):
                     self.changed.notify_all()  # requests held for the clock may be due now
             m.last_seen = now
             return True

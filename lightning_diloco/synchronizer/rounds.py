@@ -153,7 +153,6 @@ class FragmentRounds:
         self.totals = RoundTotals()
         merge = config.merge
         self.guard = InfluenceGuard(merge.outlier_z, merge.outlier_window, config.schedule.sync_every)
-        self._shares: dict[int, float] = {}  # the round being closed: each island's share of its step
 
     # ---- the round now collecting ------------------------------------------------------------
 
@@ -251,7 +250,7 @@ class FragmentRounds:
         # it, not as a part after it: a settlement that failed there left no record, and the
         # push's retry was merged a second time
         settled = self._settle(entries, index)
-        gradients, weights, clipped = self._bounded(entries)
+        gradients, weights, clipped, shares = self._bounded(entries)
         version = None
         kept = list(range(len(entries)))
         while kept and version is None:
@@ -277,7 +276,7 @@ class FragmentRounds:
                                 clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now)
         each_part(self.last, [
             ("merged-in versions", lambda: self.merged_in.update({e.island: frag.version for e in merged})),
-            ("influence guard's history", lambda: self._record(merged)),
+            ("influence guard's history", lambda: self._record(merged, shares)),
             ("versions' rounds", lambda: self._remember_round(version, index)),
             ("round totals", lambda: self._count(len(merged), late, clipped, dropped, grace)),
         ])
@@ -293,10 +292,10 @@ class FragmentRounds:
                 updates[e.island] = _Settled(seq=e.seq, round=index, digest=e.digest, session=e.session)
         return updates
 
-    def _record(self, merged: list[Entry]) -> None:
+    def _record(self, merged: list[Entry], shares: dict[int, float]) -> None:
         for e in merged:
             self.guard.record(e.island, e.norm, e.tokens, e.steps)
-        self.guard.record_round({e.island: self._shares.get(e.island, 0.0) for e in merged})
+        self.guard.record_round({e.island: shares[e.island] for e in merged})
 
     def _remember_round(self, version: int | None, index: int) -> None:
         if version is not None:
@@ -311,9 +310,10 @@ class FragmentRounds:
         t.grace_wait_s += grace
         t.grace_wait_max_s = max(t.grace_wait_max_s, grace)
 
-    def _bounded(self, entries: list[Entry]) -> tuple[list[torch.Tensor], list[float], int]:
+    def _bounded(self, entries: list[Entry]) -> tuple[list[torch.Tensor], list[float], int, dict[int, float]]:
         """Each entry's outer gradient scaled down to the norm bound and to its island's influence
-        budget (core/guard.py), its merge weight, and how many were scaled. A scaled gradient is a
+        budget (core/guard.py), its merge weight, how many were scaled, and each island's share of
+        the step (for the budget's window). A scaled gradient is a
         copy: the entries stay as they came in, so a close that fails after this and is tried
         again (closers.py) bounds them once more from the same values, not a second time over."""
         frag = self.frag
@@ -333,24 +333,23 @@ class FragmentRounds:
         # what the islands claim is capped against each other; the age discount is the synchronizer's own
         weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=discount) for w, a in zip(capped_weights(weights), ages)]
         weights = agreeing(weights, [e.outer_gradient for e in entries], [e.norm for e in entries])
-        self._within_budgets(entries, weights, norms, scales)
+        shares = self._within_budgets(entries, weights, norms, scales)
         gradients = [e.outer_gradient * s if s < 1.0 else e.outer_gradient for e, s in zip(entries, scales)]
-        return gradients, weights, sum(s < 1.0 for s in scales)
+        return gradients, weights, sum(s < 1.0 for s in scales), shares
 
-    def _within_budgets(self, entries: list[Entry], weights: list[float], norms: list[float], scales: list[float]) -> None:
-        """Scale each entry (in place: ``norms``, ``scales``) so that its share of the step, its
-        weight's share of the round times its length, fits what its island may still move the
-        fragment over the guard's window; and remember each island's share for that window."""
+    def _within_budgets(self, entries: list[Entry], weights: list[float], norms: list[float],
+                        scales: list[float]) -> dict[int, float]:
+        """Scale each entry (in place, ``scales``) so that its share of the step, its weight's
+        share of the round times its bounded length, fits what its island may still move the
+        fragment over the guard's window; returns each island's share."""
         total = sum(weights)
         shares = [w / total * n if total > 0 else 0.0 for w, n in zip(weights, norms)]
         reference = lower_median(norms) or 0.0
         for i, budget in enumerate(self.guard.budgets([e.island for e in entries], reference)):
             if budget is not None and shares[i] > budget:
-                cut = budget / shares[i]
-                scales[i] *= cut
-                norms[i] *= cut
+                scales[i] *= budget / shares[i]
                 shares[i] = budget
-        self._shares = {e.island: s for e, s in zip(entries, shares)}
+        return {e.island: s for e, s in zip(entries, shares)}
 
     def publish(self, island: int, have: int) -> list[VersionUpdate]:
         """What an island holding version ``have`` is sent to hold the current version, in order:

@@ -14,9 +14,8 @@ random generator chooses.
 
 from __future__ import annotations
 
-import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -177,7 +176,7 @@ class Arena:
         self.hostile_seq[island] += 1
         push = contribution(self.config, island, 0, delta, round=round_index, base_version=self.sync.versions()[0],
                             seq=self.hostile_seq[island], tokens=tokens, steps=steps)
-        self.sync.push(_with_session(push, self.sessions[island]))
+        self.sync.push(replace(push, session=self.sessions[island]))
 
     # ---- the run ---------------------------------------------------------------------------------
 
@@ -211,15 +210,5 @@ class Arena:
         self.largest_requests = max(self.largest_requests, pending)
 
 
-def _with_session(push, session: str):
-    from dataclasses import replace
-
-    return replace(push, session=session)
-
-
 def honest_distance(honest: int, seed: int, ticks: int, slow: tuple[int, ...] = ()) -> float:
     return Arena(honest, 0, seed, slow=slow).run(ticks).distance
-
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)
