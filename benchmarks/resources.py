@@ -366,18 +366,19 @@ def _settle(sync: Synchronizer, quiet_s: float = 2.0, limit_s: float = 60.0) -> 
             last, since = now, time.monotonic()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=1_000_000, help="parameters per fragment (default %(default)s: 4 MB)")
     parser.add_argument("--max-workers", type=int, default=32, help="the synchronizer's --max-workers (default %(default)s)")
-    parser.add_argument("--trickle", type=int, default=60)
-    parser.add_argument("--held-seeds", type=int, default=40)
-    parser.add_argument("--pulls", type=int, default=60)
-    parser.add_argument("--idle", type=int, default=300)
-    parser.add_argument("--nofile", type=int, default=256)
-    parser.add_argument("--cases", nargs="*", default=["trickle", "held_seeds", "unjoined_pulls", "joined_pulls", "idle_http"])
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--trickle", type=int, default=60, help="trickling seed streams (default %(default)s)")
+    parser.add_argument("--held-seeds", type=int, default=40, help="whole seeds of a seeded fragment, held (default %(default)s)")
+    parser.add_argument("--pulls", type=int, default=60, help="pulls never read (default %(default)s)")
+    parser.add_argument("--idle", type=int, default=300, help="idle HTTP connections (default %(default)s)")
+    parser.add_argument("--nofile", type=int, default=256, help="the synchronizer's descriptor limit (default %(default)s)")
+    parser.add_argument("--cases", nargs="*", default=["trickle", "held_seeds", "unjoined_pulls", "joined_pulls", "idle_http"],
+                        help="which attacks (default: all)")
+    parser.add_argument("--json", action="store_true", help="one JSON line per case")
+    args = parser.parse_args(argv)
     attacks = {"trickle": lambda: case("trickle", args, trickle(args)),
                "held_seeds": lambda: case("held_seeds", args, held_seeds(args)),
                "unjoined_pulls": lambda: case("unjoined_pulls", args, pulls(args, joined=False)),

@@ -24,7 +24,8 @@ entry that points against the others.
 
 Over time, :meth:`InfluenceGuard.budgets`: over the fragment's last ``window`` closed rounds an
 island's share of the steps (weight share x bounded length) is kept within ``BUDGET_RATIO`` x the
-lower median of the other islands' shares plus one typical step, so opening many rounds, or sizing entries just
+lower median of the other islands' shares (those with a share in the last ``PRESENT_ROUNDS``) plus one typical
+step, so opening many rounds, or sizing entries just
 under the norm bound round after round, moves the model no further than an honest island does. Measured
 (tests/adversarial/test_merge_attacks.py): one sign-flip or noise island of four for 30 rounds
 left the model 4.5e9 / 1,920 from the target (honest: 0.99); with these rules 1.16 / 1.00.
@@ -50,6 +51,7 @@ STEPS_FACTOR = 4
 NORM_FLOOR = 1e-3
 WEIGHT_RATIO = 1.4
 ROUND_NORM_RATIO = 1.4
+PRESENT_ROUNDS = 4  # closed rounds: a peer with no share in them is away, not a yardstick
 BUDGET_RATIO = 1.5  # x the peers' influence over the window: above WEIGHT_RATIO (1.0 trimmed honest islands of unequal tokens)
 
 
@@ -91,6 +93,10 @@ class InfluenceWindow:
 
     def add(self, shares: dict[int, float]) -> None:
         self.rounds.append({i: v for i, v in shares.items() if math.isfinite(v)})
+
+    def recent(self, rounds: int) -> set[int]:
+        """The islands with a share in the last ``rounds`` closed rounds."""
+        return {i for shares in list(self.rounds)[-rounds:] for i in shares}
 
     def totals(self) -> dict[int, float]:
         out: dict[int, float] = {}
@@ -204,10 +210,12 @@ class InfluenceGuard:
         yet, before any other island's influence is known): the lower median of the other islands'
         influence over the window times ``BUDGET_RATIO`` (1 against a single peer), and one
         ``step_reference`` of slack, less its own."""
-        spent = self.influence.totals()
+        spent, present = self.influence.totals(), self.influence.recent(PRESENT_ROUNDS)
         out = []
         for island in islands:
-            others = [t for i, t in spent.items() if i != island]
+            # peers still taking part: one paused or killed keeps its total while the others go on,
+            # and bounding them by it stopped the model for as long as it was away
+            others = [t for i, t in spent.items() if i != island and i in present]
             peers = lower_median(others)
             # one peer: nothing tells which of the two is honest, so neither may outdo the other
             # (at 1.5x one hostile island of two drove the model from 10 to 199 from its target)

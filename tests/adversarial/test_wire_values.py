@@ -110,6 +110,17 @@ def _serve(config, directory):
     return SynchronizerServer(Synchronizer(config, checkpoint_dir=directory, checkpoint_every=1), max_workers=32).start()
 
 
+def _step_to(client, island: int, round_index: int) -> None:
+    """The island steps to fragment 0's round ``round_index`` before it sends for it, as an honest
+    one would (a place advances at a bounded rate, and a send is admitted a round past its
+    island's place): heartbeats until the synchronizer has it within a round (at most 30 s)."""
+    due = due_step(round_index, fragment_offsets(2, 4)[0], 4)
+    deadline = time.monotonic() + 30
+    while client.status().islands[island].schedule_step < due - 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        client.heartbeat(island, 1, 0.1, schedule_step=due)
+
+
 def _honest_round_trip(address, config, island: int) -> None:
     """Join, heartbeat, push (for the round the fragment collects), status and a pull of the
     merged version all work."""
@@ -118,13 +129,7 @@ def _honest_round_trip(address, config, island: int) -> None:
         beat = client.heartbeat(island, 1, 0.1, schedule_step=0)
         assert 0 <= beat.run_step < 2**40
         version, round = beat.versions[0], client.status().rounds[0].round
-        # the island steps to that round before it sends for it, as an honest one would (a place
-        # advances at a bounded rate, and a send is admitted a round past its island's place)
-        due = due_step(round, fragment_offsets(2, 4)[0], 4)
-        deadline = time.monotonic() + 30
-        while client.status().islands[island].schedule_step < due - 4 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            client.heartbeat(island, 1, 0.1, schedule_step=due)
+        _step_to(client, island, round)
         numel = layout(config).fragment_numel(0)
         ack = client.push(island=island, fragment=0, round=round, base_version=version, tokens=100.0, steps=4,
                           codec="fp32", seq=1, payload=get_codec("fp32").encode(torch.full((numel,), 1e-3)),
@@ -188,6 +193,7 @@ def test_a_huge_number_in_one_push_does_not_reach_any_reply(target, field):
     assert target.honest.status().run_step < 2**40
     target.honest.join(0, 1, SPECS)
     round_now = max(0, target.service.status().rounds[0].round)
+    _step_to(target.honest, 0, round_now)
     ack = target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), round=round_now, base_version=0, seq=2)
     assert not ack.late
 

@@ -157,9 +157,13 @@ def test_an_island_asked_for_a_round_sends_at_its_next_step_in_phase_with_the_ru
     config = _config(P=1, H=4, tau=1, quorum=2)
     first, _, params0, service = islands(config)
     second, _, params1, _ = islands(config, island=1, service=service, seed=1)
+    # a third island has reached step 4 too: with island 0's send, two of three islands are at
+    # round 1, so it is due on the run's clock (a request goes out only then)
+    service.join(2, 1, SPECS)
+    service.heartbeat(2, 4, 0.1, schedule_step=4)
     for _ in range(4):
         _step(first, params0)  # island 0 sends for round 1 at step 4; island 1 has not moved
-    assert second.inbox.wait(lambda: 0 in second.inbox.requests, WAIT_S)  # the round is open: island 1 is asked
+    assert second.inbox.wait(lambda: 0 in second.inbox.requests, WAIT_S)  # the round is due: island 1 is asked
     _step(second, params1)
     assert second.counters["requested"] == 1 and [f.sent_round for f in second.fragments] == [1]  # it sent for round 1 ...
     assert second.schedule_step == 4 and second.counters["realigned"] == 1  # ... and jumped to the run's step
