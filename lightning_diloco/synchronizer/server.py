@@ -302,13 +302,16 @@ class SynchronizerServer:
         if self._stopped:
             return
         self._stopped = True
-        self.service.shutdown()
-        if not self._started:  # grpc closes a bound port only when a started server stops
-            self.server.start()
-        self.server.stop(grace).wait()
-        self.servicer.deadlines.close()
-        self.executor.shutdown(wait=True)  # grpc leaves its worker threads to us
-        self.service.checkpoint()
+        self.service.shutdown(keep_checkpoint_dir=True)  # until the final checkpoint is written
+        try:
+            if not self._started:  # grpc closes a bound port only when a started server stops
+                self.server.start()
+            self.server.stop(grace).wait()
+            self.servicer.deadlines.close()
+            self.executor.shutdown(wait=True)  # grpc leaves its worker threads to us
+            self.service.checkpoint()
+        finally:
+            self.service.release_checkpoint_dir()
 
     def wait(self) -> None:
         self.server.wait_for_termination()

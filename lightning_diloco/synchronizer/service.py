@@ -39,7 +39,7 @@ from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem, tensor_count_problem
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer, resume
+from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume
 from lightning_diloco.synchronizer.intake import Intake
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, Membership, SessionError
 from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
@@ -90,13 +90,21 @@ class Synchronizer(Intake):
         self.state: SynchronizerState | None = state
         self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
         self.identity = {"run_id": run_id, "shard": shard, "num_shards": num_shards}
-        loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
+        # the directory is this synchronizer's until shutdown: a second shard on it is refused here
+        self.directory_lock = hold(self.checkpoint_dir, self.identity)
+        try:
+            loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
+        except BaseException:
+            self.release_checkpoint_dir()  # a refused start leaves the directory to the next try
+            raise
         if loaded is not None:
             self.state = loaded
             if loaded.config != config:
                 log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
             self.config = loaded.config
         self.identity["run_id"] = self.identity["run_id"] or uuid.uuid4().hex[:16]
+        if self.directory_lock is not None:  # now with the run's id, for the message of a second one
+            self.directory_lock.record(self.identity)
         self.layout_hash = layout_hash
         sched = self.config.schedule
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
@@ -119,8 +127,10 @@ class Synchronizer(Intake):
             self.checkpointer.start()
         return self
 
-    def shutdown(self) -> None:
-        """Stop the closers and release every call waiting on a round, a pull or a subscription."""
+    def shutdown(self, *, keep_checkpoint_dir: bool = False) -> None:
+        """Stop the closers and release every call waiting on a round, a pull or a subscription;
+        then the checkpoint directory, unless ``keep_checkpoint_dir`` (a final checkpoint is to
+        be written: then :meth:`release_checkpoint_dir` after it)."""
         self.closing.set()
         for rounds in self.rounds.values():
             with rounds.cond:
@@ -129,6 +139,14 @@ class Synchronizer(Intake):
             self.membership.changed.notify_all()
         self.checkpointer.stop()
         self.closers.stop()
+        if not keep_checkpoint_dir:
+            self.release_checkpoint_dir()
+
+    def release_checkpoint_dir(self) -> None:
+        """Let another synchronizer (this one restarted in-process, say) take the checkpoint
+        directory. Idempotent; the process's end releases it too, however it ends."""
+        if self.directory_lock is not None:
+            self.directory_lock.release()
 
     def _make_rounds(self, layout: FragmentLayout) -> None:
         for p in range(layout.num_fragments):

@@ -205,6 +205,7 @@ def test_restart_from_checkpoint_keeps_versions_fragments_momentum_and_rounds(tm
     for v in range(3):
         sync.push(contribution(config, 0, 1, torch.full((numel,), 0.01 * (v + 1)), round=v + 1, base_version=v, seq=v))
         sync.poll()
+    sync.shutdown()  # as the process's end does: the directory is the restarted one's
     with caplog.at_level(logging.INFO):
         restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
     assert restarted.versions() == {0: 0, 1: 3}
