@@ -47,6 +47,20 @@ def join_problem(island: int, world_size: int) -> str | None:
     return None
 
 
+def num_islands_problem(island: int, offered: int, run: int) -> str | None:
+    """Whether a joiner started with ``offered`` islands fits a run of ``run`` (0 on either side:
+    not known; an older client sends none). Islands started with 2 and 3 were both accepted, and
+    each took 1/num_islands of the data by its own count: their data shards overlapped."""
+    if offered and run and offered != run:
+        return (f"island {island} was started with num_islands={offered}, but the run has num_islands={run} (its first "
+                f"island's); start every island of a run with the same num_islands (DILOCO_NUM_ISLANDS), or start "
+                f"a new run (a new synchronizer) for {offered} islands")
+    if run and island >= run:
+        return (f"island {island} is not one of the run's num_islands={run} islands (0..{run - 1}); give it an index "
+                f"below {run} (DILOCO_ISLAND)")
+    return None
+
+
 def seed_problem(fragment: int, value: torch.Tensor) -> str | None:
     largest = float(value.abs().max()) if value.numel() else 0.0
     if largest > MAX_SEED_ABS:

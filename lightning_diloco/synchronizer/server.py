@@ -42,8 +42,10 @@ STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for 
     Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.OUT_OF_RANGE,
     Reason.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.TOO_MANY_ISLANDS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.ISLAND_RUNNING: grpc.StatusCode.ALREADY_EXISTS,
     **dict.fromkeys([Reason.LAYOUT_MISMATCH, Reason.NOT_JOINED, Reason.NOT_SEEDED, Reason.WRONG_SESSION,
-                     Reason.OLD_SEQUENCE, Reason.SEQUENCE_REUSED], grpc.StatusCode.FAILED_PRECONDITION),
+                     Reason.OLD_SEQUENCE, Reason.SEQUENCE_REUSED, Reason.NUM_ISLANDS_MISMATCH],
+                    grpc.StatusCode.FAILED_PRECONDITION),
 }
 
 
@@ -172,7 +174,8 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.service.admit_join(len(request.tensors))
         try:
             specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
-            reply = self.service.join(request.island, request.world_size, specs)
+            reply = self.service.join(request.island, request.world_size, specs, num_islands=request.num_islands,
+                                      previous_session=request.previous_session)
         except ValueError as err:  # a malformed spec, e.g. an unknown role
             raise self.service.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         return join_reply(reply, shard=self.service.shard, num_shards=self.service.num_shards)

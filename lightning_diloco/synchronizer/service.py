@@ -36,12 +36,13 @@ from lightning_diloco.core.protocol import Beat, JoinInfo, RoundRequest, Synchro
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem, tensor_count_problem
+from lightning_diloco.synchronizer.admission import (join_problem, layout_pin_problem, num_islands_problem,
+                                                     tensor_count_problem)
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume
 from lightning_diloco.synchronizer.intake import Intake
-from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, Membership, SessionError
+from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
 from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
@@ -106,6 +107,8 @@ class Synchronizer(Intake):
         if self.directory_lock is not None:  # now with the run's id, for the message of a second one
             self.directory_lock.record(self.identity)
         self.layout_hash = layout_hash
+        # the run's island count, fixed by the first island that says it (0: none has yet)
+        self.num_islands = self.state.num_islands if self.state is not None else 0
         sched = self.config.schedule
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
@@ -179,8 +182,15 @@ class Synchronizer(Intake):
         if problem:
             raise self.refuse(Reason.LAYOUT_MISMATCH, problem)
 
-    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> JoinInfo:
-        """Register an island; returns the run settings, layout hash, versions, run step and session."""
+    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], *, num_islands: int = 0,
+             previous_session: str | None = None) -> JoinInfo:
+        """Register an island; returns the run settings, layout hash, versions, run step and session.
+
+        ``num_islands``: the run's island count as the island was started with (0: not said);
+        the first that says it fixes the run's, and another is refused naming both.
+        ``previous_session``: the session this client last had with this synchronizer ("": none);
+        None: an in-process caller, trusted. A join as an island another client is running as
+        is refused (membership.py)."""
         problem = join_problem(island, world_size)
         if problem:
             raise self.refuse(Reason.BAD_ISLAND, problem)
@@ -192,6 +202,9 @@ class Synchronizer(Intake):
         except ValueError as err:
             raise self.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         with self.lock:
+            problem = num_islands_problem(island, num_islands, self.num_islands)
+            if problem:  # before the layout is adopted: a refused joiner decides nothing
+                raise self.refuse(Reason.NUM_ISLANDS_MISMATCH, problem)
             if self.state is None:
                 problem = layout_pin_problem(self.layout_hash, layout.hash)
                 if problem:
@@ -201,12 +214,17 @@ class Synchronizer(Intake):
                 log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
             elif self.state.layout.hash != layout.hash:
                 raise self.refuse(Reason.LAYOUT_MISMATCH, layout_difference(self.state.layout, layout))
+            if num_islands and not self.num_islands:
+                self.num_islands = num_islands
+                log.info("the run has num_islands=%d, as its first island (%d) was started with", num_islands, island)
         now = self.clock()
         run_step = self.run_step(now)
         try:
-            session = self.membership.join(island, world_size, now, at_step=run_step)
+            session = self.membership.join(island, world_size, now, at_step=run_step, previous_session=previous_session)
         except OverflowError as err:
             raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
+        except IslandRunning as running:
+            raise self.refuse(Reason.ISLAND_RUNNING, _running_message(running)) from None
         return JoinInfo(config=self.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
                         session=session, incarnation=self.incarnation)
 
@@ -362,6 +380,7 @@ class Synchronizer(Intake):
             return None
         snapshot = SynchronizerState(self.config, state.layout, {})
         snapshot.identity = dict(self.identity)
+        snapshot.num_islands = self.num_islands
         for p, rounds in self.rounds.items():
             with rounds.cond:
                 frag = rounds.frag
@@ -391,3 +410,11 @@ class Synchronizer(Intake):
                 live_islands=sorted(live), islands=islands, rounds=rounds, accepted=dict(self.accepted),
                 refused=dict(self.refused), adjustments=list(self.adjustments),
             )
+
+
+def _running_message(running: IslandRunning) -> str:
+    i = running.island
+    return (f"island {i} is already running: its session was heard from {running.silent:.1f} s ago (a running island "
+            f"heartbeats every second), and this join comes from another process. Give each island its own index "
+            f"(DILOCO_ISLAND); to restart island {i}, stop its running process: the restart is let in once the old one "
+            f"has been silent for {running.window:g} s (its client retries meanwhile)")
