@@ -42,7 +42,8 @@ from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume
 from lightning_diloco.synchronizer.intake import Intake
-from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
+from lightning_diloco.synchronizer.membership import (LIVENESS_TIMEOUT, MAX_ISLANDS, IslandRunning, Membership,
+                                                      SessionError)
 from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
@@ -63,13 +64,15 @@ class Synchronizer(Intake):
         state: SynchronizerState | None = None,
         run_id: str | None = None,
         layout_hash: str | None = None,
+        num_islands: int | None = None,
     ) -> None:
         """``checkpoint_every``: outer steps between checkpoints (0: only on close).
 
         ``run_id``: the run's name in its checkpoints; a checkpoint of another run, or of another
         shard, is refused naming both. None: the checkpoint's (or, starting afresh, a new one).
         ``layout_hash``: the run's layout, pinned: a first joiner (or a checkpoint) with another
-        is refused instead of adopted. None: the first joiner's is adopted.
+        is refused instead of adopted. None: the first joiner's is adopted. ``num_islands``: the
+        run's island count, pinned the same way (None: the first island's that says one).
 
         ``liveness_timeout``: seconds without a heartbeat (or any request) after which an island
         is no longer waited for. ``state``: start from this state (e.g. restored from an island's
@@ -95,6 +98,10 @@ class Synchronizer(Intake):
         self.directory_lock = hold(self.checkpoint_dir, self.identity)
         try:
             loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
+            restored = loaded if loaded is not None else state
+            # the run's island count, fixed by the operator or the first island that says it (0: not yet)
+            self.num_islands = _pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0,
+                                                   self.checkpoint_dir)
         except BaseException:
             self.release_checkpoint_dir()  # a refused start leaves the directory to the next try
             raise
@@ -107,8 +114,6 @@ class Synchronizer(Intake):
         if self.directory_lock is not None:  # now with the run's id, for the message of a second one
             self.directory_lock.record(self.identity)
         self.layout_hash = layout_hash
-        # the run's island count, fixed by the first island that says it (0: none has yet)
-        self.num_islands = self.state.num_islands if self.state is not None else 0
         sched = self.config.schedule
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
@@ -191,7 +196,7 @@ class Synchronizer(Intake):
         ``previous_session``: the session this client last had with this synchronizer ("": none);
         None: an in-process caller, trusted. A join as an island another client is running as
         is refused (membership.py)."""
-        problem = join_problem(island, world_size)
+        problem = join_problem(island, world_size, num_islands)
         if problem:
             raise self.refuse(Reason.BAD_ISLAND, problem)
         with self.lock:
@@ -410,6 +415,15 @@ class Synchronizer(Intake):
                 live_islands=sorted(live), islands=islands, rounds=rounds, accepted=dict(self.accepted),
                 refused=dict(self.refused), adjustments=list(self.adjustments),
             )
+
+
+def _pinned_num_islands(pinned: int | None, checkpointed: int, directory: Path | None) -> int:
+    if pinned is not None and not 1 <= pinned <= MAX_ISLANDS:
+        raise ValueError(f"--num-islands {pinned}: need 1 to {MAX_ISLANDS}")
+    if pinned and checkpointed and pinned != checkpointed:
+        raise ValueError(f"--num-islands {pinned}, but the run in {directory} has num_islands={checkpointed}; pass "
+                         f"--num-islands {checkpointed} (or none), or start a new run with a new --checkpoint-dir")
+    return pinned or checkpointed
 
 
 def _running_message(running: IslandRunning) -> str:

@@ -321,3 +321,22 @@ def test_a_second_process_as_a_live_island_is_refused_and_a_restart_gets_in_once
     clock.advance(RUNNING_WINDOW + 0.1)  # the island crashed: silent since
     restarted = sync.join(0, 1, SPECS, previous_session="").session
     assert len({first, again, restarted}) == 3 and sync.status().refused == {"island_running": 1}
+
+
+def test_the_operator_pins_the_island_count_and_a_count_no_island_can_have_is_refused(tmp_path):
+    """As --layout-hash for the model: a first joiner cannot set a count that locks the others out."""
+    config = run_config()
+    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, num_islands=2)
+    with pytest.raises(Refusal, match="run has num_islands=2 .*--num-islands"):
+        sync.join(0, 1, SPECS, num_islands=3)
+    for island, count in [(3, 3), (0, -1), (0, 10**6)]:
+        with pytest.raises(Refusal) as err:
+            sync.join(island, 1, SPECS, num_islands=count)
+        assert err.value.reason == "bad_island" and f"num_islands={count}" in str(err.value)
+    sync.join(1, 1, SPECS, num_islands=2)
+    sync.seed(1, 0, get_codec("fp32").encode(initial_fragments(config)[0]))
+    sync.checkpoint()
+    sync.shutdown()
+    with pytest.raises(ValueError, match="--num-islands 3, but the run in .* has num_islands=2"):
+        Synchronizer(config, checkpoint_dir=tmp_path, num_islands=3)
+    Synchronizer(config, checkpoint_dir=tmp_path, num_islands=2).shutdown()  # the refused start left the directory
