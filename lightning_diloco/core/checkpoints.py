@@ -74,10 +74,6 @@ class DirectoryLock:
         self.directory, self._fd = directory, fd
         self.since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def record(self, holder: dict) -> None:
         """Write who holds the lock (``holder``, e.g. its shard and run, with this process's id
         and host and the time it took the lock) into the file, for whoever is refused next."""

@@ -145,8 +145,8 @@ class SynchronizerState:
         self.identity: dict = {}
         """Whose state this is: ``run_id``, ``shard``, ``num_shards`` (checkpoints.py checks them on load)."""
         self.num_islands = 0
-        """The run's island count, fixed by its first island that said it (0: not yet, or a
-        checkpoint of an older version): a restart keeps refusing islands started with another."""
+        """The run's island count, the operator's or its first island's that said one (0: not yet,
+        or a checkpoint of an older version): a restart keeps refusing islands started with another."""
         self.memory: dict[int, dict] = {}
         """Per fragment, what its rounds remember besides the value (plain numbers and strings,
         the synchronizer's to read): a restart that lost it reset the influence bounds to their

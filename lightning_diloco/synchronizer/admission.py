@@ -16,9 +16,9 @@ anything is bounded by what the run itself makes plausible, not only by its sign
   alone. (A restarted synchronizer's islands join at the step of its latest round, so its next
   round stays admitted.)
 - First contact: the first layout can be pinned by the operator (``--layout-hash``) instead of
-  adopted from whoever joins first, as can the island count (``--num-islands``), and a seed (version 0, the first offer wins) must look like a
-  model's weights: finite (codecs.py) and below ``MAX_SEED_ABS`` in magnitude (a first
-  seed of 3e38 became the global model).
+  adopted from whoever joins first, as can the island count (``--num-islands``), and a seed
+  (version 0, the first offer wins) must look like a model's weights: finite (codecs.py) and
+  below ``MAX_SEED_ABS`` in magnitude (a first seed of 3e38 became the global model).
 - Counters (tokens, steps) and sequence numbers: requests.py; schedule steps and step times:
   membership.py (a robust clock and a rate bound); wait times: server.py.
 """
