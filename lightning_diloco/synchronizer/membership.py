@@ -91,9 +91,9 @@ class Membership:
         """Register (or re-register) an island starting at schedule step ``at_step`` (the run's
         step it is told); returns its new session. The old one ends.
 
-        ``previous_session``: the session the joining client last had ("" : none, a new process);
-        None: an in-process caller, trusted. IslandRunning when another client's session of the
-        island is still heard from."""
+        ``previous_session``: the session the joining client last had ("": none, a new process);
+        None: not said (an in-process caller, or a client of an older version), not checked.
+        IslandRunning when another client's session of the island is still heard from."""
         with self.lock:
             self._forget_silent(now)
             old = self.members.get(island)
@@ -110,7 +110,7 @@ class Membership:
 
     def _check_not_running(self, old: Member | None, island: int, now: float, previous_session: str | None) -> None:
         if previous_session is None or old is None or previous_session == old.session:
-            return  # trusted, the island's first join, or the holder of its session joining again
+            return  # not checked, the island's first join, or the holder of its session joining again
         silent = now - old.last_seen
         if silent <= self.running_window:
             raise IslandRunning(island, silent, self.running_window)

@@ -194,8 +194,8 @@ class Synchronizer(Intake):
         ``num_islands``: the run's island count as the island was started with (0: not said);
         the first that says it fixes the run's, and another is refused naming both.
         ``previous_session``: the session this client last had with this synchronizer ("": none);
-        None: an in-process caller, trusted. A join as an island another client is running as
-        is refused (membership.py)."""
+        None: not said (an in-process caller, or a client of an older version), not checked. A
+        join as an island another client is running as is refused (membership.py)."""
         problem = join_problem(island, world_size, num_islands)
         if problem:
             raise self.refuse(Reason.BAD_ISLAND, problem)
