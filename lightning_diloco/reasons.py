@@ -26,6 +26,8 @@ class Reason(str, enum.Enum):
     SEQUENCE_REUSED = "sequence_reused"
     BUSY = "busy"
     TOO_MANY_ISLANDS = "too_many_islands"
+    NUM_ISLANDS_MISMATCH = "num_islands_mismatch"
+    ISLAND_RUNNING = "island_running"
     UNAUTHENTICATED = "unauthenticated"
     # a contribution left out of a merge (counted with the refusals)
     NON_FINITE_STEP = "non_finite_step"

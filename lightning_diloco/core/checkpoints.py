@@ -12,16 +12,25 @@ progress is never silently dropped. Summaries name whose state they hold (run id
 shard count, layout hash): checkpoints of two runs or two shards in one directory are refused,
 naming both, rather than one resumed with the other's values. Temporary files a killed write
 left behind are removed at load.
+
+A directory has one owner at a time: a synchronizer holds an OS lock (``flock``) on
+``synchronizer.lock`` in it while it runs (:class:`DirectoryLock`), and a second one started on
+the same directory is refused at start, naming the holder written into that file. (Two shards
+once shared a directory unnoticed, each overwriting the other's checkpoints, until a restart
+refused both.) The kernel drops the lock when its process ends, however it ends, so a SIGKILLed
+synchronizer leaves no stale lock behind, only the file naming its last holder.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
 import logging
 import os
 import re
+import socket
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -29,10 +38,16 @@ from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not on Windows: there a directory's second owner is not detected
+    fcntl = None
+
 log = logging.getLogger(__name__)
 
 KEEP = 3
 LATEST = "synchronizer.json"
+LOCK = "synchronizer.lock"
 _NAME = re.compile(r"^synchronizer-(\d+)\.(pt|json)$")
 
 
@@ -48,6 +63,75 @@ def check_writable(directory: str | os.PathLike) -> Path:
         raise ValueError(f"checkpoint directory {directory} is not writable ({err.strerror or err}); "
                          "give --checkpoint-dir a folder this process can write") from None
     return directory
+
+
+class DirectoryLock:
+    """The hold of one synchronizer on its checkpoint directory, until :meth:`release` (or the
+    process's end). The lock is on an open file description, so a second synchronizer in the
+    same process is refused as well as one in another process."""
+
+    def __init__(self, directory: Path, fd: int | None) -> None:
+        self.directory, self._fd = directory, fd
+        self.since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    def record(self, holder: dict) -> None:
+        """Write who holds the lock (``holder``, e.g. its shard and run, with this process's id
+        and host and the time it took the lock) into the file, for whoever is refused next."""
+        if self._fd is None:
+            return
+        data = json.dumps({**holder, "pid": os.getpid(), "host": socket.gethostname(), "since": self.since}).encode()
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, data, 0)
+        except OSError as err:  # only the message of a later refusal loses by it
+            log.warning("could not write this synchronizer's name into %s: %s", self.directory / LOCK, err)
+
+    def release(self) -> None:
+        """Let another synchronizer have the directory (idempotent). The file stays: deleting it
+        would let a process that opened it before the deletion lock a file no one else sees."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor drops the flock
+
+
+def lock_directory(directory: str | os.PathLike, holder: dict) -> DirectoryLock:
+    """Take ``directory``'s lock (the directory must exist) for ``holder`` (:meth:`DirectoryLock.record`);
+    ValueError naming the current holder when another synchronizer has it."""
+    directory = Path(directory)
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    if fcntl is None:
+        return DirectoryLock(directory, fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        theirs = _read_holder(fd)
+        os.close(fd)
+        raise ValueError(f"checkpoint directory {directory} is in use by another synchronizer ({describe_holder(theirs)}): "
+                         "two synchronizers writing one directory overwrite each other's checkpoints. Give each shard "
+                         "its own --checkpoint-dir, or stop that synchronizer first") from None
+    except OSError as err:  # a file system without locks (some network ones): run, but say what is not checked
+        log.warning("cannot lock %s (%s): a second synchronizer started on this directory will not be refused; give "
+                    "each shard its own --checkpoint-dir", directory / LOCK, err.strerror or err)
+    lock = DirectoryLock(directory, fd)
+    lock.record(holder)
+    return lock
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):  # being written at this moment, or damaged
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def describe_holder(holder: dict) -> str:
+    if not holder.get("pid"):
+        return "which has not written its name into the lock file yet"
+    text = f"pid {holder['pid']} on host {holder.get('host')!r}, shard {holder.get('shard')} of {holder.get('num_shards')}"
+    if holder.get("run_id"):
+        text += f", run {holder['run_id']!r}"
+    return text + (f", since {holder['since']}" if holder.get("since") else "")
 
 
 def save(state_dict: dict, summary: dict, directory: str | os.PathLike, keep: int = KEEP) -> Path:

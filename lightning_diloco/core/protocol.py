@@ -22,6 +22,14 @@ if TYPE_CHECKING:
 
 RECORD = dataclass(kw_only=True, frozen=True)
 
+RUNNING_WINDOW = 5.0
+"""Seconds after an island's session was last heard from (a heartbeat comes every second) during
+which a join as that island by another process is refused (``island_running``): two processes
+with one island index used to take the session from each other on every call. A client retries
+that refusal for up to :data:`RUNNING_PATIENCE` seconds, so an island restarted after a crash gets
+in once its old process has been silent this long."""
+RUNNING_PATIENCE = 3 * RUNNING_WINDOW
+
 
 # ---- joining and liveness ---------------------------------------------------------------------
 

@@ -144,6 +144,9 @@ class SynchronizerState:
         self.fragments = {p: FragmentState(value, config) for p, value in sorted(fragments.items())}
         self.identity: dict = {}
         """Whose state this is: ``run_id``, ``shard``, ``num_shards`` (checkpoints.py checks them on load)."""
+        self.num_islands = 0
+        """The run's island count, the operator's or its first island's that said one (0: not yet,
+        or a checkpoint of an older version): a restart keeps refusing islands started with another."""
         self.memory: dict[int, dict] = {}
         """Per fragment, what its rounds remember besides the value (plain numbers and strings,
         the synchronizer's to read): a restart that lost it reset the influence bounds to their
@@ -191,6 +194,7 @@ class SynchronizerState:
             "outer_steps": self.outer_steps,
             "fragments": {p: f.state_dict() for p, f in self.fragments.items()},
             "identity": dict(self.identity),
+            "num_islands": self.num_islands,
             "memory": {p: m for p, m in self.memory.items() if p in self.fragments},
         }
 
@@ -205,6 +209,7 @@ class SynchronizerState:
         for p, f in state["fragments"].items():
             out.fragments[int(p)].load_state_dict(f)
         out.identity = dict(state.get("identity", {}))  # none in checkpoints of older versions
+        out.num_islands = int(state.get("num_islands", 0))  # (nor this)
         out.memory = {int(p): m for p, m in state.get("memory", {}).items()}  # (nor this)
         return out
 
@@ -214,6 +219,7 @@ class SynchronizerState:
             "saved_at_unix": time.time(),
             "layout_hash": self.layout.hash,
             "identity": dict(self.identity),
+            "num_islands": self.num_islands,
             "outer_steps": self.outer_steps,
             "versions": {str(p): v for p, v in self.versions().items()},
             "config": self.config.to_dict(),

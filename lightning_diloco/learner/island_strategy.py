@@ -310,7 +310,7 @@ class IslandStrategy:
 
             link, where = SynchronizerClient(self.address, token=self.token), f"the synchronizer at {self.address}"
         try:
-            info = link.join(self.island, self.world_size, specs, patience=self.join_wait)
+            info = link.join(self.island, self.world_size, specs, patience=self.join_wait, num_islands=self.num_islands)
         except SynchronizerError as err:
             link.close()
             if err.reason == Reason.UNREACHABLE:

@@ -19,9 +19,9 @@ anything is bounded by what the run itself makes plausible, not only by its sign
   (A restarted synchronizer's islands join at the step of its latest round, so its next round
   stays admitted.)
 - First contact: the first layout can be pinned by the operator (``--layout-hash``) instead of
-  adopted from whoever joins first, and a seed (version 0, the first offer wins) must look like a
-  model's weights: finite (codecs.py) and below ``MAX_SEED_ABS`` in magnitude (a first
-  seed of 3e38 became the global model).
+  adopted from whoever joins first, as can the island count (``--num-islands``), and a seed
+  (version 0, the first offer wins) must look like a model's weights: finite (codecs.py) and
+  below ``MAX_SEED_ABS`` in magnitude (a first seed of 3e38 became the global model).
 - Counters (tokens, steps) and sequence numbers: requests.py; schedule steps and step times:
   membership.py (a robust clock and a rate bound); wait times: server.py.
 """
@@ -32,6 +32,7 @@ import torch
 
 from lightning_diloco.core.fragments import MAX_TENSORS
 from lightning_diloco.core.schedule import latest_round
+from lightning_diloco.synchronizer.membership import MAX_ISLANDS
 
 MAX_WORLD_SIZE = 1 << 20  # processes per island: past this it is not a world size
 MAX_SEED_ABS = 1e6  # no model starts with a weight this large; a seed beyond it is not one
@@ -45,9 +46,26 @@ def admitted_round(sent_for: int, *, clock_step: int, place: int, lead_steps: in
     return min(sent_for, max(0, latest_round(max(clock_step, place) + lead_steps, offset, sync_every)))
 
 
-def join_problem(island: int, world_size: int) -> str | None:
+def join_problem(island: int, world_size: int, num_islands: int = 0) -> str | None:
     if island < 0 or not 1 <= world_size <= MAX_WORLD_SIZE:
         return f"island={island} world_size={world_size}: need island >= 0 and 1 <= world_size <= {MAX_WORLD_SIZE}"
+    if num_islands and not island < num_islands <= MAX_ISLANDS:  # else the run's count would be one no island has
+        return (f"island={island} num_islands={num_islands}: need island < num_islands <= {MAX_ISLANDS} "
+                "(num_islands 0: not said)")
+    return None
+
+
+def num_islands_problem(island: int, offered: int, run: int) -> str | None:
+    """Whether a joiner started with ``offered`` islands fits a run of ``run`` (0 on either side:
+    not known; an older client sends none). Islands started with 2 and 3 were both accepted, and
+    each took 1/num_islands of the data by its own count: their data shards overlapped."""
+    if offered and run and offered != run:
+        return (f"island {island} was started with num_islands={offered}, but the run has num_islands={run} (its first "
+                f"island's, or the synchronizer's --num-islands); start every island of a run with the same num_islands "
+                f"(DILOCO_NUM_ISLANDS), or start a new run (a new synchronizer) for {offered} islands")
+    if run and island >= run:
+        return (f"island {island} is not one of the run's num_islands={run} islands (0..{run - 1}); give it an index "
+                f"below {run} (DILOCO_ISLAND)")
     return None
 
 

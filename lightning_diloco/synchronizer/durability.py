@@ -4,6 +4,10 @@ A closer that finished a round only signals that a checkpoint may be due; this t
 at a time, folding the signals that arrive meanwhile into the next write (which saves the state
 as it is by then). A failed write is logged, counted in Status and retried with backoff: it never
 turns a merge into an error. Files and their checks: core/checkpoints.py.
+
+A synchronizer holds its directory from start to stop (:func:`hold`): a second one on the same
+directory, another shard started with the same --checkpoint-dir most likely, is refused at start
+instead of overwriting the first one's checkpoints.
 """
 
 from __future__ import annotations
@@ -14,12 +18,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lightning_diloco.core import checkpoints
-from lightning_diloco.core.checkpoints import describe_owner
+from lightning_diloco.core.checkpoints import DirectoryLock, describe_owner
 from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.synchronizer.admission import layout_pin_problem
 
 log = logging.getLogger(__name__)
+
+
+def hold(directory: Path | None, identity: dict) -> DirectoryLock | None:
+    """Make ``directory`` this synchronizer's until its lock is released (None: no directory),
+    after checking it is writable; ValueError naming the synchronizer that holds it already.
+    Taken before the checkpoint is read: the holder may be writing one."""
+    if directory is None:
+        return None
+    checkpoints.check_writable(directory)
+    return checkpoints.lock_directory(directory, identity)
 
 
 def resume(directory: Path | None, identity: dict, layout_hash: str | None) -> SynchronizerState | None:

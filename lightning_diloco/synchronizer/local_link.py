@@ -12,6 +12,8 @@ runs one exchange against both):
 - refusals surface as :class:`~lightning_diloco.reasons.SynchronizerError` with the service's
   reason; one that asks the island to join again (it was forgotten after a long silence, or joined
   elsewhere) is answered by joining again and retrying once, as the client does;
+- a join says the island's num_islands, as the client's does; it is trusted as the island's own
+  (no ``island_running`` check: an embedded synchronizer serves its own process's island only);
 - new versions and round requests arrive on a reader thread of its own (reopened, with the
   versions the island holds, when the island joins again); :meth:`close` ends and joins it.
 
@@ -52,7 +54,7 @@ class LocalLink:
         self.service, self.tick = service, tick
         self.session: str | None = None  # the join's; None (never joined through this link): trusted
         self.joins = 0  # successful joins so far: which session a refused call was made with
-        self._joined: tuple[int, int, list[TensorSpec]] | None = None
+        self._joined: tuple[int, int, list[TensorSpec], int] | None = None
         self._join_lock = threading.Lock()  # one join at a time: see _rejoin
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -84,22 +86,23 @@ class LocalLink:
             if self.joins == joins:
                 self._join(*self._joined)
 
-    def _join(self, island: int, world_size: int, specs: list[TensorSpec]) -> JoinInfo:
+    def _join(self, island: int, world_size: int, specs: list[TensorSpec], num_islands: int) -> JoinInfo:
         """(With ``_join_lock`` held.)"""
-        info = self.service.join(island, world_size, specs)
-        self._joined, self.session = (island, world_size, specs), info.session
+        info = self.service.join(island, world_size, specs, num_islands=num_islands)
+        self._joined, self.session = (island, world_size, specs, num_islands), info.session
         self.joins += 1
         return info
 
     # ---- calls ----------------------------------------------------------------------------------
 
-    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], patience: float = 0.0) -> JoinInfo:
+    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], patience: float = 0.0,
+             num_islands: int = 0) -> JoinInfo:
         """Join the run. ``patience`` is the client's (seconds to wait for a synchronizer not
-        reachable yet): one in this process answers at once."""
+        reachable yet): one in this process answers at once. ``num_islands``: as the client's."""
 
         def join_once() -> JoinInfo:
             with self._join_lock:
-                return self._join(island, world_size, list(specs))
+                return self._join(island, world_size, list(specs), num_islands)
 
         return self._call("join", join_once)
 

@@ -48,6 +48,8 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
                         "is refused (default: the checkpoint's, or a new one)")
     parser.add_argument("--layout-hash", help="the run's model layout (its hash, as Status and the islands' logs show it): "
                         "a first island with another model is refused instead of adopted")
+    parser.add_argument("--num-islands", type=int, help="the run's island count: an island started with another "
+                        "num_islands is refused (default: the first island's)")
     parser.add_argument("--liveness-timeout", type=float, default=LIVENESS_TIMEOUT, help="seconds of silence before an island is not waited for (default %(default)s)")
     add_token_arguments(parser, "shared secret islands must present")
     parser.add_argument("--tls-cert", help="PEM certificate file: serve TLS")
@@ -115,6 +117,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
         liveness_timeout=args.liveness_timeout,
         run_id=args.run_id,
         layout_hash=args.layout_hash,
+        num_islands=args.num_islands,
     )
     server = SynchronizerServer(
         service, host=args.host, port=args.port, token=resolve_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,

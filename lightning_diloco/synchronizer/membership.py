@@ -9,6 +9,13 @@ subscription picks them up), so the median sits within a round of the fastest. T
 extrapolated between reports: an island that was just killed or paused still looks live for a
 while. An island joining or rejoining starts at the clock.
 
+One process per island: a join as an island whose session was heard from within the last
+``running_window`` seconds is refused (:class:`IslandRunning`) unless it comes from the client
+that holds that session (it presents it: a rejoin after the synchronizer forgot it, or after the
+shard was away). Two processes started with one index used to take the session from each other
+on every call (``wrong_session`` both ways) and both trained as the same island. A crashed
+island's restart is let in once its old session has been silent that long.
+
 An island's own reported place is bounded too: it may lead the clock by ``lead_steps`` (one
 round, H) and beyond that advance no faster than the live islands' step rate allows
 (``RATE_SLACK`` x the lower median of their step times), so a report of 2**62 moves it a few
@@ -36,7 +43,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from lightning_diloco.core.guard import lower_median
-from lightning_diloco.core.protocol import IslandStatus, RoundRequest
+from lightning_diloco.core.protocol import RUNNING_WINDOW, IslandStatus, RoundRequest
 
 MAX_ISLANDS = 10_000
 MAX_STEP_TIME = 3600.0  # seconds: a reported step time beyond this is not a step time
@@ -48,6 +55,14 @@ FORGET_AFTER = 600.0  # seconds of silence after which an island leaves Status (
 
 class SessionError(LookupError):
     """A call from a client whose session is not (or no longer) the island's current one."""
+
+
+class IslandRunning(LookupError):
+    """A join as an island whose current session, another client's, is still heard from."""
+
+    def __init__(self, island: int, silent: float, window: float) -> None:
+        super().__init__(island)
+        self.island, self.silent, self.window = island, silent, window
 
 
 @dataclass
@@ -77,16 +92,22 @@ class Membership:
     def __init__(self, liveness_timeout: float, lead_steps: int = 0) -> None:
         """``lead_steps``: how far ahead of the run's clock an island's report may be (one H)."""
         self.liveness_timeout, self.lead_steps = liveness_timeout, lead_steps
+        self.running_window = min(RUNNING_WINDOW, liveness_timeout)  # an island no longer live is not running
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # a request or a new version for subscribers
         self.members: dict[int, Member] = {}
 
-    def join(self, island: int, world_size: int, now: float, at_step: int = 0) -> str:
+    def join(self, island: int, world_size: int, now: float, at_step: int = 0, previous_session: str | None = None) -> str:
         """Register (or re-register) an island starting at schedule step ``at_step`` (the run's
-        step it is told); returns its new session. The old one ends."""
+        step it is told); returns its new session. The old one ends.
+
+        ``previous_session``: the session the joining client last had ("": none, a new process);
+        None: not said (an in-process caller, or a client of an older version), not checked.
+        IslandRunning when another client's session of the island is still heard from."""
         with self.lock:
             self._forget_silent(now)
             old = self.members.get(island)
+            self._check_not_running(old, island, now, previous_session)
             if old is None and len(self.members) >= MAX_ISLANDS:
                 raise OverflowError(f"the run already has {MAX_ISLANDS} islands; island ids must be reused, not invented")
             session = uuid.uuid4().hex
@@ -96,6 +117,13 @@ class Membership:
                                           subscription=old.subscription + 1 if old else 0)
             self.changed.notify_all()  # ends the old session's subscription
             return session
+
+    def _check_not_running(self, old: Member | None, island: int, now: float, previous_session: str | None) -> None:
+        if previous_session is None or old is None or previous_session == old.session:
+            return  # not checked, the island's first join, or the holder of its session joining again
+        silent = now - old.last_seen
+        if silent <= self.running_window:
+            raise IslandRunning(island, silent, self.running_window)
 
     def _forget_silent(self, now: float) -> None:
         forget = max(FORGET_AFTER, 10 * self.liveness_timeout)

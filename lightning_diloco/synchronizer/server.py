@@ -51,8 +51,10 @@ STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for 
     Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.OUT_OF_RANGE,
     Reason.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.TOO_MANY_ISLANDS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.ISLAND_RUNNING: grpc.StatusCode.ALREADY_EXISTS,
     **dict.fromkeys([Reason.LAYOUT_MISMATCH, Reason.NOT_JOINED, Reason.NOT_SEEDED, Reason.WRONG_SESSION,
-                     Reason.OLD_SEQUENCE, Reason.SEQUENCE_REUSED], grpc.StatusCode.FAILED_PRECONDITION),
+                     Reason.OLD_SEQUENCE, Reason.SEQUENCE_REUSED, Reason.NUM_ISLANDS_MISMATCH],
+                    grpc.StatusCode.FAILED_PRECONDITION),
 }
 
 
@@ -218,7 +220,10 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.service.admit_join(len(request.tensors))
         try:
             specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
-            reply = self.service.join(request.island, request.world_size, specs)
+            # unset: a client of an older version, which never presents one (not checked, as in-process)
+            previous = request.previous_session if request.HasField("previous_session") else None
+            reply = self.service.join(request.island, request.world_size, specs, num_islands=request.num_islands,
+                                      previous_session=previous)
         except ValueError as err:  # a malformed spec, e.g. an unknown role
             raise self.service.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         return join_reply(reply, shard=self.service.shard, num_shards=self.service.num_shards)
@@ -360,13 +365,16 @@ class SynchronizerServer:
         if self._stopped:
             return
         self._stopped = True
-        self.service.shutdown()
-        if not self._started:  # grpc closes a bound port only when a started server stops
-            self.server.start()
-        self.server.stop(grace).wait()
-        self.servicer.deadlines.close()
-        self.executor.shutdown(wait=True)  # grpc leaves its worker threads to us
-        self.service.checkpoint()
+        self.service.shutdown(keep_checkpoint_dir=True)  # until the final checkpoint is written
+        try:
+            if not self._started:  # grpc closes a bound port only when a started server stops
+                self.server.start()
+            self.server.stop(grace).wait()
+            self.servicer.deadlines.close()
+            self.executor.shutdown(wait=True)  # grpc leaves its worker threads to us
+            self.service.checkpoint()
+        finally:
+            self.service.release_checkpoint_dir()
 
     def wait(self) -> None:
         self.server.wait_for_termination()

@@ -36,12 +36,14 @@ from lightning_diloco.core.protocol import Beat, JoinInfo, RoundRequest, Synchro
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem, tensor_count_problem
+from lightning_diloco.synchronizer.admission import (join_problem, layout_pin_problem, num_islands_problem,
+                                                     tensor_count_problem)
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer, resume
+from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume
 from lightning_diloco.synchronizer.intake import Intake
-from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, Membership, SessionError
+from lightning_diloco.synchronizer.membership import (LIVENESS_TIMEOUT, MAX_ISLANDS, IslandRunning, Membership,
+                                                      SessionError)
 from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
@@ -62,13 +64,15 @@ class Synchronizer(Intake):
         state: SynchronizerState | None = None,
         run_id: str | None = None,
         layout_hash: str | None = None,
+        num_islands: int | None = None,
     ) -> None:
         """``checkpoint_every``: outer steps between checkpoints (0: only on close).
 
         ``run_id``: the run's name in its checkpoints; a checkpoint of another run, or of another
         shard, is refused naming both. None: the checkpoint's (or, starting afresh, a new one).
         ``layout_hash``: the run's layout, pinned: a first joiner (or a checkpoint) with another
-        is refused instead of adopted. None: the first joiner's is adopted.
+        is refused instead of adopted. None: the first joiner's is adopted. ``num_islands``: the
+        run's island count, pinned the same way (None: the first island's that says one).
 
         ``liveness_timeout``: seconds without a heartbeat (or any request) after which an island
         is no longer waited for. ``state``: start from this state (e.g. restored from an island's
@@ -90,13 +94,25 @@ class Synchronizer(Intake):
         self.state: SynchronizerState | None = state
         self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
         self.identity = {"run_id": run_id, "shard": shard, "num_shards": num_shards}
-        loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
+        # the directory is this synchronizer's until shutdown: a second shard on it is refused here
+        self.directory_lock = hold(self.checkpoint_dir, self.identity)
+        try:
+            loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
+            restored = loaded if loaded is not None else state
+            # the run's island count, fixed by the operator or the first island that says it (0: not yet)
+            self.num_islands = _pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0,
+                                                   self.checkpoint_dir)
+        except BaseException:
+            self.release_checkpoint_dir()  # a refused start leaves the directory to the next try
+            raise
         if loaded is not None:
             self.state = loaded
             if loaded.config != config:
                 log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
             self.config = loaded.config
         self.identity["run_id"] = self.identity["run_id"] or uuid.uuid4().hex[:16]
+        if self.directory_lock is not None:  # now with the run's id, for the message of a second one
+            self.directory_lock.record(self.identity)
         self.layout_hash = layout_hash
         sched = self.config.schedule
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
@@ -119,8 +135,10 @@ class Synchronizer(Intake):
             self.checkpointer.start()
         return self
 
-    def shutdown(self) -> None:
-        """Stop the closers and release every call waiting on a round, a pull or a subscription."""
+    def shutdown(self, *, keep_checkpoint_dir: bool = False) -> None:
+        """Stop the closers and release every call waiting on a round, a pull or a subscription;
+        then the checkpoint directory, unless ``keep_checkpoint_dir`` (a final checkpoint is to
+        be written: then :meth:`release_checkpoint_dir` after it)."""
         self.closing.set()
         for rounds in self.rounds.values():
             with rounds.cond:
@@ -129,6 +147,14 @@ class Synchronizer(Intake):
             self.membership.changed.notify_all()
         self.checkpointer.stop()
         self.closers.stop()
+        if not keep_checkpoint_dir:
+            self.release_checkpoint_dir()
+
+    def release_checkpoint_dir(self) -> None:
+        """Let another synchronizer (this one restarted in-process, say) take the checkpoint
+        directory. Idempotent; the process's end releases it too, however it ends."""
+        if self.directory_lock is not None:
+            self.directory_lock.release()
 
     def _make_rounds(self, layout: FragmentLayout) -> None:
         for p in range(layout.num_fragments):
@@ -161,9 +187,16 @@ class Synchronizer(Intake):
         if problem:
             raise self.refuse(Reason.LAYOUT_MISMATCH, problem)
 
-    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec]) -> JoinInfo:
-        """Register an island; returns the run settings, layout hash, versions, run step and session."""
-        problem = join_problem(island, world_size)
+    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], *, num_islands: int = 0,
+             previous_session: str | None = None) -> JoinInfo:
+        """Register an island; returns the run settings, layout hash, versions, run step and session.
+
+        ``num_islands``: the run's island count as the island was started with (0: not said);
+        the first that says it fixes the run's, and another is refused naming both.
+        ``previous_session``: the session this client last had with this synchronizer ("": none);
+        None: not said (an in-process caller, or a client of an older version), not checked. A
+        join as an island another client is running as is refused (membership.py)."""
+        problem = join_problem(island, world_size, num_islands)
         if problem:
             raise self.refuse(Reason.BAD_ISLAND, problem)
         with self.lock:
@@ -174,6 +207,9 @@ class Synchronizer(Intake):
         except ValueError as err:
             raise self.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         with self.lock:
+            problem = num_islands_problem(island, num_islands, self.num_islands)
+            if problem:  # before the layout is adopted: a refused joiner decides nothing
+                raise self.refuse(Reason.NUM_ISLANDS_MISMATCH, problem)
             if self.state is None:
                 problem = layout_pin_problem(self.layout_hash, layout.hash)
                 if problem:
@@ -183,12 +219,17 @@ class Synchronizer(Intake):
                 log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
             elif self.state.layout.hash != layout.hash:
                 raise self.refuse(Reason.LAYOUT_MISMATCH, layout_difference(self.state.layout, layout))
+            if num_islands and not self.num_islands:
+                self.num_islands = num_islands
+                log.info("the run has num_islands=%d, as its first island (%d) was started with", num_islands, island)
         now = self.clock()
         run_step = self.run_step(now)
         try:
-            session = self.membership.join(island, world_size, now, at_step=run_step)
+            session = self.membership.join(island, world_size, now, at_step=run_step, previous_session=previous_session)
         except OverflowError as err:
             raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
+        except IslandRunning as running:
+            raise self.refuse(Reason.ISLAND_RUNNING, _running_message(running)) from None
         return JoinInfo(config=self.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
                         session=session, incarnation=self.incarnation)
 
@@ -355,6 +396,7 @@ class Synchronizer(Intake):
             return None
         snapshot = SynchronizerState(self.config, state.layout, {})
         snapshot.identity = dict(self.identity)
+        snapshot.num_islands = self.num_islands
         for p, rounds in self.rounds.items():
             with rounds.cond:
                 frag = rounds.frag
@@ -384,3 +426,20 @@ class Synchronizer(Intake):
                 live_islands=sorted(live), islands=islands, rounds=rounds, accepted=dict(self.accepted),
                 refused=dict(self.refused), adjustments=list(self.adjustments),
             )
+
+
+def _pinned_num_islands(pinned: int | None, checkpointed: int, directory: Path | None) -> int:
+    if pinned is not None and not 1 <= pinned <= MAX_ISLANDS:
+        raise ValueError(f"--num-islands {pinned}: need 1 to {MAX_ISLANDS}")
+    if pinned and checkpointed and pinned != checkpointed:
+        raise ValueError(f"--num-islands {pinned}, but the run in {directory} has num_islands={checkpointed}; pass "
+                         f"--num-islands {checkpointed} (or none), or start a new run with a new --checkpoint-dir")
+    return pinned or checkpointed
+
+
+def _running_message(running: IslandRunning) -> str:
+    i = running.island
+    return (f"island {i} is already running: its session was heard from {running.silent:.1f} s ago (a running island "
+            f"heartbeats every second), and this join comes from another process. Give each island its own index "
+            f"(DILOCO_ISLAND); to restart island {i}, stop its running process: the restart is let in once the old one "
+            f"has been silent for {running.window:g} s (its client retries meanwhile)")

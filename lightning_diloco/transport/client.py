@@ -31,7 +31,8 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
-from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.protocol import (RUNNING_PATIENCE, Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus,
+                                            VersionUpdate)
 from lightning_diloco.core.state import shard_of
 from lightning_diloco.reasons import REJOIN, Reason, SynchronizerError
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -64,6 +65,9 @@ def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
 
 
 class SynchronizerClient(ShardSessions):
+    running_patience = RUNNING_PATIENCE
+    """Seconds a join refused as ``island_running`` is retried (core/protocol.py)."""
+
     def __init__(
         self,
         addresses: str | Sequence[str],
@@ -133,6 +137,9 @@ class SynchronizerClient(ShardSessions):
         keep_trying_until = time.monotonic() + patience
         while True:
             self._check_open(what)
+            if shard is not None and self._join_request is None:  # absent too, but nothing was asked
+                raise SynchronizerError(None, Reason.NOT_JOINED, f"{what}: this client has not joined the run yet; "
+                                        "call join first")
             if shard is not None and self.absent(shard):
                 raise SynchronizerError(grpc.StatusCode.UNAVAILABLE, Reason.UNREACHABLE,
                                         f"{what}: shard {shard} at {self.addresses[shard]} is not answering; this island "
@@ -208,22 +215,46 @@ class SynchronizerClient(ShardSessions):
 
     # ---- calls --------------------------------------------------------------------------------
 
-    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], patience: float = 0.0) -> JoinInfo:
+    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], patience: float = 0.0,
+             num_islands: int = 0) -> JoinInfo:
         """Join every shard that answers (at least one). ``patience``: seconds to keep waiting
         for a synchronizer that is not reachable yet (an island may start before it, or while it
-        restarts)."""
+        restarts). ``num_islands``: the run's island count this island was started with (0: not
+        said); a run of another count refuses it.
+
+        A join refused because the island is still running elsewhere is retried for
+        :attr:`running_patience` seconds: an island restarted after a crash gets in once its old
+        process has fallen silent; a second process beside a live one is refused after that."""
         request = pb.JoinRequest(
             island=island,
             world_size=world_size,
             tensors=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in specs],
+            num_islands=num_islands,
         )
         def join_once() -> JoinInfo:
             with self._join_lock:
                 return self._join_all(request)
 
-        info = self._call("join", join_once, patience=patience)
+        info = self._until_not_running(island, lambda: self._call("join", join_once, patience=patience))
         self._join_request = request
         return info
+
+    def _until_not_running(self, island: int, join: Callable[[], T]) -> T:
+        give_up = time.monotonic() + self.running_patience
+        attempt = 0
+        while True:
+            try:
+                return join()
+            except SynchronizerError as err:
+                if err.reason != Reason.ISLAND_RUNNING or time.monotonic() >= give_up:
+                    raise
+                if attempt == 0:  # a restart after a crash waits here: say why, once
+                    log.warning("%s; retrying for up to %.0f s, until island %d's old process has fallen silent", err,
+                                self.running_patience, island)
+            # at most a second apart: the old process's silence is what it waits for, not a server's recovery
+            delay = min(1.0, self.backoff * 2 ** min(attempt, 30)) * (0.5 + self.rng.random() / 2)
+            self._closed.wait(max(0.0, min(delay, give_up - time.monotonic())))
+            attempt += 1
 
     def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
         payload = get_codec("fp32").encode(value)

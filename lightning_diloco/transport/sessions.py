@@ -8,6 +8,10 @@ waiting out the retries, while the island trains those fragments locally. A shar
 answering later is marked absent again. Every reply is checked to come from a shard of the same
 run (shard_check.py).
 
+Every join presents the session this client last had with the shard (none before its first):
+a shard refuses a join as an island that another client is running as (``island_running``),
+and this is how it tells the running client joining again from a second process.
+
 :class:`ShardSessions` is a part of
 :class:`~lightning_diloco.transport.client.SynchronizerClient`, which mixes it in and calls
 through it: it uses the client's stubs, addresses, per-call timeout, metadata and byte counters.
@@ -55,6 +59,7 @@ class ShardSessions:
         self.joins = [0] * num_shards
         self.sessions = [""] * num_shards
         self.incarnations = [""] * num_shards
+        self._last_sessions = [""] * num_shards  # per shard, kept while it is absent: presented at the next join
 
     def absent(self, shard: int) -> bool:
         """The shard is not joined (it did not answer the join, or stopped answering since)."""
@@ -87,10 +92,13 @@ class ShardSessions:
 
     def _join_shard(self, shard: int, request: pb.JoinRequest) -> pb.JoinReply:
         """(With ``_join_lock`` held.)"""
+        request = pb.JoinRequest(island=request.island, world_size=request.world_size, tensors=request.tensors,
+                                 num_islands=request.num_islands, previous_session=self._last_sessions[shard])
         reply = self.stubs[shard].Join(request, timeout=self.timeout, metadata=self.metadata)
         self._count(request.ByteSize(), reply.ByteSize())
         self._replies[shard] = reply
         self.sessions[shard], self.incarnations[shard] = reply.session, reply.incarnation
+        self._last_sessions[shard] = reply.session
         self.joins[shard] += 1
         return reply
 

@@ -19,14 +19,18 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("island", "world_size", "tensors")
+    __slots__ = ("island", "world_size", "tensors", "num_islands", "previous_session")
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_SESSION_FIELD_NUMBER: _ClassVar[int]
     island: int
     world_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, island: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    num_islands: int
+    previous_session: str
+    def __init__(self, island: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_islands: _Optional[int] = ..., previous_session: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("config_json", "layout_hash", "versions", "shard", "num_shards", "run_step", "session", "incarnation")

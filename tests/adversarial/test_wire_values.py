@@ -52,9 +52,17 @@ class Prober:
         self.specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in SPECS]
         self.numel = layout(config).fragment_numel(0)
         self.seq = 10
+        self.last = ""  # its session: presented at every join, as a client does (else: another process, refused)
 
     def session(self) -> str:
-        return self.stub.Join(pb.JoinRequest(island=PROBER, world_size=1, tensors=self.specs), timeout=5).session
+        return self._join(pb.JoinRequest(island=PROBER, world_size=1, tensors=self.specs))
+
+    def _join(self, request: pb.JoinRequest) -> str:
+        request.previous_session = self.last
+        session = self.stub.Join(request, timeout=5).session
+        if request.island == PROBER:  # (the island field's probes join as others)
+            self.last = session
+        return session
 
     def call(self, rpc: str, field: str, value) -> grpc.StatusCode:
         """One call with ``field`` set to ``value`` and every other field valid; the status code."""
@@ -63,9 +71,9 @@ class Prober:
         try:
             if rpc == "Join" and field == "shape":
                 specs = [pb.TensorSpec(name=s.name, shape=[value, *s.shape[1:]], dtype=s.dtype, role=s.role) for s in SPECS]
-                self.stub.Join(pb.JoinRequest(island=PROBER, world_size=1, tensors=specs), timeout=5)
+                self._join(pb.JoinRequest(island=PROBER, world_size=1, tensors=specs))
             elif rpc == "Join":
-                self.stub.Join(pb.JoinRequest(**{"island": PROBER, "world_size": 1, "tensors": self.specs, field: value}), timeout=5)
+                self._join(pb.JoinRequest(**{"island": PROBER, "world_size": 1, "tensors": self.specs, field: value}))
             elif rpc == "Heartbeat":
                 fields = dict(island=PROBER, steps=10, step_time=0.1, schedule_step=10, session=session)
                 self.stub.Heartbeat(pb.HeartbeatRequest(**{**fields, field: value}), timeout=5)

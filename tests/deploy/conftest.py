@@ -34,7 +34,8 @@ def hosts_factory():
 @pytest.fixture
 def clone(tmp_path) -> Path:
     """A folder that looks like a clone of the repository (links to its files), shared by every
-    host as a cluster's shared file system would be; what the commands write stays in it."""
+    host as a cluster's shared file system would be; what the commands write stays in it. Its
+    `.venv` is the running interpreter's environment, wherever the suite runs from."""
     return _scratch(tmp_path)
 
 

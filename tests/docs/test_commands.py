@@ -1,8 +1,9 @@
 """Every command in the README and docs/ runs as written from a clone.
 
 Each page's ```bash and ```python blocks run in order, in a scratch folder that holds links to
-the repository's files (so `.venv/bin/...`, `examples/...` and `recipes` resolve as in a clone,
-and what the commands write stays out of the repository). A block is marked, on the line before
+the repository's files (so `examples/...` and `recipes` resolve as in a clone, and what the
+commands write stays out of the repository) and a `.venv` that is the running interpreter's
+environment (so `.venv/bin/...` are the programs of the Python running the tests). A block is marked, on the line before
 its fence, with
   <!-- docs-test: skip REASON -->                  not run here (REASON says why: too long, or
                                                     the test suite itself)
@@ -37,7 +38,7 @@ RUNNABLE = ("bash", "python")
 DOC_PORTS = ("7470", "7471", "8080", "9090")
 BLOCK_TIMEOUT = 300.0  # seconds; the longest block (a two-island launcher run) takes about a minute
 READY_TIMEOUT = 120.0
-NOT_LINKED = {".git", "runs", "site", "lightning_logs", "wandb", "build", "dist", ".pytest_cache"}
+NOT_LINKED = {".git", ".venv", "runs", "site", "lightning_logs", "wandb", "build", "dist", ".pytest_cache"}
 
 
 def _runnable(page: Path) -> list[Block]:
@@ -70,6 +71,9 @@ def _scratch(tmp_path: Path) -> Path:
     for entry in ROOT.iterdir():
         if entry.name not in NOT_LINKED:
             (folder / entry.name).symlink_to(entry)
+    # The commands' `.venv/bin/...` are the running interpreter's environment: the suite may run
+    # from another one than the clone's .venv, or from a git worktree, which has no .venv at all
+    (folder / ".venv").symlink_to(Path(sys.executable).parent.parent, target_is_directory=True)
     return folder
 
 

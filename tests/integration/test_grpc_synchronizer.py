@@ -371,10 +371,10 @@ class CountedJoins(Synchronizer):
         super().__init__(*args, **kwargs)
         self.joined: list[int] = []
 
-    def join(self, island, world_size, specs):
+    def join(self, island, world_size, specs, **kwargs):
         self.joined.append(island)
         time.sleep(0.3)
-        return super().join(island, world_size, specs)
+        return super().join(island, world_size, specs, **kwargs)
 
 
 def test_a_synchronizer_restart_noticed_by_push_heartbeat_and_subscription_costs_exactly_one_join(tmp_path):
@@ -562,3 +562,94 @@ def test_a_close_ends_a_call_backing_off_from_an_absent_synchronizer_at_once():
         logger.removeHandler(handler)
         client.close()
         thread.join(timeout=600)
+
+
+def test_a_second_process_as_a_running_island_is_refused_and_the_running_one_keeps_its_session():
+    """Two processes started as island 0 took its session from each other on every call
+    (wrong_session both ways). The second is refused, saying island 0 runs; the first goes on."""
+    config = run_config()
+    with SynchronizerServer(Synchronizer(config)) as server:
+        running, second = SynchronizerClient(server.address), SynchronizerClient(server.address)
+        second.running_patience = 0.0  # refused at once, not after the retries a restarted island waits through
+        try:
+            running.join(0, 1, SPECS, num_islands=2)
+            running.heartbeat(0, 1, 0.1)
+            with pytest.raises(SynchronizerError) as err:
+                second.join(0, 1, SPECS, num_islands=2)
+            assert err.value.reason == Reason.ISLAND_RUNNING and "island 0 is already running" in str(err.value)
+            assert "to restart island 0, stop its running process" in str(err.value)
+            running.heartbeat(0, 2, 0.1)
+            assert running.joins == [1]  # not displaced: no rejoin was needed
+            running.rejoin(0, running.joins[0])  # its own client joining again (a shard back) is no second process
+            assert running.joins == [2]
+        finally:
+            running.close()
+            second.close()
+
+
+def test_an_island_started_with_another_num_islands_is_refused_naming_both_over_grpc():
+    with SynchronizerServer(Synchronizer(run_config())) as server:
+        with SynchronizerClient(server.address) as first, SynchronizerClient(server.address) as other:
+            first.join(0, 1, SPECS, num_islands=2)
+            with pytest.raises(SynchronizerError) as err:
+                other.join(1, 1, SPECS, num_islands=3)
+    assert err.value.reason == Reason.NUM_ISLANDS_MISMATCH and err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "started with num_islands=3, but the run has num_islands=2" in str(err.value)
+
+
+def test_an_island_restarted_after_a_crash_gets_in_once_its_old_process_is_silent():
+    """A crashed island's restart is refused while its old session may still be running, and its
+    client retries until the old one has been silent for the window (here 1 s: the liveness
+    timeout's, which bounds it)."""
+    with SynchronizerServer(Synchronizer(run_config(), liveness_timeout=1.0)) as server:
+        crashed = SynchronizerClient(server.address)
+        crashed.join(0, 1, SPECS)
+        crashed.heartbeat(0, 1, 0.1)
+        crashed.close()  # as a SIGKILL leaves it: no goodbye
+        with SynchronizerClient(server.address) as restarted:
+            assert restarted.join(0, 1, SPECS).session
+            assert restarted.heartbeat(0, 2, 0.1).run_step >= 0
+
+
+def test_a_pull_before_joining_says_the_client_has_not_joined_without_asking():
+    with socket.socket() as s:  # a port no one listens on: the answer cannot come from a synchronizer
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with SynchronizerClient(f"127.0.0.1:{port}", max_retries=0) as client:
+        with pytest.raises(SynchronizerError) as err:
+            client.pull(0)
+    assert err.value.reason == Reason.NOT_JOINED and "has not joined the run yet; call join first" in str(err.value)
+
+
+def test_an_island_of_another_num_islands_stops_saying_both_values():
+    """What the user of the second island sees: its fit ends at the join, with both counts."""
+    from lightning_diloco import DecoupledDiLoCoStrategy
+    from lightning_diloco.core.fragments import tensor_specs
+    from lightning_diloco.learner.island_strategy import RefusedByRun
+    from tests.learner.models import TinyRegressor, loader, regression_data, trainer
+
+    with SynchronizerServer(Synchronizer(run_config(num_fragments=2))) as server:
+        with SynchronizerClient(server.address) as first:
+            first.join(0, 1, tensor_specs(TinyRegressor()), num_islands=2)
+            strategy = DecoupledDiLoCoStrategy(synchronizer=server.address, island=1, num_islands=3, join_wait=5)
+            with pytest.raises(RefusedByRun) as err:
+                trainer(strategy, max_steps=2).fit(TinyRegressor(), loader(regression_data()))
+    assert "(num_islands_mismatch)" in str(err.value)
+    assert "island 1 was started with num_islands=3, but the run has num_islands=2" in str(err.value)
+
+
+def test_a_join_presenting_no_session_is_from_an_older_client_and_is_not_checked():
+    """Older clients never present a session: they join as before (a second process of theirs is
+    not detected); a client that presents one, even none yet (""), is checked."""
+    specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in SPECS]
+    with SynchronizerServer(Synchronizer(run_config())) as server, SynchronizerClient(server.address) as running:
+        running.join(0, 1, SPECS)
+        channel = grpc.insecure_channel(server.address)
+        try:
+            stub = pb_grpc.SynchronizerStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Join(pb.JoinRequest(island=0, world_size=1, tensors=specs, previous_session=""), timeout=30)
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "island_running" in err.value.details()
+            assert stub.Join(pb.JoinRequest(island=0, world_size=1, tensors=specs), timeout=30).session
+        finally:
+            channel.close()

@@ -7,6 +7,7 @@ one-process runs differently, and make the island tests prove the wrong thing.""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
-from lightning_diloco.core.protocol import Beat, PushAck
+from lightning_diloco.core.protocol import RUNNING_WINDOW, Beat, PushAck
 from lightning_diloco.reasons import SynchronizerError
 from lightning_diloco.synchronizer.local_link import LocalLink
 from lightning_diloco.transport.client import SynchronizerClient
@@ -27,9 +28,19 @@ from tests.learner.service_link import ServiceLink
 CONFIG = run_config(num_fragments=2)
 
 
+class Clock:
+    """The monotonic clock, which a test can move ahead (``ahead`` seconds)."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.ahead
+
+
 @pytest.fixture(params=["grpc client", "in-process link", "in-process test double"])
 def link(request):
-    service = Synchronizer(CONFIG)
+    service = Synchronizer(CONFIG, clock=Clock())
     if request.param == "grpc client":
         server = SynchronizerServer(service, host="127.0.0.1", port=0).start()
         client = SynchronizerClient(server.address)
@@ -120,6 +131,9 @@ def test_every_link_joins_again_when_its_island_joined_elsewhere(link):
                    on_reconnect=reopened.set)
     assert opened.wait(20), "the subscription delivered nothing"
     service.join(0, 1, SPECS)
+    # ... by a process that has been silent since (the process that took the session died): while
+    # it is heard from, a client's join again is refused as island_running (test_grpc_synchronizer.py)
+    service.clock.ahead += RUNNING_WINDOW + 1
     assert link.heartbeat(0, 1, 0.1, 1).versions == {0: 0, 1: 0}
     assert reopened.wait(20), "the subscription was not reopened after the island joined again"
     assert link.pull(1)[0] == 0

@@ -112,7 +112,9 @@ def test_with_one_shard_dead_an_island_joins_the_live_shard_trains_and_takes_the
         trainer(DecoupledDiLoCoStrategy(synchronizer=addresses), max_epochs=1).fit(TinyRegressor(), loader(regression_data()))
         port1 = shards[1].port
         shards[1].stop(grace=0)
-        version1_at_death = Synchronizer(config, shard=1, num_shards=2, checkpoint_dir=tmp_path / "shard1").versions()[1]
+        checkpointed = Synchronizer(config, shard=1, num_shards=2, checkpoint_dir=tmp_path / "shard1")
+        version1_at_death = checkpointed.versions()[1]
+        checkpointed.shutdown()  # the directory is the returning shard's
         version0_at_start = shards[0].service.versions()[0]
 
         returns = ShardReturns(lambda: shard(1, port1), up=40)

@@ -231,6 +231,7 @@ def test_a_restarted_synchronizer_knows_the_runs_step_from_its_rounds(tmp_path):
     _place(sync, clock, 30 * 4 + 2, [0])
     sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=30))
     sync.poll()
+    sync.shutdown()  # as the process's end does: the directory is the restarted one's
     restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
     assert restarted.run_step() == 30 * 4 + 2
     assert restarted.status().rounds[0].round == 31
@@ -430,6 +431,7 @@ def test_a_restart_keeps_the_influence_bounds_and_which_pushes_were_merged(tmp_p
                 sync.push(push)
             sync.poll()
         if restart:
+            sync.shutdown()  # as the process's end does: the directory is the restarted one's
             sync = Synchronizer(config, checkpoint_dir=directory, clock=clock)
         session = sync.join(0, 1, SPECS).session  # the island's client rejoined: a new session
         sync.join(1, 1, SPECS)

@@ -207,6 +207,7 @@ def test_restart_from_checkpoint_keeps_versions_fragments_momentum_and_rounds(tm
     for v in range(3):
         sync.push(contribution(config, 0, 1, torch.full((numel,), 0.01 * (v + 1)), round=v + 1, base_version=v, seq=v))
         sync.poll()
+    sync.shutdown()  # as the process's end does: the directory is the restarted one's
     with caplog.at_level(logging.INFO):
         restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
     assert restarted.versions() == {0: 0, 1: 3}
@@ -277,3 +278,67 @@ def test_a_closer_that_keeps_failing_backs_off_however_many_pushes_notify_it():
         allowed += 1
         waited += retry_wait(allowed - 1)
     assert len([t for t in looks if t <= until]) <= allowed
+
+
+def test_an_island_started_with_another_num_islands_is_refused_naming_both_also_after_a_restart(tmp_path):
+    """Islands started with num_islands 2 and 3 were both accepted, and each took 1/num_islands
+    of the data by its own count: their shards overlapped. The first island's count is the run's."""
+    config = run_config()
+    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    sync.join(0, 1, SPECS, num_islands=2)
+    with pytest.raises(Refusal) as err:
+        sync.join(1, 1, SPECS, num_islands=3)
+    assert err.value.reason == "num_islands_mismatch"
+    assert "num_islands=3" in str(err.value) and "num_islands=2" in str(err.value)
+    sync.join(1, 1, SPECS)  # an older client says no count: accepted
+    with pytest.raises(Refusal, match=r"island 2 is not one of the run's num_islands=2 islands \(0..1\)"):
+        sync.join(2, 1, SPECS)
+    sync.seed(0, 0, get_codec("fp32").encode(initial_fragments(config)[0]))
+    sync.checkpoint()
+    sync.shutdown()
+    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    with pytest.raises(Refusal, match="num_islands=2"):
+        restarted.join(1, 1, SPECS, num_islands=3)
+    assert restarted.join(1, 1, SPECS, num_islands=2).session
+
+
+def test_a_second_process_as_a_live_island_is_refused_and_a_restart_gets_in_once_the_old_one_is_silent():
+    """Two processes with one index took the island's session from each other on every call
+    (wrong_session both ways). A join as an island heard from within RUNNING_WINDOW is refused,
+    unless it comes from the client holding the island's session."""
+    from lightning_diloco.core.protocol import RUNNING_WINDOW
+
+    clock = FakeClock()
+    sync = Synchronizer(run_config(), clock=clock)
+    first = sync.join(0, 1, SPECS, previous_session="").session
+    clock.advance(RUNNING_WINDOW / 2)
+    sync.heartbeat(0, 5, 0.1, session=first)
+    clock.advance(RUNNING_WINDOW / 2)
+    with pytest.raises(Refusal) as err:
+        sync.join(0, 1, SPECS, previous_session="")  # a second process
+    assert err.value.reason == "island_running" and "island 0 is already running" in str(err.value)
+    assert "DILOCO_ISLAND" in str(err.value) and "stop its running process" in str(err.value)
+    sync.heartbeat(0, 6, 0.1, session=first)  # the running island kept its session
+    again = sync.join(0, 1, SPECS, previous_session=first).session  # its own client joining again
+    clock.advance(RUNNING_WINDOW + 0.1)  # the island crashed: silent since
+    restarted = sync.join(0, 1, SPECS, previous_session="").session
+    assert len({first, again, restarted}) == 3 and sync.status().refused == {"island_running": 1}
+
+
+def test_the_operator_pins_the_island_count_and_a_count_no_island_can_have_is_refused(tmp_path):
+    """As --layout-hash for the model: a first joiner cannot set a count that locks the others out."""
+    config = run_config()
+    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, num_islands=2)
+    with pytest.raises(Refusal, match="run has num_islands=2 .*--num-islands"):
+        sync.join(0, 1, SPECS, num_islands=3)
+    for island, count in [(3, 3), (0, -1), (0, 10**6)]:
+        with pytest.raises(Refusal) as err:
+            sync.join(island, 1, SPECS, num_islands=count)
+        assert err.value.reason == "bad_island" and f"num_islands={count}" in str(err.value)
+    sync.join(1, 1, SPECS, num_islands=2)
+    sync.seed(1, 0, get_codec("fp32").encode(initial_fragments(config)[0]))
+    sync.checkpoint()
+    sync.shutdown()
+    with pytest.raises(ValueError, match="--num-islands 3, but the run in .* has num_islands=2"):
+        Synchronizer(config, checkpoint_dir=tmp_path, num_islands=3)
+    Synchronizer(config, checkpoint_dir=tmp_path, num_islands=2).shutdown()  # the refused start left the directory
