@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.credentials import identify, island_credential
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
@@ -89,7 +90,9 @@ def test_a_huge_sequence_number_in_one_session_does_not_lock_out_the_islands_nex
     """Without a token anyone can be island 0 (the run chose no trust boundary); a session it took
     still cannot refuse the real island 0's pushes once that one rejoins."""
     config = run_config(num_fragments=2, min_quorum=1)
-    server = SynchronizerServer(Synchronizer(config)).start()
+    # a short liveness timeout: the real island 0 gets back in once the attacker's session has been
+    # silent that long (while it is heard from, a join as island 0 is refused: island_running)
+    server = SynchronizerServer(Synchronizer(config, liveness_timeout=0.5)).start()
     attacker, honest = _client(server.address, None), SynchronizerClient(server.address, max_retries=2, backoff=0.05)
     try:
         honest.join(0, 1, SPECS)
@@ -97,8 +100,16 @@ def test_a_huge_sequence_number_in_one_session_does_not_lock_out_the_islands_nex
             honest.seed(0, p, value)
         attacker.join(0, 1, SPECS)  # takes island 0's session
         _push(attacker, config, 0, seq=2**63 - 1)
-        version = wait_for_version(honest.pull, 0, 1, timeout=10)[0]
-        honest.join(0, 1, SPECS)  # the real island 0 rejoins: a new session
+        version = wait_for_version(attacker.pull, 0, 1, timeout=10)[0]
+        attacker.close()
+        deadline = time.monotonic() + 30
+        while True:  # the real island 0 rejoins, a new session, once the attacker is silent
+            try:
+                honest.join(0, 1, SPECS)
+                break
+            except SynchronizerError as err:
+                assert err.reason is Reason.ISLAND_RUNNING and time.monotonic() < deadline, err
+                time.sleep(0.1)
         for seq in range(1, 6):
             ack = _push(honest, config, 0, seq=seq, round=server.service.status().rounds[0].round)
             assert not ack.duplicate
