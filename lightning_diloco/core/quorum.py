@@ -15,7 +15,10 @@ class RoundView:
     """What a decision needs to know about one open round."""
 
     contributors: Set[int]
-    """Islands whose contribution is in this round."""
+    """Islands whose contribution is in this round (toward the quorum)."""
+    on_time: Set[int]
+    """Of those, the islands that sent for this round (not late for an earlier one): a round closes
+    before its grace window only once every live island sent for it."""
     live: Set[int]
     """Islands currently considered alive (heartbeats within the timeout)."""
     opened_at: float
@@ -54,7 +57,7 @@ def decide(
     count = len(view.contributors)
     if count < min_quorum:
         return Decision(False, f"waiting for quorum: {count} of {min_quorum} islands")
-    if view.live <= view.contributors:
+    if view.live <= view.on_time:
         return Decision(True, f"every live island contributed ({count})")
     assert view.quorum_at is not None, "a round at quorum must know when it got there"
     grace = grace_window(

@@ -227,7 +227,12 @@ class FragmentRounds:
         if self.frag is None or self.opened_at is None:
             return Decision(False, f"round {self.index} not due yet")
         merge = self.config.merge
-        view = RoundView(contributors=frozenset(self.islands()), live=frozenset(live), opened_at=self.opened_at,
+        # a late entry counts toward the quorum but not as the round's own send: with quorum 1 and
+        # islands in phase, the late entries of three islands plus one on-time send looked like
+        # "every live island contributed", so the round closed before the others' sends and they
+        # were late for the next one in turn (76% of contributions merged a round late, 2026-11-27)
+        on_time = frozenset(i for i, e in self.entries.items() if e.sent_for >= self.index)
+        view = RoundView(contributors=frozenset(self.islands()), on_time=on_time, live=frozenset(live), opened_at=self.opened_at,
                          quorum_at=self.quorum_at)
         return decide(view, now, min_quorum=merge.min_quorum, gamma=merge.grace_gamma,
                       overlap_steps=self.config.schedule.overlap_steps, step_time=step_time, sync_time=sync_time)

@@ -7,8 +7,9 @@ from lightning_diloco.core.quorum import RoundView, decide, grace_window
 SETTINGS = dict(min_quorum=2, gamma=0.5, overlap_steps=2, step_time=1.0, sync_time=0.1)
 
 
-def _view(contributors, live, opened_at=0.0, quorum_at=None):
-    return RoundView(contributors=frozenset(contributors), live=frozenset(live), opened_at=opened_at, quorum_at=quorum_at)
+def _view(contributors, live, opened_at=0.0, quorum_at=None, late=()):
+    return RoundView(contributors=frozenset(contributors), on_time=frozenset(contributors) - set(late),
+                     live=frozenset(live), opened_at=opened_at, quorum_at=quorum_at)
 
 
 def test_no_close_below_quorum_even_when_everyone_else_is_dead():
@@ -19,6 +20,15 @@ def test_no_close_below_quorum_even_when_everyone_else_is_dead():
 def test_closes_at_once_when_every_live_island_contributed():
     d = decide(_view({0, 1}, {0, 1}, quorum_at=0.2), 0.2, **SETTINGS)
     assert d.close and "every live island" in d.reason
+
+
+def test_late_entries_count_toward_quorum_but_do_not_close_the_round_early():
+    """Islands in phase with quorum 1: three late entries and one on-time send are not "every
+    live island contributed"; the round waits out its grace window for the others' sends."""
+    view = _view({0, 1, 2, 3}, {0, 1, 2, 3}, quorum_at=0.0, late={1, 2, 3})
+    wait = decide(view, 0.1, **SETTINGS)
+    assert not wait.close and "grace window" in wait.reason
+    assert decide(view, wait.deadline, **SETTINGS).close
 
 
 def test_dead_islands_are_not_waited_for():
