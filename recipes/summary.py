@@ -38,10 +38,58 @@ def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, 
         "tokens": sum(r["tokens"] for r in results), "wall_s": wall, "final": last["final"],
         "bytes_across": across, "bytes_across_how": across_how,
         "outer_steps": status.outer_steps if status else None,
+        "rounds_health": rounds_health(status.to_dict(), results) if status and args.strategy != "ddp" else None,
         "synchronizer": status.to_dict() if status else None,  # its last status: rounds, islands, counters
         "settings": given_settings(args) if args.strategy != "ddp" else {},
         "islands_results": results,
     }
+
+
+def rounds_health(status: dict, results: list[dict]) -> dict:
+    """How the run's rounds went, to read beside its loss (issue 34: the same algorithm lands 1%
+    or 8% from DDP depending on these): outer steps per fragment per H of the islands' steps,
+    contributions per outer step, the shares of merged contributions that came a round late or
+    were scaled down by the guard, of due sends skipped (the fragment was still in flight), the
+    run's clock against the islands' own steps, and the time the training loops waited on the
+    network (synchronous rounds) against the islands' run time."""
+    rounds = list(status["rounds"].values())
+    closed = sum(r["closed"] for r in rounds)
+    merged = sum(r["merged_entries"] for r in rounds)
+    steps = max(r["steps"] for r in results)
+    per_h = steps / status["sync_every"] if status["sync_every"] else 0
+    d = [r["diloco"] for r in results]
+    sent, skipped = sum(x.get("diloco/syncs_sent", 0) for x in d), sum(x.get("diloco/syncs_skipped", 0) for x in d)
+    waited = sum(x.get("diloco/blocked_s", 0) for x in d)
+    run_time = sum(r["finished_at"] for r in results)
+
+    def share(part: float, whole: float) -> float | None:
+        return part / whole if whole else None
+
+    return {
+        "outer_steps_per_fragment_per_h": share(closed, len(rounds) * per_h),
+        "contributions_per_outer_step": share(merged, closed),
+        "late": share(sum(r["merged_late"] for r in rounds), merged),
+        "clipped": share(sum(r["clipped"] for r in rounds), merged),
+        "superseded": share(sum(r["superseded"] for r in rounds), merged),
+        "skipped": share(skipped, sent + skipped),
+        "clock_per_island_step": share(status["run_step"], steps),
+        "wait_s": waited,
+        "wait": share(waited, run_time),
+    }
+
+
+def format_health(h: dict) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x * 100:.0f}%"
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    return (f"rounds: {num(h['outer_steps_per_fragment_per_h'])} outer steps per fragment per H, "
+            f"{num(h['contributions_per_outer_step'])} contributions each, {pct(h['late'])} late, "
+            f"{pct(h['clipped'])} scaled down by the guard, {pct(h['skipped'])} of due sends skipped, "
+            f"clock {num(h['clock_per_island_step'])}x the islands' steps, training loops waited "
+            f"{h['wait_s']:.1f} s ({pct(h['wait'])} of their run time)")
 
 
 def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict, argv: list[str] = ()) -> str:
@@ -50,6 +98,8 @@ def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict, argv: list
              + ", ".join(f"{k} {v:.4f}" for k, v in final.items())]
     if args.strategy != "ddp":
         lines.append("  " + reference_line(recipe, args, final[recipe.metric], argv))
+    if s.get("rounds_health"):
+        lines.append("  " + format_health(s["rounds_health"]))
     lines.append(f"  tokens {s['tokens']:,.0f}, wall-clock {s['wall_s']:.0f} s, outer steps {s['outer_steps']}, "
                  f"bytes across islands {s['bytes_across'] / 1e6:.2f} MB ({s['bytes_across_how']})")
     unmerged = sum(r["diloco"].get("diloco/syncs_unmerged", 0) for r in s["islands_results"])

@@ -33,6 +33,10 @@ def test_moe_recipe_two_islands_write_the_summary_curves_and_logs(tmp_path):
     assert [int(r["step"]) for r in rows] == [4, 8]
     assert list((out / "logs").glob("island0/*/metrics.csv")), "the CSV logger always logs"
     assert "outer steps" in stdout and "bytes across islands" in stdout
+    # the rounds' health is said beside the loss: every contribution merged, at least one step per fragment
+    health = result["rounds_health"]
+    assert health["contributions_per_outer_step"] >= 1 and health["outer_steps_per_fragment_per_h"] > 0
+    assert 0 <= health["late"] <= 1 and 0 <= health["wait"] < 1 and "outer steps per fragment per H" in stdout
     # one progress display, not each island's Lightning banners: those are in the islands' logs
     assert "[progress]" in stdout and "GPU available" not in stdout
     assert "GPU available" in (out / "run" / "island-0.log").read_text()
