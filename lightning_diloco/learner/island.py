@@ -245,8 +245,12 @@ class IslandLearner(EndOfRun):
                 if p not in fail:
                     fail.append(p)
                     self._count("failed")
-        arrivals = self.inbox.take(lambda a: a.fragment not in in_flight or a.fragment in fail
-                                   or self.step >= in_flight[a.fragment].apply_at)
+        # synchronous DiLoCo waits for the version of each round it sends for now: a version of
+        # such a fragment that came before stays in the inbox, where that one supersedes it (taken
+        # here as well, it was a second apply of the fragment in the step: KeyError, 2026-11-27)
+        awaited = {p for p, _ in send} if self.config.schedule.overlap_steps == 0 else set()
+        arrivals = self.inbox.take(lambda a: a.fragment not in awaited and (
+            a.fragment not in in_flight or a.fragment in fail or self.step >= in_flight[a.fragment].apply_at))
         return StepPlan(schedule_step=self.schedule_step, fail=fail, send=send,
                         apply=[self._decision(a, ends=a.fragment in in_flight and a.fragment not in fail) for a in arrivals])
 
