@@ -121,3 +121,12 @@ def exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def holds_final_global_model(weights: list[torch.Tensor], service, num_fragments: int) -> bool:
+    """Whether ``weights`` (an island's tensors) are the synchronizer's current global fragments:
+    the same values, compared as sorted multisets (no layout needed; fp32 values of a trained
+    model do not coincide by chance)."""
+    final = torch.cat([service.pull(p)[1] for p in range(num_fragments)])
+    mine = torch.cat([w.detach().reshape(-1).float() for w in weights])
+    return final.numel() == mine.numel() and torch.equal(torch.sort(final)[0], torch.sort(mine)[0])

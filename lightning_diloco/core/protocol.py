@@ -121,6 +121,8 @@ class IslandStatus:
     seen_s_ago: float
     merged_s_ago: float | None = None
     """None: none of its contributions has been merged yet."""
+    left: bool = False
+    """It left the run (ended its training, or was stopped) and has not joined since."""
 
 
 @RECORD

@@ -44,6 +44,21 @@ def grace_window(*, gamma: float, overlap_steps: int, step_time: float, time_to_
     return gamma * max(0.0, overlap_steps * step_time - time_to_quorum - sync_time)
 
 
+def quorum_in_run(min_quorum: int, *, num_islands: int, left: int) -> int:
+    """The contributors a round needs: K, but no more than the islands that can still send.
+
+    An island that left the run (its training ended, or it was stopped: the Leave call) sends no
+    more, so with ``left`` of the run's ``num_islands`` gone a round needs at most the rest (at
+    least one). Without it, K = M made the last island running wait out its whole push wait at
+    every due fragment once the others had finished. An island that died is no such case: it may
+    come back, and with fewer than K alive a round still waits. ``num_islands`` 0: the run's count
+    is not known, so neither is how many islands remain: K stands.
+    """
+    if not num_islands:
+        return min_quorum
+    return max(1, min(min_quorum, num_islands - left))
+
+
 def decide(
     view: RoundView,
     now: float,

@@ -5,6 +5,9 @@ waits for their rounds a few step times (a late one, whose round opens only when
 for it, is not waited for), then loads the current global model on every rank, if it holds some
 of this island's work; otherwise the local weights stay, and a warning says why. The leader
 decides (:meth:`EndOfRun._final_plan`) and broadcasts the decision, as at every step boundary.
+Closed afterwards (the strategy's teardown), the island leaves the run (leader.py): no round of
+the islands still training waits for it. A stop (SIGTERM) ends the wait for the last rounds at
+once (:meth:`~lightning_diloco.learner.island.IslandLearner.stop`).
 
 :class:`EndOfRun` is a part of :class:`~lightning_diloco.learner.island.IslandLearner`, which
 mixes it in: it uses the island's fragments, inbox, link and counters, and its ``_share``,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,11 @@ from lightning_diloco.core.codecs import get_codec, payload_size
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 
 log = logging.getLogger(__name__)
+
+STOP_CHECK_S = 1.0
+"""Longest a wait goes without looking whether the island is stopping. A stop asked for by a
+signal handler runs on the waiting thread itself, between two of its steps: its wake-up can come
+just before the wait begins, and is then missed."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -53,6 +59,8 @@ class Inbox:
         self.requests: dict[int, RoundRequest] = {}
         self.reconnects = 0
         self.bytes_received = 0
+        self.stopping = False
+        """Set by :meth:`stop`: every wait returns at once."""
 
     # ---- reader threads ----------------------------------------------------------------------
 
@@ -102,6 +110,13 @@ class Inbox:
             self.reconnects += 1
             self.cond.notify_all()
 
+    def stop(self) -> None:
+        """The island is stopping (SIGTERM): end the wait in progress and every later one at once.
+        Safe in a signal handler: the lock is reentrant, and is held by other threads only briefly."""
+        self.stopping = True
+        with self.cond:
+            self.cond.notify_all()
+
     def poke(self) -> None:
         """Wake whoever waits on the inbox (something it waits for changed elsewhere)."""
         with self.cond:
@@ -123,6 +138,13 @@ class Inbox:
             return out
 
     def wait(self, condition: Callable[[], bool], timeout: float) -> bool:
-        """Block until ``condition()`` (checked under the lock) holds or ``timeout`` s pass."""
+        """Block until ``condition()`` (checked under the lock) holds, ``timeout`` s pass or the
+        island is stopping (:meth:`stop`); returns ``condition()``."""
+        deadline = time.monotonic() + timeout
         with self.cond:
-            return self.cond.wait_for(condition, timeout)
+            while not (done := condition()) and not self.stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(min(left, STOP_CHECK_S))
+            return done

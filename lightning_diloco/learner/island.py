@@ -48,6 +48,17 @@ STATE_FORMAT = 2
 COUNTERS = ("sent", "applied", "received", "skipped", "failed", "requested", "realigned", "unmerged")
 
 
+def _replaces_late(flight: Flight, r: int) -> bool:
+    """A send for round ``r`` replaces ``flight``, acked late: that one waits in round
+    ``merged_in``, which opens only when some island sends for it, and this send (for it or a
+    later one) may be that send. Its entry replaces the late one in the synchronizer's round (one
+    entry per island; its progress, measured from the same base, contains the older). Held back
+    instead, an island whose sends were all late (behind rounds opened by islands that have since
+    left the run) waited out its push wait with every fragment, sending nothing."""
+    merged_in = flight.merged_in()
+    return flight.late() and merged_in is not None and r >= merged_in
+
+
 class IslandLearner(EndOfRun):
     def __init__(
         self,
@@ -232,7 +243,7 @@ class IslandLearner(EndOfRun):
                 continue  # no global version yet (its shard was away at the join): nothing to send against
             if self.fragments[p].sent_round >= r:
                 continue  # already sent for that round (asked for it, then due by our own clock)
-            if p in in_flight and p not in fail:
+            if p in in_flight and p not in fail and not _replaces_late(in_flight[p], r):
                 self._count("skipped")  # never two sends of one fragment in flight
                 continue
             send.append((p, r))
@@ -344,7 +355,16 @@ class IslandLearner(EndOfRun):
 
     # ---- the end (finish: end_of_run.py) -------------------------------------------------------
 
+    def stop(self) -> None:
+        """Stop waiting for rounds: the island is stopping (SIGTERM). A wait in progress (for the
+        rounds of a synchronous send, or the last ones at the end) returns at once, and every
+        later one too, so the process ends within a step instead of a push wait. Safe in a
+        signal handler (:meth:`~lightning_diloco.learner.inbox.Inbox.stop`)."""
+        if self.inbox is not None:
+            self.inbox.stop()
+
     def close(self) -> None:
+        """Leave the run (the leader tells the synchronizer) and release the link."""
         if self.leader is not None:
             self.leader.close()
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -191,6 +193,7 @@ class IslandStrategy:
         self.embedded = None  # the embedded synchronizer (a Synchronizer service), when this island runs one
         self._tokens = 0.0
         self._resume: dict | None = None
+        self._sigterm: tuple[Any, Any] | None = None  # (ours, the handler it wraps) while ours is installed
         self.data_split_by_script = False  # set by lightning_diloco.data_rank(): the script splits its iterables
 
     # ---- data: island i of M trains on shard i of M (learner/data.py) -------------------------
@@ -249,7 +252,38 @@ class IslandStrategy:
         if self.learner is None:
             self._join()
         self._warn_of_unsplit_data(self.lightning_module.trainer)
+        self._stop_waiting_on_sigterm()
         super().on_train_start()
+
+    def _stop_waiting_on_sigterm(self) -> None:
+        """On SIGTERM, end the island's waits for rounds (learner.stop()) before Lightning's own
+        handler runs, which only asks the loop to stop once the current batch ends. A synchronous
+        island (tau = 0) waits for its round inside the batch, up to push_wait, so the launcher's
+        SIGTERM took 35 s to end a blocked island. Installed here, after Lightning installed its
+        handler (when fit starts), and only over a Python handler such as Lightning's: the default
+        (the process ends) and an ignored SIGTERM stay as they are. Teardown puts it back."""
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if not callable(previous) or self._sigterm is not None:
+            return
+
+        def on_sigterm(signum, frame):
+            learner = self.learner
+            if learner is not None:
+                learner.stop()
+            previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._sigterm = (on_sigterm, previous)
+
+    def _restore_sigterm(self) -> None:
+        if self._sigterm is None or threading.current_thread() is not threading.main_thread():
+            return
+        ours, previous = self._sigterm
+        if signal.getsignal(signal.SIGTERM) is ours:  # unless someone installed another since
+            signal.signal(signal.SIGTERM, previous)
+        self._sigterm = None
 
     def _join(self) -> None:
         module = self.lightning_module
@@ -401,6 +435,7 @@ class IslandStrategy:
 
     @override
     def teardown(self) -> None:
+        self._restore_sigterm()
         if self.learner is not None:
             self.final_metrics = self.learner.metrics()
             self.learner.close()

@@ -77,6 +77,16 @@ class LeaderSync:
             self.late += ack.late
         return ack
 
+    def _leave(self) -> None:
+        """Tell the synchronizer the island is done, so that no round waits for it until its
+        liveness timeout (with K = M the last island running waited out its push wait at every
+        due fragment). Never raises: the synchronizer may be gone, and the island ends anyway."""
+        try:
+            self.link.leave(self.island)
+        except Exception as err:  # noqa: BLE001 - the end of the run goes on without it
+            log.warning("island %d: could not tell the synchronizer that it leaves the run (%s); rounds wait for it "
+                        "until its liveness timeout", self.island, err)
+
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
             steps, step_time, schedule_step = self.progress()
@@ -88,9 +98,11 @@ class LeaderSync:
                 log.debug("island %d: heartbeat failed: %s", self.island, err)
 
     def close(self) -> None:
-        """Cancel queued pushes, end the link (which cancels pushes in progress), join the threads."""
+        """Cancel queued pushes, leave the run, end the link (which cancels pushes in progress),
+        join the threads."""
         self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._leave()
         self.link.close()
         self._pool.shutdown(wait=True)
         if self._heartbeat.is_alive():

@@ -40,6 +40,11 @@ class SynchronizerLink(Protocol):
         The callbacks run on the link's reader threads; one may block, but a close waits for it
         only so long (core/readers.py)."""
 
+    def leave(self, island: int) -> None:
+        """Tell the synchronizer the island leaves the run (so no round waits for it); from then on
+        the link does not join again by itself. Raises ``SynchronizerError`` when refused or not
+        answered (the island logs it: the synchronizer may be gone)."""
+
     def close(self) -> None:
         """End the subscription and release what the link holds. Once it returns, from whichever
         caller (several at once included), no reader runs, but one held inside a callback past

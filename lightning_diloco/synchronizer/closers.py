@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 CLOSER_TICK = 0.25  # seconds between a closer's looks at liveness while a round waits out its grace window
 IDLE_WAIT = 5.0
-"""Seconds a closer sleeps while its round is not open or short of its quorum: only a push can
-change that, and a push notifies the fragment's condition, so this is a safety net, not a tick.
+"""Seconds a closer sleeps while its round is not open or short of its quorum: only a push (or an
+island leaving the run) can change that, and each notifies the fragment's condition, so this is a
+safety net, not a tick.
 (A 0.25 s tick there woke 24 threads 4 times a second beside an embedded synchronizer's training
 loop for nothing: benchmarks/RESULTS.md, step-time overhead.)"""
 
@@ -38,12 +39,14 @@ def retry_wait(failures: int) -> float:
 
 class Closers:
     def __init__(self, rounds: Mapping[int, FragmentRounds], membership: Membership, *, clock: Callable[[], float],
-                 closing: threading.Event, on_closed: Callable[[ClosedRound, float], None]) -> None:
+                 closing: threading.Event, on_closed: Callable[[ClosedRound, float], None],
+                 quorum: Callable[[], int]) -> None:
         """``rounds``: the owned fragments' rounds (fragments appear on the first join);
         ``membership``: who is live and how fast; ``on_closed(closed, now)``: called with the
-        fragment's lock held after each close."""
+        fragment's lock held after each close; ``quorum()``: the contributors a round needs now
+        (fewer than K once islands left the run)."""
         self.rounds, self.membership, self.clock, self.closing = rounds, membership, clock, closing
-        self.on_closed = on_closed
+        self.on_closed, self.quorum = on_closed, quorum
         self.threads: list[threading.Thread] = []
         self.sync_time = 0.0
         """Smoothed seconds a close takes: the grace window leaves room for it."""
@@ -99,7 +102,7 @@ class Closers:
         """Close the fragment's round if it is time; returns seconds to wait before looking again
         unless notified (0 when it just closed one). Called with the fragment's lock held."""
         live = self.membership.live(now)
-        decision = rounds.decide(now, live, self.membership.step_time(live), self.sync_time)
+        decision = rounds.decide(now, live, self.membership.step_time(live), self.sync_time, self.quorum())
         if decision.close:
             self._close(rounds, decision.reason, now)
             return 0.0

@@ -15,7 +15,9 @@ runs one exchange against both):
 - a join says the island's num_islands, as the client's does; it is trusted as the island's own
   (no ``island_running`` check: an embedded synchronizer serves its own process's island only);
 - new versions and round requests arrive on a reader thread of its own (reopened, with the
-  versions the island holds, when the island joins again); :meth:`close` ends and joins it.
+  versions the island holds, when the island joins again); :meth:`close` ends and joins it;
+- :meth:`leave` ends the island's part in the run as the client's does: the subscription ends and
+  the link no longer joins again by itself.
 
 Payloads cross as uint8 tensors, uncopied: the service never writes into a payload, and decoding
 one copies what is kept (core/codecs.py), so neither side sees the other's later writes.
@@ -81,9 +83,10 @@ class LocalLink:
             raise _refused(what, refusal) from None
 
     def _rejoin(self, joins: int) -> None:
-        """Single-flight, as the client's: the callers that noticed at once join only once."""
+        """Single-flight, as the client's: the callers that noticed at once join only once (and
+        none once the island left: the retried call is then refused again)."""
         with self._join_lock:
-            if self.joins == joins:
+            if self.joins == joins and self._joined is not None:
                 self._join(*self._joined)
 
     def _join(self, island: int, world_size: int, specs: list[TensorSpec], num_islands: int) -> JoinInfo:
@@ -130,6 +133,18 @@ class LocalLink:
         return self._call(f"push of fragment {fragment}", lambda: self.service.push(Contribution(
             island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens, steps=steps,
             codec=codec, seq=seq, payload=payload, layout_hash=layout_hash, session=self.session)))
+
+    def leave(self, island: int) -> None:
+        """Tell the synchronizer this island leaves the run, as the client's ``leave``: from here
+        on the link does not join again by itself (a refused call raises), and its subscription
+        ends. :meth:`join` starts over."""
+        with self._join_lock:
+            self._joined = None
+        with self._lock:
+            subscriptions = list(self._subscriptions)
+        for subscription in subscriptions:
+            subscription.stop()
+        self._call("leave", lambda: self.service.leave(island, session=self.session))
 
     def status(self, shard: int = 0) -> SynchronizerStatus:
         """The synchronizer's status, as the client's ``status`` reads it (one shard: ``shard`` 0)."""
@@ -186,11 +201,15 @@ class LocalSubscription:
         return self
 
     def close(self) -> None:
+        self.stop()
+        self.readers.join()
+
+    def stop(self) -> None:
+        """Tell the reader to end (without waiting for it)."""
         self._stop.set()
         membership = self.link.service.membership
         with membership.lock:  # wake the reader where it waits for news
             membership.changed.notify_all()
-        self.readers.join()
 
     def _active(self) -> bool:
         return not self._stop.is_set()

@@ -189,7 +189,7 @@ def format_status(st: SynchronizerStatus) -> str:
         f"{'island':>6} {'live':>5} {'procs':>6} {'steps':>8} {'step s':>8} {'accepted':>9} {'seen s ago':>10}",
     ]
     for i, isl in st.islands.items():
-        lines.append(f"{i:>6} {'yes' if isl.live else 'no':>5} {isl.world_size:>6} {isl.steps:>8} {isl.step_time_s:>8.3f} "
+        lines.append(f"{i:>6} {'left' if isl.left else 'yes' if isl.live else 'no':>5} {isl.world_size:>6} {isl.steps:>8} {isl.step_time_s:>8.3f} "
                      f"{isl.accepted:>9} {isl.seen_s_ago:>10.1f}")
     lines.append(f"{'frag':>6} {'version':>8} {'open':>5} {'last K':>7} {'grace s':>8}  reason")
     for p, r in st.rounds.items():

@@ -9,6 +9,13 @@ subscription picks them up), so the median sits within a round of the fastest. T
 extrapolated between reports: an island that was just killed or paused still looks live for a
 while. An island joining or rejoining starts at the clock.
 
+An island that ends its run, or is stopped, says so (:meth:`Membership.leave`, the Leave call):
+it is no longer live from then on, not after the liveness timeout, so rounds stop waiting for it
+and the clock no longer counts its place; the quorum a round needs counts it as gone
+(core/quorum.py). Only its current session may leave, so no client can make another island
+leave. A left island is remembered as left (Status says so) until it joins again, which it may
+as any island: its later calls from the old session are answered as from an island not joined.
+
 One process per island: a join as an island whose session was heard from within the last
 ``running_window`` seconds is refused (:class:`IslandRunning`) unless it comes from the client
 that holds that session (it presents it: a rejoin after the synchronizer forgot it, or after the
@@ -86,6 +93,8 @@ class Member:
     """When its last contribution was merged (None: never, in this synchronizer's lifetime)."""
     requests: dict[int, RoundRequest] = field(default_factory=dict)
     """Rounds the island is asked to send for, by fragment (only the newest per fragment)."""
+    left: bool = False
+    """It left the run (:meth:`Membership.leave`) and has not joined since."""
 
 
 class Membership:
@@ -119,26 +128,48 @@ class Membership:
             return session
 
     def _check_not_running(self, old: Member | None, island: int, now: float, previous_session: str | None) -> None:
-        if previous_session is None or old is None or previous_session == old.session:
-            return  # not checked, the island's first join, or the holder of its session joining again
+        if previous_session is None or old is None or old.left or previous_session == old.session:
+            return  # not checked, the island's first join, one that left, or the holder of its session joining again
         silent = now - old.last_seen
         if silent <= self.running_window:
             raise IslandRunning(island, silent, self.running_window)
 
     def _forget_silent(self, now: float) -> None:
+        # a left island is kept: forgotten, it would count as still in the run, and a round of a
+        # quorum it lowered would wait for it again (core/quorum.py)
         forget = max(FORGET_AFTER, 10 * self.liveness_timeout)
-        for i in [i for i, m in self.members.items() if now - m.last_seen > forget]:
+        for i in [i for i, m in self.members.items() if not m.left and now - m.last_seen > forget]:
             del self.members[i]
 
     def check(self, island: int, session: str | None) -> None:
-        """Raise KeyError for an island that never joined, SessionError for a stale session.
-        ``session`` None: an in-process caller, trusted."""
+        """Raise KeyError for an island that never joined (or left), SessionError for a stale
+        session. ``session`` None: an in-process caller, trusted."""
         with self.lock:
-            m = self.members.get(island)
-            if m is None:
-                raise KeyError(island)
-            if session is not None and session != m.session:
-                raise SessionError(island)
+            self._member(island, session)
+
+    def _member(self, island: int, session: str | None) -> Member:
+        """(With ``lock`` held.) The island's record, checked as :meth:`check` says."""
+        m = self.members.get(island)
+        if m is None or m.left:
+            raise KeyError(island)
+        if session is not None and session != m.session:
+            raise SessionError(island)
+        return m
+
+    def leave(self, island: int, session: str | None) -> None:
+        """The island leaves the run: no longer live nor on the clock, counted in :meth:`left_count`,
+        its requests dropped and its subscription ended. Raises as :meth:`check`, changing
+        nothing: only the island's current session may leave."""
+        with self.lock:
+            m = self._member(island, session)
+            m.left = True
+            m.requests.clear()
+            self.changed.notify_all()  # ends its subscription; requests held for the clock may be due now
+
+    def left_count(self) -> int:
+        """How many islands left the run and have not joined since."""
+        with self.lock:
+            return sum(m.left for m in self.members.values())
 
     def seen(self, island: int, now: float, *, steps: int | None = None, schedule_step: int | None = None,
              step_time: float | None = None) -> bool:
@@ -146,7 +177,7 @@ class Membership:
         island never joined."""
         with self.lock:
             m = self.members.get(island)
-            if m is None:
+            if m is None or m.left:  # a call admitted just before its island left does not bring it back
                 return False
             if steps is not None:
                 m.steps = max(0, min(int(steps), 10**12))
@@ -169,7 +200,7 @@ class Membership:
             return self._live(now)
 
     def _live(self, now: float) -> set[int]:
-        return {i for i, m in self.members.items() if now - m.last_seen <= self.liveness_timeout}
+        return {i for i, m in self.members.items() if not m.left and now - m.last_seen <= self.liveness_timeout}
 
     def step_time(self, live: set[int]) -> float:
         """The lower median inner-step time of the live islands (0 when none reported one)."""
@@ -237,7 +268,7 @@ class Membership:
     def is_current(self, island: int, subscription: int) -> bool:
         """(With ``lock`` held.)"""
         m = self.members.get(island)
-        return m is not None and m.subscription == subscription
+        return m is not None and not m.left and m.subscription == subscription
 
     def take_requests(self, island: int, now: float) -> list[RoundRequest]:
         """Pending requests of one island that are due on the run's clock, removed (the others
@@ -265,7 +296,7 @@ class Membership:
                 i: IslandStatus(
                     live=i in live, world_size=m.world_size, steps=m.steps, schedule_step=m.schedule_step,
                     step_time_s=m.step_time, accepted=m.accepted, seen_s_ago=now - m.last_seen,
-                    merged_s_ago=None if m.merged_at is None else now - m.merged_at,
+                    merged_s_ago=None if m.merged_at is None else now - m.merged_at, left=m.left,
                 )
                 for i, m in sorted(self.members.items())
             }

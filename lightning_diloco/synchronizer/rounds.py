@@ -223,9 +223,13 @@ class FragmentRounds:
             raise SequenceError(f"sequence {entry.seq} of island {entry.island} came before with another payload; "
                                 "a retry must resend the same bytes, new work needs a new sequence number", reused=True)
 
-    def decide(self, now: float, live: Set[int], step_time: float, sync_time: float) -> Decision:
+    def decide(self, now: float, live: Set[int], step_time: float, sync_time: float, quorum: int) -> Decision:
+        """``quorum``: the contributors the round needs now (core/quorum.py ``quorum_in_run``: K,
+        lowered while islands that left leave fewer than K in the run)."""
         if self.frag is None or self.opened_at is None:
             return Decision(False, f"round {self.index} not due yet")
+        if self.quorum_at is None and len(self.entries) >= quorum:
+            self.quorum_at = now  # reached by islands leaving, not by a contribution
         merge = self.config.merge
         # a late entry counts toward the quorum but not as the round's own send: with quorum 1 and
         # islands in phase, the late entries of three islands plus one on-time send looked like
@@ -234,7 +238,7 @@ class FragmentRounds:
         on_time = frozenset(i for i, e in self.entries.items() if e.sent_for >= self.index)
         view = RoundView(contributors=frozenset(self.islands()), on_time=on_time, live=frozenset(live), opened_at=self.opened_at,
                          quorum_at=self.quorum_at)
-        return decide(view, now, min_quorum=merge.min_quorum, gamma=merge.grace_gamma,
+        return decide(view, now, min_quorum=quorum, gamma=merge.grace_gamma,
                       overlap_steps=self.config.schedule.overlap_steps, step_time=step_time, sync_time=sync_time)
 
     def close(self, now: float, reason: str) -> ClosedRound:

@@ -299,6 +299,12 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         return to_message(beat, pb.HeartbeatReply())
 
     @_handler
+    def Leave(self, request, context, caller):
+        self.acting_as(caller, request.island)
+        self.service.leave(request.island, session=request.session)
+        return pb.LeaveReply()
+
+    @_handler
     def Status(self, request, context, caller):
         return to_message(self.service.status(), pb.StatusReply())
 

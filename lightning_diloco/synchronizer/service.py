@@ -33,6 +33,7 @@ import torch
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
 from lightning_diloco.core.protocol import Beat, JoinInfo, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
@@ -121,7 +122,7 @@ class Synchronizer(Intake):
         self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint_every, snapshot=self._snapshot_or_none,
                                          outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing)
         self.closers = Closers(self.rounds, self.membership, clock=self.clock, closing=self.closing,
-                               on_closed=self._round_closed)
+                               on_closed=self._round_closed, quorum=self._quorum)
         if self.state is not None:
             self._make_rounds(self.state.layout)
 
@@ -244,9 +245,11 @@ class Synchronizer(Intake):
                                 f"sets fewer)")
         log.warning("%s", self.adjustments[-1])
 
-    def _check_session(self, island: int, session: str | None, what: str) -> None:
+    def _check_session(self, island: int, session: str | None, what: str,
+                       check: Callable[[int, str | None], None] | None = None) -> None:
+        """``check`` (membership's :meth:`~Membership.check` unless given) raises as it does."""
         try:
-            self.membership.check(island, session)
+            (check or self.membership.check)(island, session)
         except SessionError:
             raise self.refuse(Reason.WRONG_SESSION, f"island {island} joined again since this client's session began, so its "
                               f"{what} is refused; a client rejoins to get the current session") from None
@@ -260,10 +263,29 @@ class Synchronizer(Intake):
         now = self.clock()
         self._check_session(island, session, "heartbeat")
         self.membership.seen(island, now, steps=steps, schedule_step=schedule_step, step_time=step_time)
-        for rounds in self.rounds.values():  # liveness may have changed what a round waits for
+        self._wake_closers()  # liveness may have changed what a round waits for
+        return Beat(versions=self.versions(), run_step=self.run_step(now))
+
+    def leave(self, island: int, session: str | None = None) -> None:
+        """The island ends its part in the run (its training ended, or it was stopped): from now
+        on no round waits for it, the run's clock no longer counts it, and a round needs at most
+        the islands still in the run (core/quorum.py). Only from its current session (refused as
+        any call of another: wrong_session, not_joined), so no client can make another island
+        leave. Its entries already in rounds stay; a later call from it is answered as from an
+        island not joined, so it may join again as any island."""
+        self._check_session(island, session, "leave", check=self.membership.leave)
+        log.info("island %d left the run", island)
+        self._wake_closers()  # a round short of the quorum, or waiting for this island, may close now
+
+    def _wake_closers(self) -> None:
+        """Liveness or the quorum changed: every round looks again at what it waits for."""
+        for rounds in self.rounds.values():
             with rounds.cond:
                 rounds.cond.notify_all()
-        return Beat(versions=self.versions(), run_step=self.run_step(now))
+
+    def _quorum(self) -> int:
+        """The contributors a round needs now: K, at most the islands still in the run."""
+        return quorum_in_run(self.config.merge.min_quorum, num_islands=self.num_islands, left=self.membership.left_count())
 
     def live_islands(self, now: float | None = None) -> set[int]:
         return self.membership.live(self.clock() if now is None else now)

@@ -45,7 +45,7 @@ def render(status: SynchronizerStatus) -> str:
         rate = f"{1.0 / isl.step_time_s:.2f}" if isl.step_time_s > 0 else "-"
         merged = "never" if isl.merged_s_ago is None else f"{isl.merged_s_ago:.1f} s ago"
         rows.append(_row([
-            str(i), "live" if isl.live else '<span class="down">down</span>', str(isl.world_size),
+            str(i), "left" if isl.left else "live" if isl.live else '<span class="down">down</span>', str(isl.world_size),
             str(isl.steps), f"{isl.schedule_step % h} / {h}", rate, str(isl.accepted), merged,
             f"{isl.seen_s_ago:.1f} s ago",
         ]))

@@ -47,6 +47,10 @@ from lightning_diloco.transport.wire import Chunk, assemble, chunk_messages, stu
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+LEAVE_TIMEOUT = 2.0
+"""Seconds a Leave may take per shard: it is sent as the island stops, which must not wait for a
+synchronizer that is gone."""
+
 READY_PROBE = "/lightning_diloco.transport.ReadyProbe/Wait"
 """A method no server has. Called with ``wait_for_ready``, gRPC holds it until the channel is
 connected, and the server's gRPC answers it UNIMPLEMENTED at once, before any handler or log."""
@@ -138,8 +142,8 @@ class SynchronizerClient(ShardSessions):
         while True:
             self._check_open(what)
             if shard is not None and self._join_request is None:  # absent too, but nothing was asked
-                raise SynchronizerError(None, Reason.NOT_JOINED, f"{what}: this client has not joined the run yet; "
-                                        "call join first")
+                raise SynchronizerError(None, Reason.NOT_JOINED, f"{what}: this client has not joined the run (or "
+                                        "left it); call join first")
             if shard is not None and self.absent(shard):
                 raise SynchronizerError(grpc.StatusCode.UNAVAILABLE, Reason.UNREACHABLE,
                                         f"{what}: shard {shard} at {self.addresses[shard]} is not answering; this island "
@@ -359,6 +363,42 @@ class SynchronizerClient(ShardSessions):
             self._check_open("subscribe")  # its readers would retry the closed channels for ever, never joined
             self._subscriptions.append(subscription)
             return subscription.start()
+
+    def leave(self, island: int) -> None:
+        """Tell every joined shard that this island leaves the run (its training ended, or it is
+        stopping), so that no round waits for it. One attempt per shard, within
+        :data:`LEAVE_TIMEOUT`: a synchronizer that is away is not waited for (it stops waiting for
+        the island after its liveness timeout instead). Raises the first failure, after trying
+        every shard.
+
+        From here on the client does not join again by itself: the subscription ends, and a call
+        the synchronizer answers ``not_joined`` fails instead of joining again (which would put
+        the island back into the run). :meth:`join` starts over."""
+        self._check_open("leave")
+        with self._join_lock:  # no rejoin is under way, and none starts after this
+            self._join_request = None
+            sessions = list(self.sessions)
+        with self._lock:
+            subscriptions = list(self._subscriptions)
+        for subscription in subscriptions:
+            subscription.stop()
+        failure = None
+        for shard, session in enumerate(sessions):
+            if not session:  # absent: it does not know this island's session anyway
+                continue
+            try:
+                self.stubs[shard].Leave(pb.LeaveRequest(island=island, session=session), timeout=LEAVE_TIMEOUT,
+                                        metadata=self.metadata)
+            except grpc.RpcError as err:
+                code, details = err.code(), err.details() or ""
+                away = code in RETRYABLE + (grpc.StatusCode.DEADLINE_EXCEEDED,)
+                failure = failure or SynchronizerError(code, Reason.UNREACHABLE if away else Reason.parse(details),
+                                                       f"leave of shard {shard} failed ({code.name}): {details}")
+            except ValueError:  # gRPC's "closed channel": closed under the call
+                self._check_open("leave")
+                raise
+        if failure is not None:
+            raise failure
 
     def status(self, shard: int = 0) -> SynchronizerStatus:
         reply = self._call("status", lambda: self.stubs[shard].Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata))

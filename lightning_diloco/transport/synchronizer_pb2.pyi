@@ -169,6 +169,18 @@ class HeartbeatRequest(_message.Message):
     session: str
     def __init__(self, island: _Optional[int] = ..., steps: _Optional[int] = ..., step_time: _Optional[float] = ..., schedule_step: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("island", "session")
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    island: int
+    session: str
+    def __init__(self, island: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class HeartbeatReply(_message.Message):
     __slots__ = ("versions", "run_step")
     class VersionsEntry(_message.Message):
@@ -224,7 +236,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class IslandStatus(_message.Message):
-    __slots__ = ("live", "world_size", "steps", "schedule_step", "step_time_s", "accepted", "seen_s_ago", "merged_s_ago")
+    __slots__ = ("live", "world_size", "steps", "schedule_step", "step_time_s", "accepted", "seen_s_ago", "merged_s_ago", "left")
     LIVE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +245,7 @@ class IslandStatus(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
     MERGED_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
     live: bool
     world_size: int
     steps: int
@@ -241,7 +254,8 @@ class IslandStatus(_message.Message):
     accepted: int
     seen_s_ago: float
     merged_s_ago: float
-    def __init__(self, live: _Optional[bool] = ..., world_size: _Optional[int] = ..., steps: _Optional[int] = ..., schedule_step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., accepted: _Optional[int] = ..., seen_s_ago: _Optional[float] = ..., merged_s_ago: _Optional[float] = ...) -> None: ...
+    left: bool
+    def __init__(self, live: _Optional[bool] = ..., world_size: _Optional[int] = ..., steps: _Optional[int] = ..., schedule_step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., accepted: _Optional[int] = ..., seen_s_ago: _Optional[float] = ..., merged_s_ago: _Optional[float] = ..., left: _Optional[bool] = ...) -> None: ...
 
 class LastClose(_message.Message):
     __slots__ = ("round", "version", "contributors", "late", "clipped", "dropped", "grace_wait_s", "reason")

@@ -64,6 +64,11 @@ class SynchronizerStub:
                 request_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/lightning_diloco.v1.Synchronizer/Leave',
+                request_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.LeaveReply.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/lightning_diloco.v1.Synchronizer/Status',
                 request_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.StatusRequest.SerializeToString,
@@ -117,6 +122,15 @@ class SynchronizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """The island ends its part in the run (its training ended, or it was stopped), from its own
+        session: rounds no longer wait for it, and the quorum is at most the islands still in the run.
+        Its session ends; it may join again later, as any island.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -155,6 +169,11 @@ def add_SynchronizerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.HeartbeatRequest.FromString,
                     response_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.LeaveRequest.FromString,
+                    response_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.LeaveReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -324,6 +343,33 @@ class Synchronizer:
             '/lightning_diloco.v1.Synchronizer/Heartbeat',
             lightning__diloco_dot_transport_dot_synchronizer__pb2.HeartbeatRequest.SerializeToString,
             lightning__diloco_dot_transport_dot_synchronizer__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lightning_diloco.v1.Synchronizer/Leave',
+            lightning__diloco_dot_transport_dot_synchronizer__pb2.LeaveRequest.SerializeToString,
+            lightning__diloco_dot_transport_dot_synchronizer__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,10 +66,13 @@ def test_island_ones_credential_cannot_act_as_island_zero(guarded):
         md = attacker.metadata
         for call in (lambda: stub.Heartbeat(pb.HeartbeatRequest(island=0, steps=1), metadata=md, timeout=5),
                      lambda: next(stub.Subscribe(pb.SubscribeRequest(island=0), metadata=md, timeout=5)),
-                     lambda: stub.Push(iter([pb.PushChunk(header=pb.PushHeader(island=0, fragment=0))]), metadata=md, timeout=5)):
+                     lambda: stub.Push(iter([pb.PushChunk(header=pb.PushHeader(island=0, fragment=0))]), metadata=md, timeout=5),
+                     lambda: stub.Leave(pb.LeaveRequest(island=0, session=server.service.membership.members[0].session),
+                                        metadata=md, timeout=5)):
             with pytest.raises(grpc.RpcError) as rpc_err:
                 call()
             assert rpc_err.value.code() == grpc.StatusCode.UNAUTHENTICATED, rpc_err.value.details()
+        assert server.service.live_islands() == {0}  # island 0 did not leave, even with its session shown
         attacker.join(1, 1, SPECS)  # as itself it is served
         assert not _push(attacker, config, 1, seq=1).late
         version = wait_for_version(attacker.pull, 0, 1, timeout=10)[0]

@@ -611,6 +611,22 @@ def test_an_island_restarted_after_a_crash_gets_in_once_its_old_process_is_silen
             assert restarted.heartbeat(0, 2, 0.1).run_step >= 0
 
 
+def test_an_island_that_left_is_let_in_again_at_once_and_a_leave_to_a_synchronizer_gone_fails_as_unreachable(started):
+    """A left island is not running: its restart (a new process, another client) is not refused
+    as island_running, as a killed one's is until it has been silent. A leave is one attempt: the
+    synchronizer gone, it fails as unreachable instead of retrying, and the island ends anyway."""
+    server, client = started(run_config())
+    client.join(0, 1, SPECS)
+    client.leave(0)
+    with SynchronizerClient(server.address, max_retries=0) as restarted:
+        assert restarted.join(0, 1, SPECS).session
+        assert server.service.live_islands() == {0}
+        server.stop(grace=0)
+        with pytest.raises(SynchronizerError) as err:
+            restarted.leave(0)
+    assert err.value.reason == Reason.UNREACHABLE and "leave of shard 0 failed" in str(err.value)
+
+
 def test_a_pull_before_joining_says_the_client_has_not_joined_without_asking():
     with socket.socket() as s:  # a port no one listens on: the answer cannot come from a synchronizer
         s.bind(("127.0.0.1", 0))

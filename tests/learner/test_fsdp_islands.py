@@ -12,6 +12,7 @@ import torch
 from lightning_diloco.core.config import CodecConfig, MergeConfig, RunConfig, ScheduleConfig
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from tests.helpers import holds_final_global_model
 from tests.learner.models import TinyRegressor
 from tests.learner.test_islands_multiprocess import SCRIPT, _env, _run
 
@@ -27,10 +28,10 @@ def _ranks(path, n):
     return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(n)]
 
 
-def test_an_fsdp_island_and_a_one_process_island_join_one_run_and_end_on_the_same_model(tmp_path):
+def test_an_fsdp_island_and_a_one_process_island_join_one_run_and_the_last_to_end_holds_the_final_model(tmp_path):
     """The FSDP2 island's ranks each hold half of every tensor; its layout (built from the whole
     shapes and names) is the one-process island's, so both join, contribute to every round
-    (quorum 2) and end on the same global model."""
+    (quorum 2), and the one that ends last holds the final global model."""
     config = RunConfig(
         schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1),
         merge=MergeConfig(min_quorum=2, grace_gamma=0.0),
@@ -44,9 +45,12 @@ def test_an_fsdp_island_and_a_one_process_island_join_one_run_and_end_on_the_sam
                  _island(tmp_path / "single", *steps, DILOCO_ISLAND="1", **run)]
         _run(procs)
         status = server.service.status()
+        fsdp, single = _ranks(tmp_path / "fsdp", 2), _ranks(tmp_path / "single", 1)[0]
+        # the island that ended last holds the final global model (the first left the run, and
+        # the other's last rounds closed without it); the FSDP island's ranks hold the same model
+        final = [holds_final_global_model(r["weights"], server.service, 2) for r in (fsdp[0], single)]
     finally:
         server.stop(grace=0)
-    fsdp, single = _ranks(tmp_path / "fsdp", 2), _ranks(tmp_path / "single", 1)[0]
     assert [r["steps"] for r in fsdp] == [24, 24] and single["steps"] == 24
     # 24 steps, each fragment due every 4: 6 sends per fragment, 12 per island
     # Quorum 2: every closed round merged both. Of the 12 sends per island, those for rounds the
@@ -54,9 +58,10 @@ def test_an_fsdp_island_and_a_one_process_island_join_one_run_and_end_on_the_sam
     # and its last sends can outrun the other's end): 7 to 12 accepted on this machine
     assert all(isl.accepted >= 4 for isl in status.islands.values()), status.islands
     assert status.accepted["merged"] == sum(isl.accepted for isl in status.islands.values())
+    assert any(final), final
     for rank in fsdp:
         assert rank["metrics"]["diloco/syncs_failed"] == 0
-        for a, b in zip(rank["weights"], single["weights"]):
+        for a, b in zip(rank["weights"], fsdp[0]["weights"]):
             assert torch.equal(a, b)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -147,9 +148,16 @@ def test_training_goes_on_while_the_synchronizer_is_down_and_resyncs_after(islan
     assert learner.counters["failed"] >= 2 and learner.counters["applied"] == 0
     assert learner.versions == [0] and learner.fragments[0].steps == 6  # counters keep accumulating
     link.down = False
-    for _ in range(4):
+    # the island trains on as it would (tau 1 never waits): its place on the run's clock catches
+    # up at the rate the synchronizer allows (membership.py), so its first sends after the outage
+    # may be admitted for a round that already closed and wait as late until a round opens. (This
+    # test used to wait for each flight to settle after every step, and hung on such a late one
+    # for its 120 s bound when it ran after a test that left the clock's step rate slow.)
+    for _ in range(200):
         _step(learner, params)
-        _settle(learner)
+        if learner.counters["applied"] >= 1:
+            break
+        learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), 0.05)
     assert learner.counters["applied"] >= 1 and learner.versions[0] >= 1 and learner.reachable
 
 
@@ -325,6 +333,78 @@ def test_the_ends_wait_is_a_few_step_times(islands):
     assert learner.final_wait() == 4 * 3 * 0.5
     learner._step_time = 0.001  # a tiny model: at least a few seconds for the network
     assert learner.final_wait() == 3.0
+
+
+def _round_open(service, fragment):
+    """Wait until ``fragment``'s round is open (a send reached it)."""
+    deadline = time.monotonic() + WAIT_S
+    while not service.status().rounds[fragment].open:
+        assert time.monotonic() < deadline, "the send never reached its round"
+        time.sleep(0.01)
+
+
+def test_a_stop_ends_a_synchronous_islands_wait_for_its_round_at_once(islands):
+    """tau = 0 waits for each round it sent for, up to push_wait; K = 2 with one island never
+    closes it. A stop (SIGTERM) ends that wait and every later one: the process ends within a
+    step, not a push wait (the launcher's SIGTERM took 35 s)."""
+    config = _config(P=2, H=4, tau=0, quorum=2)  # fragment 0 due at step 2, fragment 1 at step 4
+    learner, _, params, service = islands(config)
+    learner.push_wait = 10 * WAIT_S  # the wait below must end by the stop, never by this
+    stepped = threading.Thread(target=lambda: [_step(learner, params) for _ in range(4)], name="diloco-test-steps")
+    stepped.start()
+    _round_open(service, 0)
+    learner.stop()
+    stepped.join(timeout=WAIT_S)
+    assert not stepped.is_alive(), "the stop did not end the wait for the round"
+    assert learner.step == 4 and learner.counters["sent"] == 2 and learner.counters["applied"] == 0
+
+
+def test_an_island_closed_leaves_the_run_and_the_others_rounds_no_longer_wait_for_it(islands):
+    """K = M = 2, synchronous: once island 1 ended its run (closed, after its end), island 0's rounds
+    close with it alone at once, where they waited out its push wait at every due fragment."""
+    config = _config(P=2, H=4, tau=0, quorum=2)
+    service = Synchronizer(config, num_islands=2).start()
+    try:
+        first, _, params0, _ = islands(config, service=service)
+        second, _, _, _ = islands(config, island=1, service=service, seed=1)
+        second.close()
+        status = service.status()
+        assert status.islands[1].left and status.live_islands == [0]
+        first.push_wait = WAIT_S  # a hang guard: waited out, the send would count as failed
+        for _ in range(4):
+            _step(first, params0)
+        assert first.counters["applied"] == 2 and first.counters["failed"] == 0
+    finally:
+        first.close()
+        service.shutdown()
+
+
+def test_an_island_that_cannot_leave_says_so_and_closes_anyway(islands, caplog):
+    learner, link, _, service = islands(_config())
+    link.down = True  # the synchronizer is gone
+    learner.close()
+    assert "could not tell the synchronizer that it leaves the run" in caplog.text
+    assert service.status().live_islands == [0]  # waited for until its liveness timeout, as before
+
+
+def test_a_send_acked_late_is_replaced_by_a_send_for_its_round_not_waited_for():
+    """A late send waits for a next round that opens only when some island sends for it: held
+    back, a lone island behind rounds opened by islands that left the run never sent again."""
+    from concurrent.futures import Future
+
+    from lightning_diloco.core.protocol import PushAck
+    from lightning_diloco.learner.flights import Flight
+    from lightning_diloco.learner.island import _replaces_late
+
+    def flight(late):
+        future = Future()
+        future.set_result(PushAck(fragment=0, round=7, late=late, duplicate=False, version=3))
+        return Flight(fragment=0, round=5, apply_at=0, snapshot=None, tokens_at_send=1.0, steps_at_send=1, sent_at=0.0,
+                      future=future)
+
+    assert _replaces_late(flight(late=True), 7) and _replaces_late(flight(late=True), 8)
+    assert not _replaces_late(flight(late=True), 6)  # a send for an earlier round would be late again
+    assert not _replaces_late(flight(late=False), 8)  # on time: its round closes with it
 
 
 def test_state_dict_round_trips_and_refuses_another_model(islands):

@@ -139,6 +139,33 @@ def test_every_link_joins_again_when_its_island_joined_elsewhere(link):
     assert link.pull(1)[0] == 0
 
 
+def test_every_link_leaves_the_run_and_does_not_join_again_by_itself(link):
+    """A left island is out of the run at once: not live, said left in Status, its subscription
+    ended. A refusal after that (the synchronizer no longer knows the island) is raised, not
+    answered by joining again as before, which would put the island back into the run; a join is
+    the island's own choice. A second leave is refused as the first one's island is not joined."""
+    link, service = link
+    _joined_and_seeded(link)
+    opened = threading.Event()
+    # holding no version of fragment 0, the island is sent it whole: the stream is open
+    link.subscribe(0, lambda: {0: -1, 1: 0}, on_request=lambda *r: None, on_version=lambda *v: opened.set())
+    assert opened.wait(20), "the subscription delivered nothing"
+    link.leave(0)
+    status = service.status()
+    assert status.live_islands == [] and status.islands[0].left
+    deadline = time.monotonic() + 20
+    while _readers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _readers(), "the subscription still reads after the island left"
+    for call in (lambda: link.heartbeat(0, 1, 0.1, 1), lambda: _push(link, torch.zeros(1), seq=9), lambda: link.leave(0)):
+        with pytest.raises(SynchronizerError) as refused:
+            call()
+        assert refused.value.reason == Reason.NOT_JOINED
+    assert service.status().islands[0].left  # not joined again by any of them
+    link.join(0, 1, SPECS)
+    assert service.status().live_islands == [0] and link.heartbeat(0, 1, 0.1, 1).versions == {0: 0, 1: 0}
+
+
 def test_a_closed_link_ends_its_subscription_and_refuses_every_call(link):
     """Close ends a running subscription (its reader threads are joined when close returns), and
     later calls fail as unreachable, saying the link is closed. A subscribe after close used to

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_diloco.core.quorum import RoundView, decide, grace_window
+from lightning_diloco.core.quorum import RoundView, decide, grace_window, quorum_in_run
 
 SETTINGS = dict(min_quorum=2, gamma=0.5, overlap_steps=2, step_time=1.0, sync_time=0.1)
 
@@ -60,3 +60,12 @@ def test_no_slack_closes_at_quorum():
     settings = dict(SETTINGS, overlap_steps=0)
     d = decide(_view({0, 1}, {0, 1, 2}, quorum_at=0.0), 0.0, **settings)
     assert d.close and "no grace" in d.reason
+
+
+@pytest.mark.parametrize("min_quorum, num_islands, left, needed", [
+    (4, 4, 0, 4), (4, 4, 3, 1), (4, 4, 4, 1),  # K = M: the islands still in the run
+    (2, 4, 1, 2), (2, 4, 3, 1),  # K < M: lowered only once fewer than K remain
+    (3, 0, 2, 3),  # the run's count unknown: how many remain is too, K stands
+])
+def test_the_quorum_counts_at_most_the_islands_still_in_the_run(min_quorum, num_islands, left, needed):
+    assert quorum_in_run(min_quorum, num_islands=num_islands, left=left) == needed
