@@ -288,9 +288,13 @@ class IslandLearner(EndOfRun):
         return out
 
     def _await_rounds(self, fragments: list[int]) -> list[Apply]:
-        """Synchronous DiLoCo (overlap 0): wait for the version of each round just sent for."""
+        """Synchronous DiLoCo (overlap 0): wait for the version of each round just sent for. A
+        send acked late is not waited for (as at the end of the run): it waits in a round that
+        opens only when some island sends for it on time, and the islands that would were
+        blocked, or done; the main job at tau 0 had one island wait out push_wait (120 s) at
+        every due fragment while the others finished. Its version is applied when it comes."""
         def arrived() -> bool:
-            return all(self._settled(p) for p in fragments)
+            return all(self._settled(p) or self.fragments[p].flight.late() for p in fragments)
 
         self.inbox.wait(arrived, self.push_wait)
         arrivals = self.inbox.take(lambda a: a.fragment in fragments and self.fragments[a.fragment].flight.ended_by(a))
