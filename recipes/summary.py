@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lightning_diloco.core.protocol import SynchronizerStatus
+from lightning_diloco.launch.report import rounds_health
 from lightning_diloco.core.settings import given_settings
 
 if TYPE_CHECKING:
@@ -38,43 +39,28 @@ def summarize(recipe: Recipe, args: argparse.Namespace, out: Path, wall: float, 
         "tokens": sum(r["tokens"] for r in results), "wall_s": wall, "final": last["final"],
         "bytes_across": across, "bytes_across_how": across_how,
         "outer_steps": status.outer_steps if status else None,
-        "rounds_health": rounds_health(status.to_dict(), results) if status and args.strategy != "ddp" else None,
+        "rounds_health": run_health(status, results) if status and args.strategy != "ddp" else None,
         "synchronizer": status.to_dict() if status else None,  # its last status: rounds, islands, counters
         "settings": given_settings(args) if args.strategy != "ddp" else {},
         "islands_results": results,
     }
 
 
-def rounds_health(status: dict, results: list[dict]) -> dict:
-    """How the run's rounds went, to read beside its loss (issue 34: the same algorithm lands 1%
-    or 8% from DDP depending on these): outer steps per fragment per H of the islands' steps,
-    contributions per outer step, the shares of merged contributions that came a round late or
-    were scaled down by the guard, of due sends skipped (the fragment was still in flight), the
-    run's clock against the islands' own steps, and the time the training loops waited on the
-    network (synchronous rounds) against the islands' run time."""
-    rounds = list(status["rounds"].values())
-    closed = sum(r["closed"] for r in rounds)
-    merged = sum(r["merged_entries"] for r in rounds)
-    steps = max(r["steps"] for r in results)
-    per_h = steps / status["sync_every"] if status["sync_every"] else 0
+def run_health(status: SynchronizerStatus, results: list[dict]) -> dict:
+    """The rounds' health (``lightning_diloco.launch.report.rounds_health``: outer steps per
+    fragment per H, contributions per step, shares late, scaled down and superseded, the clock
+    against the islands' steps) and what the islands saw of it: the share of due sends skipped
+    (the fragment was still in flight) and the time their training loops waited on the network,
+    against their run time."""
     d = [r["diloco"] for r in results]
     sent, skipped = sum(x.get("diloco/syncs_sent", 0) for x in d), sum(x.get("diloco/syncs_skipped", 0) for x in d)
     waited = sum(x.get("diloco/blocked_s", 0) for x in d)
     run_time = sum(r["finished_at"] for r in results)
-
-    def share(part: float, whole: float) -> float | None:
-        return part / whole if whole else None
-
     return {
-        "outer_steps_per_fragment_per_h": share(closed, len(rounds) * per_h),
-        "contributions_per_outer_step": share(merged, closed),
-        "late": share(sum(r["merged_late"] for r in rounds), merged),
-        "clipped": share(sum(r["clipped"] for r in rounds), merged),
-        "superseded": share(sum(r["superseded"] for r in rounds), merged),
-        "skipped": share(skipped, sent + skipped),
-        "clock_per_island_step": share(status["run_step"], steps),
+        **rounds_health(status),
+        "skipped": skipped / (sent + skipped) if sent + skipped else None,
         "wait_s": waited,
-        "wait": share(waited, run_time),
+        "wait": waited / run_time if run_time else None,
     }
 
 

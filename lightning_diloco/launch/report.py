@@ -34,7 +34,31 @@ DEFINITIONS = {
                        "was alive",
     "recovery": "an island going down (killed, crashed) to the first contribution of its restarted process merged "
                 "into the global model",
+    "rounds": "outer steps per fragment per H of the islands' steps; contributions merged per outer step; shares of "
+              "them merged a round late, scaled down by the guard, and replaced by a newer one of their island; the "
+              "run's clock against the islands' steps (from the synchronizer's last status)",
 }
+
+
+def rounds_health(status: SynchronizerStatus) -> dict[str, float | None]:
+    """How the run's rounds went, from the synchronizer's status (``DEFINITIONS['rounds']``): the
+    same algorithm lands 1 or 8 points from DDP depending on these, so they are read beside a loss."""
+    rounds = list(status.rounds.values())
+    closed = sum(r.closed for r in rounds)
+    merged = sum(r.merged_entries for r in rounds)
+    steps = max((i.steps for i in status.islands.values()), default=0)
+
+    def share(part: float, whole: float) -> float | None:
+        return part / whole if whole else None
+
+    return {
+        "outer_steps_per_fragment_per_h": share(closed * status.sync_every, len(rounds) * steps),
+        "contributions_per_outer_step": share(merged, closed),
+        "late": share(sum(r.merged_late for r in rounds), merged),
+        "clipped": share(sum(r.clipped for r in rounds), merged),
+        "superseded": share(sum(r.superseded for r in rounds), merged),
+        "clock_per_island_step": share(status.run_step, steps),
+    }
 
 
 @dataclass
@@ -74,6 +98,8 @@ class RunReport:
     """Islands' contributions still waiting in rounds that had not closed when the run ended."""
     global_progress: int = 0
     global_series: list[tuple[float, int]] = field(default_factory=list)  # (seconds, global progress) samples
+    rounds: dict[str, float | None] = field(default_factory=dict)
+    """:func:`rounds_health` of the synchronizer's last status (empty for DDP)."""
     definitions: dict[str, str] = field(default_factory=lambda: dict(DEFINITIONS))
 
     @property
@@ -112,12 +138,18 @@ class RunReport:
         if self.unmerged_at_end:
             lines.append(f"not merged: {self.unmerged_at_end} contribution(s) waited in rounds that had not closed when the "
                          "run ended (late sends wait for a next round nobody opened)")
+        if self.rounds:
+            r = {k: "-" if v is None else v for k, v in self.rounds.items()}
+            lines.append("rounds: " + ", ".join(f"{k.replace('_', ' ')} {v if isinstance(v, str) else f'{v:.2f}'}"
+                                                for k, v in r.items()))
         if self.recoveries_s or self.unrecovered:
             lines.append("recoveries: " + ", ".join([f"{r:.1f}s" for r in self.recoveries_s]
                                                    + [f"island {i} not recovered by the end" for i in self.unrecovered]))
         used = ["start-up", "training", "ending", "alive", "useful", "goodput", "global downtime"]
         if self.recoveries_s or self.unrecovered:
             used.append("recovery")
+        if self.rounds:
+            used.append("rounds")
         lines += ["where"] + [f"  {name}: {self.definitions[name]}" for name in used]
         return "\n".join(lines)
 

@@ -28,7 +28,7 @@ from lightning_diloco.launch.environments import (free_port, island_environment,
                                                   synchronizer_environment)
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.preflight import check_command, import_failure
-from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report
+from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report, rounds_health
 from lightning_diloco.launch.supervisor import (Supervised, UnitState, children, clean_environment, read_progress,
                                                 read_progress_line, safe_kill)
 from lightning_diloco.launch.workdir import checkpoint_folder, progress_file, set_aside
@@ -331,6 +331,7 @@ class Run:
             rep.accepted = dict(self.recovery.accepted)
             if self.last_status is not None:
                 rep.unmerged_at_end = sum(r.open_contributors for r in self.last_status.rounds.values())
+                rep.rounds = rounds_health(self.last_status)
         rep.faults = self.fired
         rep.restarts = {i: self._unit(i).restarts for i in range(self.options.islands)}
         return rep
