@@ -60,7 +60,7 @@ class Namespaces:
     def exec_prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.names[i]]
 
-    def __enter__(self) -> "Namespaces":
+    def __enter__(self) -> Namespaces:
         self.remove()  # leftovers of a crashed run with the same prefix
         try:
             _ip("ip", "link", "add", self.bridge, "type", "bridge")

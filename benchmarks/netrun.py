@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.netns import Namespaces
-from lightning_diloco.launch.supervisor import read_progress
-from lightning_diloco.launch.supervisor import clean_environment
+from lightning_diloco.launch.supervisor import clean_environment, read_progress
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM = 10  # steps every unit has taken before the steady-state window opens

@@ -105,7 +105,7 @@ def run_case(learners: int, numel: int, rounds: int, codec_name: str) -> dict:
                     clients[i].push(island=i, fragment=0, round=r, base_version=r, tokens=1.0, steps=1, codec=codec_name,
                                     seq=r, payload=payload, layout_hash=info.layout_hash)
                     with arrived[i]:
-                        if not arrived[i].wait_for(lambda: versions[i] > r, timeout=600):
+                        if not arrived[i].wait_for(lambda: versions[i] > r, timeout=600):  # noqa: B023 - called within this iteration
                             raise TimeoutError(f"learner {i}: no version {r + 1} within 600 s")
                     if i == 0:
                         latencies.append(time.perf_counter() - start)
@@ -131,8 +131,9 @@ def run_case(learners: int, numel: int, rounds: int, codec_name: str) -> dict:
 
 def _plain_server() -> None:
     """A bare gRPC server that streams every request message straight back (--plain-server)."""
-    import grpc
     from concurrent import futures
+
+    import grpc
 
     def echo(requests, context):
         yield from requests

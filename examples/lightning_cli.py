@@ -15,9 +15,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
+from train_lm import LM, BigramLanguage
 
 import lightning_diloco  # noqa: F401  registers "decoupled_diloco"
-from train_lm import LM, BigramLanguage
 
 
 class TinyLlama(LM):

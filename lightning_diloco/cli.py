@@ -28,8 +28,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _credential(args: argparse.Namespace) -> int:
-    from lightning_diloco.synchronizer.credentials import island_credential
     from lightning_diloco.core.token_options import resolve_token
+    from lightning_diloco.synchronizer.credentials import island_credential
 
     token = resolve_token(args)
     if not token:

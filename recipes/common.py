@@ -16,10 +16,11 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from lightning_diloco.core import presets
 from lightning_diloco.core.config import RunConfig

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="cpu-tiny", help="one of the recipe's presets (its --help lists them; default %(default)s)")
     p.add_argument("--islands", type=int, default=4, help="M: islands and DDP processes (default %(default)s)")
     p.add_argument("--steps", type=int, help="inner steps (default: the preset's)")
-    p.add_argument("--sweep", action="store_true", help="also run the outer-settings sweep (%d arms)" % len(SWEEP))
+    p.add_argument("--sweep", action="store_true", help=f"also run the outer-settings sweep ({len(SWEEP)} arms)")
     p.add_argument("--only", action="append", default=[], help="run only the sweep arms whose name contains this")
     p.add_argument("--out", help="default runs/compare-<recipe>-<preset>")
     p.add_argument("--reuse", action="store_true",

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lightning_diloco.core.protocol import SynchronizerStatus
-from lightning_diloco.launch.report import rounds_health
 from lightning_diloco.core.settings import given_settings
+from lightning_diloco.launch.report import rounds_health
 
 if TYPE_CHECKING:
     from recipes.common import Recipe

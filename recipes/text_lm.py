@@ -22,7 +22,8 @@ if __package__ in (None, ""):  # run as a file: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_diloco.core.presets import large_model, small_model  # noqa: E402
-from recipes.common import Preset, Recipe, Reference, cosine_with_warmup, main as run_recipe  # noqa: E402
+from recipes.common import Preset, Recipe, Reference, cosine_with_warmup  # noqa: E402
+from recipes.common import main as run_recipe
 
 TINY = dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=192, seq=64, tokenizer="byte")
 PRESETS = {

@@ -35,6 +35,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -44,6 +45,7 @@ except ImportError:  # not on Windows: there a directory's second owner is not d
     fcntl = None
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 KEEP = 3
 LATEST = "synchronizer.json"
@@ -156,7 +158,7 @@ def save(state_dict: dict, summary: dict, directory: str | os.PathLike, keep: in
     return path
 
 
-def load(directory: str | os.PathLike, restore: Callable[[dict], object]) -> object | None:
+def load(directory: str | os.PathLike, restore: Callable[[dict], R]) -> R | None:
     """``restore(state_dict)`` of the newest valid checkpoint in ``directory``; None when there is none.
 
     ``restore`` raises ValueError for a state it cannot use; such a checkpoint is skipped too.

@@ -33,10 +33,11 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from typing import TypeAlias
 
 import torch
 
-Payload = "torch.Tensor | bytes | bytearray | memoryview"
+Payload: TypeAlias = "torch.Tensor | bytes | bytearray | memoryview"
 
 
 def payload_size(payload: Payload) -> int:

@@ -40,11 +40,14 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
-from dataclasses import dataclass
 
 from lightning_diloco.core.merge import common_scale, norm64
+
+Number = TypeVar("Number", int, float)
 
 TOKENS_PER_STEP_FACTOR = 4.0
 STEPS_FACTOR = 4
@@ -55,7 +58,7 @@ PRESENT_ROUNDS = 4  # closed rounds: a peer with no share in them is away, not a
 BUDGET_RATIO = 1.5  # x the peers' influence over the window: above WEIGHT_RATIO (1.0 trimmed honest islands of unequal tokens)
 
 
-def lower_median(values: Iterable[float]) -> float | None:
+def lower_median(values: Iterable[Number]) -> Number | None:
     ordered = sorted(v for v in values if math.isfinite(v))
     return ordered[(len(ordered) - 1) // 2] if ordered else None
 

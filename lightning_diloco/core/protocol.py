@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
     from lightning_diloco.core.config import RunConfig
 
-RECORD = dataclass(kw_only=True, frozen=True)
 
 RUNNING_WINDOW = 5.0
 """Seconds after an island's session was last heard from (a heartbeat comes every second) during
@@ -34,7 +33,7 @@ RUNNING_PATIENCE = 3 * RUNNING_WINDOW
 # ---- joining and liveness ---------------------------------------------------------------------
 
 
-@RECORD
+@dataclass(kw_only=True, frozen=True)
 class JoinInfo:
     """What an island learns when it joins (from every shard, combined by the client)."""
 
@@ -51,7 +50,7 @@ class JoinInfo:
     """Which synchronizer process answered; a new one after a restart."""
 
 
-@RECORD
+@dataclass(kw_only=True, frozen=True)
 class Beat:
     """The answer to a heartbeat."""
 
@@ -62,7 +61,7 @@ class Beat:
 # ---- contributions and what comes back -----------------------------------------------------------
 
 
-@RECORD
+@dataclass(kw_only=True, frozen=True)
 class PushAck:
     """What a push learns at once: where its contribution went."""
 
@@ -77,7 +76,7 @@ class PushAck:
     """The fragment's version when it was accepted."""
 
 
-@RECORD
+@dataclass(kw_only=True, frozen=True)
 class RoundRequest:
     """The synchronizer asks an island to send ``fragment`` now, for ``round``."""
 
@@ -87,7 +86,7 @@ class RoundRequest:
     """Where ``round`` is on the run's clock: an island behind it skips ahead."""
 
 
-@RECORD
+@dataclass(kw_only=True, frozen=True)
 class VersionUpdate:
     """A new global version of a fragment for one island: a delta against the version it last got
     (``base_version``), or the full fp32 value when ``base_version`` is -1."""
@@ -107,7 +106,7 @@ class VersionUpdate:
 # ---- status ---------------------------------------------------------------------------------------
 
 
-@RECORD
+@dataclass(kw_only=True, frozen=True)
 class IslandStatus:
     live: bool
     world_size: int
@@ -125,7 +124,7 @@ class IslandStatus:
     """It left the run (ended its training, or was stopped) and has not joined since."""
 
 
-@RECORD
+@dataclass(kw_only=True, frozen=True)
 class LastClose:
     """How a fragment's latest round closed."""
 
@@ -139,7 +138,7 @@ class LastClose:
     reason: str
 
 
-@RECORD
+@dataclass(kw_only=True, frozen=True)
 class RoundStatus:
     """One fragment's open round and the totals over every round it closed."""
 
@@ -160,7 +159,7 @@ class RoundStatus:
     """None until the fragment's first round closes."""
 
 
-@RECORD
+@dataclass(kw_only=True, frozen=True)
 class SynchronizerStatus:
     """One shard of the synchronizer."""
 

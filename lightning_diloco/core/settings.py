@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ def changed_settings(config: RunConfig, base: RunConfig | None = None) -> dict[s
     return {s.name: value_of(config, s.name) for s in run_settings() if value_of(config, s.name) != value_of(base, s.name)}
 
 
-def load_run_config(path: str | Path) -> RunConfig:
+def load_run_config(path: str | os.PathLike) -> RunConfig:
     """A run config from JSON: ``{"merge": {"min_quorum": 2}, ...}``; sections and fields left
     out keep their defaults (the format ``RunConfig.to_dict`` writes)."""
     try:

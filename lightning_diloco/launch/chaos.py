@@ -89,7 +89,8 @@ def random_kills(mtbf_s: float, num_islands: int, horizon_s: float, rng: random.
     """Kills of uniformly chosen islands with exponential gaps of mean ``mtbf_s`` up to the horizon."""
     if mtbf_s <= 0:
         raise ValueError(f"mtbf must be positive, got {mtbf_s}s")
-    faults, t = [], 0.0
+    faults: list[Fault] = []
+    t = 0.0
     while True:
         t += rng.expovariate(1.0 / mtbf_s)
         if t >= horizon_s:

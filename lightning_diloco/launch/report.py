@@ -234,7 +234,7 @@ class RecoveryClock:
         self.accepted: dict[int, int] = {}  # per island, in the synchronizer's current incarnation
         self._down: dict[int, tuple[float, float]] = {}  # island -> (went down at, restarted at)
         self._baseline: dict[int, int] = {}  # island -> merged count when its restarted process joined
-        self._incarnation = None
+        self._incarnation: str | None = None
 
     def island_restarted(self, island: int, went_down: float, restarted: float) -> None:
         self._down[island] = (went_down, restarted)

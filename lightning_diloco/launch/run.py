@@ -17,21 +17,31 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from lightning_diloco.core.exit_codes import EXIT_REFUSED
 from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.console import Console, progress_line
-from lightning_diloco.launch.environments import (free_port, island_environment, synchronizer_command,
-                                                  synchronizer_environment)
+from lightning_diloco.launch.environments import free_port, island_environment, synchronizer_command, synchronizer_environment
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.preflight import check_command, import_failure
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report, rounds_health
-from lightning_diloco.launch.supervisor import (Supervised, UnitState, children, clean_environment, read_progress,
-                                                read_progress_line, safe_kill)
+from lightning_diloco.launch.supervisor import (
+    Supervised,
+    UnitState,
+    children,
+    clean_environment,
+    read_progress,
+    read_progress_line,
+    safe_kill,
+)
 from lightning_diloco.launch.workdir import checkpoint_folder, progress_file, set_aside
+
+if TYPE_CHECKING:  # imported where used: a run with no synchronizer client needs no grpc
+    from lightning_diloco.transport.client import SynchronizerClient
 
 log = logging.getLogger(__name__)
 SAMPLE_EVERY = 0.25
@@ -64,7 +74,7 @@ class Run:
         self.synchronizer: Supervised | None = None
         self.address = options.synchronizer
         self.token = options.token
-        self.client = None
+        self.client: SynchronizerClient | None = None
         self._write = threading.Lock()
         self.failures: list[str] = []  # why units failed, for the run's last line
         self._world_size_said: set[int] = set()  # islands whose wrong process count was said
@@ -96,7 +106,7 @@ class Run:
             self.client = SynchronizerClient(self.address, token=self.token, max_retries=0, timeout=2.0)
         names = ["ddp-job"] if self.ddp else [f"island {i}" for i in range(self.units)]
         self.islands = [Supervised(names[i], self.command,  # a fresh environment (MASTER_PORT) at each start
-                                   lambda i=i: island_environment(self.options, i, self.workdir, self.address),
+                                   lambda i=i: island_environment(self.options, i, self.workdir, self.address),  # type: ignore[misc]  # i=i binds the index
                                    self.console.output_of(names[i]))
                         for i in range(self.units)]
         if self.console.quiet:

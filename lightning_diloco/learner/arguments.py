@@ -100,9 +100,9 @@ def describe_for_cli(cls: type, inner: dict[str, tuple[type, str]], island_init:
         def init(self, *args, **kwargs):
             super(cls, self).__init__(*args, **kwargs)
 
-        init.__signature__, init.__doc__ = inspect.signature(island_init), island_init.__doc__
+        init.__signature__, init.__doc__ = inspect.signature(island_init), island_init.__doc__  # type: ignore[attr-defined]  # read by inspect.signature
         init.__qualname__ = f"{cls.__qualname__}.__init__"
-        cls.__init__ = init
+        cls.__init__ = init  # type: ignore[misc]  # deliberate: the class gets a described constructor
     signature = inspect.signature(init)
     params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD and p.name not in HIDDEN]
     named = {p.name for p in params}
@@ -112,7 +112,7 @@ def describe_for_cli(cls: type, inner: dict[str, tuple[type, str]], island_init:
     named |= {p.name for p in island}
     extra = [(s.name, s.type, s.doc) for s in run_settings() if s.name not in named]
     extra += [(name, kind, doc) for name, (kind, doc) in inner.items() if name not in named]
-    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Optional[kind])
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Optional[kind])  # noqa: UP045 - built at run time from kind, which may be a string or typing form
                for name, kind, _ in extra]
     init.__signature__ = signature.replace(parameters=params)
     indent = " " * 12

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING, Any
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout
@@ -25,6 +26,9 @@ from lightning_diloco.learner.flights import Flight
 from lightning_diloco.learner.fragment_sync import FragmentSync
 from lightning_diloco.learner.inbox import Inbox
 from lightning_diloco.learner.link import SynchronizerLink
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,6 @@ class EndOfRun:
     is_leader: bool
     fragments: list[FragmentSync]
     inbox: Inbox | None
-    in_flight: dict[int, Flight]
     step: int
     schedule_step: int
     push_wait: float
@@ -51,6 +54,14 @@ class EndOfRun:
     counters: dict[str, int]
     _lock: threading.Lock
     _step_time: float
+
+    if TYPE_CHECKING:  # the island's property and methods, for the type checker only
+        @property
+        def in_flight(self) -> dict[int, Flight]: ...
+        def _share(self, obj: Any) -> Any: ...
+        def _share_fragment(self, p: int, value: torch.Tensor | None) -> torch.Tensor: ...
+        def _settled(self, p: int) -> bool: ...
+        def write_fragment(self, p: int, flat: torch.Tensor) -> None: ...
 
     def finish(self, timeout: float | None = None) -> bool:
         """Wait for the rounds still in flight, then load the current global model on every rank.

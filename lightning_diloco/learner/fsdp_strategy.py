@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_diloco.core.fragments import split_fragment as _split
@@ -95,7 +95,7 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":  # before the mesh is built from it
-            self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
+            self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size  # type: ignore[operator]  # 1, not "auto": checked in __init__
         super().setup_environment()
 
     def _join(self) -> None:
@@ -125,7 +125,7 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
                     checkpoint["state_dict"][BASES + layout.specs[i].name] = shards.as_distributed(i, local.clone())
             state["bases_in"] = "state_dict"
         else:  # rank 0 saves the whole model: the bases too, one fragment gathered at a time
-            whole = {}
+            whole: dict[str, torch.Tensor] = {}
             for p, flat in enumerate(bases):
                 fragment = shards.gather(p, flat)
                 if fragment is not None:
@@ -203,4 +203,4 @@ def _remove(path: Path) -> None:
 describe_for_cli(DecoupledDiLoCoFSDPStrategy, {}, IslandStrategy.__init__)
 
 # registers both strategy names (this class is defined by now, which registering it needs)
-from lightning_diloco.learner import strategy as _strategy  # noqa: E402,F401
+from lightning_diloco.learner import strategy as _strategy  # noqa: E402,F401 - last, for its side effect

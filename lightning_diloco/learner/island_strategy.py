@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -54,7 +54,13 @@ class RefusedByRun(SystemExit):
         return self.message
 
 
-class IslandStrategy:
+if TYPE_CHECKING:  # mixed in before a Lightning strategy: the type checker sees what it is mixed into
+    from lightning.pytorch.strategies import ParallelStrategy as _MixedInto
+else:
+    _MixedInto = object
+
+
+class IslandStrategy(_MixedInto):
     """The island half of a Decoupled DiLoCo strategy; the other half is a Lightning strategy.
 
     A concrete strategy names the arguments its inner strategy takes (:meth:`inner_arguments`,

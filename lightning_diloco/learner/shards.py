@@ -31,7 +31,7 @@ from lightning_diloco.learner.collective import Collective
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # a torch without DTensor has no sharded parameters either
-    DTensor, distribute_tensor = (), None
+    DTensor, distribute_tensor = (), None  # type: ignore[misc,assignment]  # isinstance(t, ()) is False; never called
 
 
 def _is_sharded(t: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,11 +29,11 @@ from lightning_diloco.core.merge import norm64
 from lightning_diloco.core.outer import outer_gradient
 from lightning_diloco.core.protocol import PushAck, RoundRequest
 from lightning_diloco.core.schedule import due_step, latest_round
-from lightning_diloco.core.state import SynchronizerState
+from lightning_diloco.core.state import FragmentState, SynchronizerState
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.admission import admitted_round, seed_problem
 from lightning_diloco.synchronizer.membership import Membership
-from lightning_diloco.synchronizer.requests import Contribution, contribution_problem, payload_digest
+from lightning_diloco.synchronizer.requests import Contribution, Refusal, contribution_problem, payload_digest
 from lightning_diloco.synchronizer.rounds import Entry, FragmentRounds, RoundFull, SequenceError
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,16 @@ class Intake:
     membership: Membership
     lock: threading.RLock
     clock: Callable[[], float]
-    offsets: list[int]
+    offsets: tuple[int, ...]
     accepted: Counter[str]
     bytes_in: int
+
+    if TYPE_CHECKING:  # the service's methods, for the type checker only
+        def refuse(self, reason: Reason, message: str) -> Refusal: ...
+        def _rounds(self, fragment: int) -> FragmentRounds: ...
+        def _seeded(self, rounds: FragmentRounds) -> FragmentState: ...
+        def _check_session(self, island: int, session: str | None, what: str,
+                           check: Callable[[int, str | None], None] | None = None) -> None: ...
 
     # ---- header checks, before the payload is read ---------------------------------------------
 

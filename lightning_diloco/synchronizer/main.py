@@ -7,18 +7,16 @@ import ctypes
 import gc
 import json
 import logging
-import os
 import resource
 import signal
 import threading
-from pathlib import Path
 
 import torch
 
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.token_options import add_token_arguments, resolve_token
 from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings, load_run_config
+from lightning_diloco.core.token_options import add_token_arguments, resolve_token
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT
 
 log = logging.getLogger(__name__)

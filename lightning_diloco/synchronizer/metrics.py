@@ -13,7 +13,11 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lightning_diloco.synchronizer.http_limits import (
-    IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedServer, limited_handler, serve_in_background,
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    BoundedServer,
+    limited_handler,
+    serve_in_background,
 )
 from lightning_diloco.synchronizer.service import Synchronizer
 
@@ -57,6 +61,6 @@ def serve_metrics(service: Synchronizer, port: int, host: str = "127.0.0.1", *, 
     so callers can shut it down."""
     registry = CollectorRegistry()
     registry.register(SynchronizerCollector(service))
-    server = make_server(host, port, make_wsgi_app(registry), lambda *a: MetricsServer(*a, max_connections=max_connections),
+    server = make_server(host, port, make_wsgi_app(registry), lambda *a: MetricsServer(*a, max_connections=max_connections),  # type: ignore[call-overload]  # a factory as server_class: make_server only calls it
                          handler_class=limited_handler(_QuietHandler, idle_timeout))
     return server, serve_in_background(server, "diloco-metrics")

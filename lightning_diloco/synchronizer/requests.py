@@ -102,7 +102,7 @@ def payload_digest(payload: Payload) -> bytes:
     largest single cost of a push (benchmarks/RESULTS.md).
     """
     data = payload.numpy() if isinstance(payload, torch.Tensor) else payload
-    return payload_size(payload).to_bytes(8, "little") + zlib.crc32(data).to_bytes(4, "little")
+    return payload_size(payload).to_bytes(8, "little") + zlib.crc32(data).to_bytes(4, "little")  # type: ignore[arg-type]  # a buffer; numpy says so for Python 3.12+ only
 
 
 def layout_difference(run: FragmentLayout, other: FragmentLayout) -> str:

@@ -30,9 +30,9 @@ from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
 from lightning_diloco.core.guard import InfluenceGuard, agreeing, capped_weights, lower_median
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients, norm64
+from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
 from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.state import FragmentState
-from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
 
 log = logging.getLogger(__name__)
 

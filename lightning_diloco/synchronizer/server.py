@@ -345,9 +345,9 @@ class SynchronizerServer:
             if not (tls_cert and tls_key):
                 raise ValueError("TLS needs both a certificate and a key file (--tls-cert and --tls-key)")
             credentials = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
-            bind = lambda: self.server.add_secure_port(address, credentials)  # noqa: E731
+            bind = lambda: self.server.add_secure_port(address, credentials)  # noqa: E731 - one call, two ways
         else:
-            bind = lambda: self.server.add_insecure_port(address)  # noqa: E731
+            bind = lambda: self.server.add_insecure_port(address)  # noqa: E731 - one call, two ways
         try:
             self.port = bind()
         except RuntimeError:  # grpc >= 1.60 raises where older ones returned 0

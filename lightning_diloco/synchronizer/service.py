@@ -37,14 +37,12 @@ from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.admission import (join_problem, layout_pin_problem, num_islands_problem,
-                                                     tensor_count_problem)
+from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem, num_islands_problem, tensor_count_problem
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume
 from lightning_diloco.synchronizer.intake import Intake
-from lightning_diloco.synchronizer.membership import (LIVENESS_TIMEOUT, MAX_ISLANDS, IslandRunning, Membership,
-                                                      SessionError)
+from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, MAX_ISLANDS, IslandRunning, Membership, SessionError
 from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Callable
 
 from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.synchronizer.http_limits import (
-    IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedServer, limited_handler, serve_in_background,
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    BoundedServer,
+    limited_handler,
+    serve_in_background,
 )
 
 REFRESH_S = 2

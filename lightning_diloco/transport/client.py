@@ -31,8 +31,15 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
-from lightning_diloco.core.protocol import (RUNNING_PATIENCE, Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus,
-                                            VersionUpdate)
+from lightning_diloco.core.protocol import (
+    RUNNING_PATIENCE,
+    Beat,
+    JoinInfo,
+    PushAck,
+    RoundRequest,
+    SynchronizerStatus,
+    VersionUpdate,
+)
 from lightning_diloco.core.state import shard_of
 from lightning_diloco.reasons import REJOIN, Reason, SynchronizerError
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -326,7 +333,7 @@ class SynchronizerClient(ShardSessions):
         absent shard's are missing) and the run's furthest clock. Raises when no shard answers."""
         versions: dict[int, int] = {}
         run_step, answered, error = 0, 0, None
-        for shard, stub in enumerate(self.stubs):
+        for shard, stub in enumerate(self.stubs):  # noqa: F402 - the shard's stub; the module's stub() is not used here
             def call(shard=shard, stub=stub):
                 request = pb.HeartbeatRequest(island=island, steps=steps, step_time=step_time, schedule_step=schedule_step,
                                               session=self.sessions[shard])

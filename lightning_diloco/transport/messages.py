@@ -77,9 +77,9 @@ def _fill(message: Message, record: Any) -> Message:
     return message
 
 
-def _read(message: Message, cls: type[T]) -> T:
+def _read(message: Message, cls: Any) -> Any:
     hints = typing.get_type_hints(cls)
-    values = {}
+    values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         kind, optional = _unwrap_optional(hints[f.name])
         if optional and not message.HasField(f.name):

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -47,8 +48,11 @@ class ShardSessions:
     stubs: list[pb_grpc.SynchronizerStub]
     timeout: float
     metadata: Sequence[tuple[str, str]]
-    num_shards: int
     _count: Callable[..., None]
+
+    if TYPE_CHECKING:  # the client's property, for the type checker only
+        @property
+        def num_shards(self) -> int: ...
 
     def __init__(self, num_shards: int) -> None:
         self._join_request: pb.JoinRequest | None = None  # the island's join, repeated by rejoin()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def _flat(settings: dict, prefix: str = "") -> dict[str, object]:
@@ -22,21 +23,21 @@ def _flat(settings: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def shard_mismatch(addresses: Sequence[str], replies: Mapping[int, object]) -> str | None:
+def shard_mismatch(addresses: Sequence[str], replies: Mapping[int, Any]) -> str | None:
     """Why ``replies`` (JoinReply by address index; shards not joined are missing) are not one
     run's shards, or None."""
     total = len(addresses)
     indices = sorted(replies)
-    addresses, replies = [addresses[i] for i in indices], [replies[i] for i in indices]
-    counts = {r.num_shards for r in replies}
+    addresses, ordered = [addresses[i] for i in indices], [replies[i] for i in indices]
+    counts = {r.num_shards for r in ordered}
     if counts != {total}:
-        said = ", ".join(f"{a} says {r.num_shards}" for a, r in zip(addresses, replies))
+        said = ", ".join(f"{a} says {r.num_shards}" for a, r in zip(addresses, ordered))
         return f"{total} addresses were given, but the synchronizers count other numbers of shards ({said})"
-    for index, address, reply in zip(indices, addresses, replies):
+    for index, address, reply in zip(indices, addresses, ordered):
         if reply.shard != index:
             return (f"the synchronizer at {address} is shard {reply.shard}, but it is address {index} of the list: give "
                     "the shards' addresses in shard order, each shard once (was one started with the wrong --shard?)")
-    settings = [_flat(json.loads(r.config_json)) for r in replies]
+    settings = [_flat(json.loads(r.config_json)) for r in ordered]
     for key in sorted(set().union(*settings)):
         values = [s.get(key) for s in settings]
         if len(set(map(repr, values))) > 1:

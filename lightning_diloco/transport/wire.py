@@ -137,9 +137,9 @@ def chunk_reader(header_type: type[Message], *, default_header: bool = False) ->
 def read_event(raw: bytes) -> Event:
     """A gRPC deserializer of ``SyncEvent`` messages."""
     fields = _fields(memoryview(raw))
-    chunk = fields.get(2)
+    parts = fields.get(2)
     # a chunk field seen more than once would merge its parts: header and data as protobuf reads them
-    chunk = None if chunk is None else _chunk(memoryview(b"".join(chunk)) if len(chunk) > 1 else chunk[0], pb.FragmentHeader, len(raw))
+    chunk = None if parts is None else _chunk(memoryview(b"".join(parts)) if len(parts) > 1 else parts[0], pb.FragmentHeader, len(raw))
     return Event(request=_message(fields.get(1), pb.RoundRequest), chunk=chunk, size=len(raw))
 
 
@@ -152,7 +152,7 @@ def chunk_messages(header: Message, payload: torch.Tensor, *, event: bool = Fals
                    chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """``payload`` (a flat uint8 tensor) as serialized chunk messages, ``header`` on the first:
     ``PushChunk`` / ``FragmentChunk``, or with ``event`` a ``SyncEvent`` carrying each chunk."""
-    view = memoryview(payload.reshape(-1).view(torch.uint8).numpy()) if payload.numel() else memoryview(b"")
+    view = memoryview(payload.reshape(-1).view(torch.uint8).numpy()) if payload.numel() else memoryview(b"")  # type: ignore[arg-type]  # a buffer; numpy says so for Python 3.12+ only
     head = header.SerializeToString()
     for start in range(0, max(len(view), 1), chunk_bytes):
         data = view[start : start + chunk_bytes]
@@ -172,7 +172,7 @@ def assemble(first: Chunk, rest: Iterator[Chunk], expected: int, what: str) -> m
     soon as it overflows. The buffer is reserved, not written: memory is taken as bytes arrive,
     so a header alone costs nothing, whatever it declares.
     """
-    buffer = memoryview(np.empty(expected, dtype=np.uint8)).cast("B")
+    buffer = memoryview(np.empty(expected, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]  # a buffer; numpy says so for Python 3.12+ only
     filled = 0
     for chunk in _chain(first, rest):
         end = filled + len(chunk.data)
@@ -233,7 +233,7 @@ class _Built:
 
 
 # what each chunked method reads and writes instead of protobuf objects (the others keep protobuf's)
-_SERVER_WIRE = {
+_SERVER_WIRE: dict[str, dict[str, Any]] = {
     "Seed": {"request_deserializer": chunk_reader(pb.FragmentHeader, default_header=True)},
     "Push": {"request_deserializer": chunk_reader(pb.PushHeader, default_header=True)},
     "Subscribe": {"response_serializer": serialize},

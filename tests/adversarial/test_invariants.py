@@ -25,7 +25,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_diloco.synchronizer.requests import Refusal
-from tests.adversarial.arena import H, Arena, honest_distance
+from tests.adversarial.arena import Arena, H, honest_distance
 from tests.helpers import contribution
 
 TICKS = 300

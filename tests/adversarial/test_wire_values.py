@@ -5,7 +5,6 @@ still work (one push naming round 2**61 made every later call, and every restart
 from __future__ import annotations
 
 import math
-
 import time
 
 import grpc
@@ -139,9 +138,9 @@ def _honest_round_trip(address, config, island: int) -> None:
         version, round = beat.versions[0], client.status().rounds[0].round
         _step_to(client, island, round)
         numel = layout(config).fragment_numel(0)
-        ack = client.push(island=island, fragment=0, round=round, base_version=version, tokens=100.0, steps=4,
-                          codec="fp32", seq=1, payload=get_codec("fp32").encode(torch.full((numel,), 1e-3)),
-                          layout_hash=layout(config).hash)
+        client.push(island=island, fragment=0, round=round, base_version=version, tokens=100.0, steps=4,
+                    codec="fp32", seq=1, payload=get_codec("fp32").encode(torch.full((numel,), 1e-3)),
+                    layout_hash=layout(config).hash)
         assert wait_for_version(client.pull, 0, version + 1, timeout=10)[0] > version
         status = client.status()
         assert 0 <= status.run_step < 2**40 and all(-1 <= r.round < 2**40 for r in status.rounds.values())

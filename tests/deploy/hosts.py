@@ -76,7 +76,7 @@ class Hosts:
         # columns: Recv-Q Send-Q Local:Port Peer:Port; an IPv4 peer of a dual-stack socket reads [::ffff:10.78.0.2]:58492
         return {line.split()[3].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:") for line in out.splitlines() if line.strip()}
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         self._lock = open(LOCK, "w")
         fcntl.flock(self._lock, fcntl.LOCK_EX)
         try:

@@ -45,9 +45,9 @@ def test_a_close_while_a_call_backs_off_prints_no_traceback_from_a_grpc_thread(m
 
         def join():
             try:
-                client.join(0, 1, SPECS, patience=600.0)
+                client.join(0, 1, SPECS, patience=600.0)  # noqa: B023 - joined within this iteration
             except SynchronizerError as err:
-                outcome["error"] = err
+                outcome["error"] = err  # noqa: B023 - joined within this iteration
 
         thread = threading.Thread(target=join, name="diloco-test-backing-off")
         logger.addHandler(handler)

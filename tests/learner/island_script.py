@@ -17,11 +17,11 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
 import lightning_diloco  # noqa: E402,F401
 from lightning_diloco import DecoupledDiLoCoFSDPStrategy, DecoupledDiLoCoStrategy  # noqa: E402
 from lightning_diloco.learner.collective import leave_process_group  # noqa: E402
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-
 from tests.helpers import exit_now  # noqa: E402
 from tests.learner.models import ShardedTinyRegressor, TinyRegressor, loader, regression_data, trainer  # noqa: E402
 

@@ -26,7 +26,6 @@ from lightning_diloco.synchronizer.service import Synchronizer
 from tests.learner.models import TinyRegressor, trainer
 from tests.learner.test_islands_multiprocess import _env, _run
 
-
 CONFIG = RunConfig(schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1),
                    codec=CodecConfig(uplink="fp32", downlink="fp32"))
 

@@ -14,13 +14,12 @@ import torch
 
 from lightning_diloco.core import readers
 from lightning_diloco.core.codecs import get_codec, payload_size
+from lightning_diloco.core.protocol import RUNNING_WINDOW, Beat, PushAck
 from lightning_diloco.learner.link import SynchronizerLink
-from lightning_diloco.reasons import Reason
+from lightning_diloco.reasons import Reason, SynchronizerError
+from lightning_diloco.synchronizer.local_link import LocalLink
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
-from lightning_diloco.core.protocol import RUNNING_WINDOW, Beat, PushAck
-from lightning_diloco.reasons import SynchronizerError
-from lightning_diloco.synchronizer.local_link import LocalLink
 from lightning_diloco.transport.client import SynchronizerClient
 from tests.helpers import SPECS, initial_fragments, layout, run_config
 from tests.learner.service_link import ServiceLink

@@ -3,10 +3,10 @@ import json
 import pytest
 import torch
 
+from lightning_diloco.core.checkpoints import LATEST
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import DENSE, TensorSpec, build_layout
-from lightning_diloco.core.checkpoints import LATEST
 from lightning_diloco.core.outer import island_delta, outer_gradient
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard
 
@@ -24,7 +24,7 @@ def _state(history=3, seed=0, downlink="bf16"):
 def _advance(state, rounds, seed=1):
     g = torch.Generator().manual_seed(seed)
     for _ in range(rounds):
-        for p, frag in state.fragments.items():
+        for _p, frag in state.fragments.items():
             frag.apply(torch.randn(frag.value.shape, generator=g))
 
 

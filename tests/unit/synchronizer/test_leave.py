@@ -12,7 +12,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.synchronizer import closers
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
-from tests.helpers import FakeClock, SPECS, contribution, initial_fragments, layout, run_config, wait_for_version
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, wait_for_version
 
 
 def _run_of(islands, *, min_quorum, **kwargs):

@@ -14,8 +14,8 @@ import threading
 import torch
 
 from lightning_diloco.core.codecs import get_codec
-from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
+from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
 

@@ -14,7 +14,7 @@ from lightning_diloco.core.merge import contribution_weight, merge_outer_gradien
 from lightning_diloco.synchronizer.closers import CLOSER_TICK, IDLE_WAIT, retry_wait
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
-from tests.helpers import FakeClock, SPECS, contribution, initial_fragments, layout, run_config, wait_for_version
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, wait_for_version
 
 
 def _started(config, islands, **kwargs):
