@@ -210,12 +210,20 @@ def case(name: str, args, attack, *, http: bool = False, nofile: int | None = No
         sync.stop()
 
 
+def _seed_header(sync, fragment: int, numel: int):
+    """A seed's header from island 1, in the session it joined with (the attacker holds its own
+    credential and nothing more)."""
+    attacker = sync.client(1)
+    attacker.join(1, 1, sync.specs)
+    header = pb.FragmentHeader(fragment=fragment, island=1, codec="fp32", payload_bytes=numel * 4,
+                               session=attacker.sessions[0])
+    attacker.close()
+    return header
+
+
 def trickle(args):
     def attack(sync, release):
-        attacker = sync.client(1)
-        attacker.join(1, 1, sync.specs)
-        header = pb.FragmentHeader(fragment=1, island=1, codec="fp32", payload_bytes=args.numel * 4, session=attacker.sessions[0])
-        attacker.close()
+        header = _seed_header(sync, fragment=1, numel=args.numel)
 
         def stream():
             yield pb.FragmentChunk(header=header, data=b"\0").SerializeToString()
@@ -231,10 +239,7 @@ def trickle(args):
 
 def held_seeds(args):
     def attack(sync, release):
-        attacker = sync.client(1)
-        attacker.join(1, 1, sync.specs)
-        header = pb.FragmentHeader(fragment=0, island=1, codec="fp32", payload_bytes=args.numel * 4, session=attacker.sessions[0])
-        attacker.close()
+        header = _seed_header(sync, fragment=0, numel=args.numel)
         payload = get_codec("fp32").encode(torch.ones(args.numel))
 
         def stream():

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.core.settings import given_settings
-from lightning_diloco.launch.report import rounds_health
+from lightning_diloco.launch.report import format_rounds, rounds_health
 
 if TYPE_CHECKING:
     from recipes.common import Recipe
@@ -64,20 +64,6 @@ def run_health(status: SynchronizerStatus, results: list[dict]) -> dict:
     }
 
 
-def format_health(h: dict) -> str:
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{x * 100:.0f}%"
-
-    def num(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f}"
-
-    return (f"rounds: {num(h['outer_steps_per_fragment_per_h'])} outer steps per fragment per H, "
-            f"{num(h['contributions_per_outer_step'])} contributions each, {pct(h['late'])} late, "
-            f"{pct(h['clipped'])} scaled down by the guard, {pct(h['skipped'])} of due sends skipped, "
-            f"clock {num(h['clock_per_island_step'])}x the islands' steps, training loops waited "
-            f"{h['wait_s']:.1f} s ({pct(h['wait'])} of their run time)")
-
-
 def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict, argv: list[str] = ()) -> str:
     final = s["final"]
     lines = [f"{recipe.name} ({s['preset']}, {s['strategy']}, M={s['islands']}): "
@@ -85,7 +71,7 @@ def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict, argv: list
     if args.strategy != "ddp":
         lines.append("  " + reference_line(recipe, args, final[recipe.metric], argv))
     if s.get("rounds_health"):
-        lines.append("  " + format_health(s["rounds_health"]))
+        lines.append("  " + format_rounds(s["rounds_health"]))
     lines.append(f"  tokens {s['tokens']:,.0f}, wall-clock {s['wall_s']:.0f} s, outer steps {s['outer_steps']}, "
                  f"bytes across islands {s['bytes_across'] / 1e6:.2f} MB ({s['bytes_across_how']})")
     unmerged = sum(r["diloco"].get("diloco/syncs_unmerged", 0) for r in s["islands_results"])

@@ -41,8 +41,9 @@ DEFINITIONS = {
 
 
 def rounds_health(status: SynchronizerStatus) -> dict[str, float | None]:
-    """How the run's rounds went, from the synchronizer's status (``DEFINITIONS['rounds']``): the
-    same algorithm lands 1 or 8 points from DDP depending on these, so they are read beside a loss."""
+    """How the run's rounds went, from the synchronizer's status (``DEFINITIONS['rounds']``), to
+    read beside a loss: a figure from rounds that were mostly late, or from islands restarted out of
+    phase, is not the algorithm's (benchmarks/RESULTS.md, Where the main job's points go)."""
     rounds = list(status.rounds.values())
     closed = sum(r.closed for r in rounds)
     merged = sum(r.merged_entries for r in rounds)
@@ -59,6 +60,26 @@ def rounds_health(status: SynchronizerStatus) -> dict[str, float | None]:
         "superseded": share(sum(r.superseded for r in rounds), merged),
         "clock_per_island_step": share(status.run_step, steps),
     }
+
+
+def format_rounds(h: dict) -> str:
+    """:func:`rounds_health` as one line; with the islands' side too where ``h`` has it (the
+    recipes add the share of due sends skipped and the training loops' wait)."""
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x * 100:.0f}%"
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    line = (f"rounds: {num(h['outer_steps_per_fragment_per_h'])} outer steps per fragment per H, "
+            f"{num(h['contributions_per_outer_step'])} contributions each, {pct(h['late'])} late, "
+            f"{pct(h['clipped'])} scaled down by the guard")
+    if "skipped" in h:
+        line += f", {pct(h['skipped'])} of due sends skipped"
+    line += f", clock {num(h['clock_per_island_step'])}x the islands' steps"
+    if "wait_s" in h:
+        line += f", training loops waited {h['wait_s']:.1f} s ({pct(h['wait'])} of their run time)"
+    return line
 
 
 @dataclass
@@ -139,9 +160,7 @@ class RunReport:
             lines.append(f"not merged: {self.unmerged_at_end} contribution(s) waited in rounds that had not closed when the "
                          "run ended (late sends wait for a next round nobody opened)")
         if self.rounds:
-            r = {k: "-" if v is None else v for k, v in self.rounds.items()}
-            lines.append("rounds: " + ", ".join(f"{k.replace('_', ' ')} {v if isinstance(v, str) else f'{v:.2f}'}"
-                                                for k, v in r.items()))
+            lines.append(format_rounds(self.rounds))
         if self.recoveries_s or self.unrecovered:
             lines.append("recoveries: " + ", ".join([f"{r:.1f}s" for r in self.recoveries_s]
                                                    + [f"island {i} not recovered by the end" for i in self.unrecovered]))

@@ -52,7 +52,9 @@ def _replaces_late(flight: Flight, r: int) -> bool:
     """A send for round ``r`` replaces ``flight``, acked late: that one waits in round
     ``merged_in``, which opens only when some island sends for it, and this send (for it or a
     later one) may be that send. Its entry replaces the late one in the synchronizer's round (one
-    entry per island; its progress, measured from the same base, contains the older). Held back
+    entry per island): the older one's progress is in it as far as the apply rule kept it through
+    the versions applied in between (rebase: whole; mix: alpha of it per version; overwrite: none,
+    as it would be at the older one's own apply). Held back
     instead, an island whose sends were all late (behind rounds opened by islands that have since
     left the run) waited out its push wait with every fragment, sending nothing."""
     merged_in = flight.merged_in()
