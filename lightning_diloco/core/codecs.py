@@ -45,10 +45,18 @@ def payload_size(payload: Payload) -> int:
     return payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
 
 
+EXACT = "fp32"
+"""The codec of values that must arrive exactly: seeds, pulls and whole versions."""
+
+
 class Codec:
-    """Encode a flat fp32 tensor to a byte payload and back. Subclasses are stateless."""
+    """Encode a flat fp32 tensor to a byte payload and back. Subclasses are stateless.
+
+    ``lossless``: decode(encode(x)) == x for every fp32 x; a lossless uplink needs no error
+    feedback and a lossless downlink no published chain (the exact value is the published one)."""
 
     name: str
+    lossless: bool = False
 
     def encoded_size(self, numel: int) -> int:
         raise NotImplementedError
@@ -99,6 +107,7 @@ def _refuse_non_finite(x: torch.Tensor, what: str) -> None:
 class FloatCodec(Codec):
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         self.name, self.dtype = name, dtype
+        self.lossless = dtype == torch.float32
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
 
     def encoded_size(self, numel: int) -> int:
@@ -279,8 +288,8 @@ class BlockQuantCodec(Codec):
 
 def get_codec(name: str, block_size: int = 64) -> Codec:
     """The codec called ``name`` (one of fp32, bf16, int8, int4, int2)."""
-    if name == "fp32":
-        return FloatCodec("fp32", torch.float32)
+    if name == EXACT:
+        return FloatCodec(EXACT, torch.float32)
     if name == "bf16":
         return FloatCodec("bf16", torch.bfloat16)
     if name == "int8":

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_diloco.core.codecs import Codec, get_codec
+from lightning_diloco.core.codecs import EXACT, Codec, get_codec
 
 WHOLE = -1
 """``base_version`` of a value sent whole (fp32)."""
@@ -49,7 +49,7 @@ class Downlink:
 
 def whole(value: torch.Tensor, version: int) -> Downlink:
     """``value`` sent whole in fp32 (the payload shares its memory: never change it in place)."""
-    return Downlink(version=version, base_version=WHOLE, codec="fp32", payload=get_codec("fp32").encode(value))
+    return Downlink(version=version, base_version=WHOLE, codec=EXACT, payload=get_codec(EXACT).encode(value))
 
 
 class PublishedChain:
@@ -61,7 +61,7 @@ class PublishedChain:
     """
 
     def __init__(self, value: torch.Tensor, version: int, codec: Codec, depth: int) -> None:
-        assert codec.name != "fp32", "the fp32 downlink sends exact deltas: it needs no published chain"
+        assert not codec.lossless, "a lossless downlink sends exact deltas: it needs no published chain"
         self.codec, self.depth = codec, depth
         self.value = value.detach().to(torch.float32).reshape(-1).clone()
         self.version = version

@@ -46,7 +46,7 @@ class FragmentState:
         self.next_round = -1
         codec = config.codec
         self.downlink_codec = get_codec(codec.downlink, codec.block_size)
-        self.published = None if codec.downlink == "fp32" else PublishedChain(self.value, version, self.downlink_codec, self.depth)
+        self.published = None if self.downlink_codec.lossless else PublishedChain(self.value, version, self.downlink_codec, self.depth)
         self._deltas: dict[int, torch.Tensor] = {}  # fp32 downlink: base version -> current value - base, once per version
 
     def apply(self, outer_gradient: torch.Tensor) -> int | None:
@@ -99,7 +99,7 @@ class FragmentState:
         delta = self._deltas.get(have)
         if delta is None:
             delta = self._deltas[have] = self.value - base
-        return [Downlink(version=self.version, base_version=have, codec="fp32", payload=self.downlink_codec.encode(delta))]
+        return [Downlink(version=self.version, base_version=have, codec=self.downlink_codec.name, payload=self.downlink_codec.encode(delta))]
 
     def published_value(self) -> torch.Tensor:
         """A copy of the current version as the islands hold it: what a pull gets."""

@@ -33,7 +33,7 @@ class LeaderSync:
         ``feedback``: carry what a lossy ``uplink`` could not send into the next push
         (core/feedback.py)."""
         self.link, self.island, self.uplink, self.layout_hash = link, island, uplink, layout_hash
-        self.feedback = UplinkFeedback(uplink) if feedback and uplink.name != "fp32" else None
+        self.feedback = UplinkFeedback(uplink) if feedback and not uplink.lossless else None
         self.progress = progress
         self.lock = threading.Lock()  # the counters below, written from pool threads
         self.bytes_up = 0

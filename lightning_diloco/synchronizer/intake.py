@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec, payload_size
+from lightning_diloco.core.codecs import EXACT, NonFiniteError, Payload, get_codec, payload_size
 from lightning_diloco.core.config import CODECS, RunConfig
 from lightning_diloco.core.merge import norm64
 from lightning_diloco.core.outer import outer_gradient
@@ -97,7 +97,7 @@ class Intake:
         rounds = self._rounds(fragment)
         self._check_session(island, session, "seed")
         numel = self.state.layout.fragment_numel(fragment)
-        value = self._decode("fp32", payload, numel)
+        value = self._decode(EXACT, payload, numel)
         problem = seed_problem(fragment, value)
         if problem:
             raise self.refuse(Reason.BAD_PAYLOAD, problem)

@@ -32,7 +32,7 @@ from typing import TypeVar
 
 import torch
 
-from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.codecs import EXACT, get_codec
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.readers import Readers
@@ -114,7 +114,7 @@ class LocalLink:
                                                                       session=self.session))
 
     def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
-        payload = get_codec("fp32").encode(value)
+        payload = get_codec(EXACT).encode(value)
 
         def call() -> tuple[bool, int]:
             seeded = self.service.seed(island, fragment, payload, session=self.session)

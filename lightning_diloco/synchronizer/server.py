@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.codecs import EXACT, get_codec
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.protocol import RoundRequest
 from lightning_diloco.core.threads import single_threaded_torch
@@ -235,7 +235,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.acting_as(caller, h.island)
         version = self.service.admit_seed(h.island, h.fragment, h.session)
         what = f"seed of fragment {h.fragment}"
-        expected = self.service.expected_payload_bytes("fp32", h.fragment)
+        expected = self.service.expected_payload_bytes(EXACT, h.fragment)
         self._declared(h.payload_bytes, expected, what)
         if version is not None:  # the first offer won: answered from the header, the payload never read
             return pb.SeedReply(seeded=False, version=version)
@@ -286,9 +286,9 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         except Refusal:
             release()
             raise
-        payload = get_codec("fp32").encode(value)
+        payload = get_codec(EXACT).encode(value)
         self._until_read(context, payload.numel(), release)
-        header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec="fp32", payload_bytes=payload.numel())
+        header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec=EXACT, payload_bytes=payload.numel())
         return chunk_messages(header, payload)
 
     @_handler

@@ -29,7 +29,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.codecs import EXACT, get_codec
 from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.core.protocol import (
     RUNNING_PATIENCE,
@@ -268,10 +268,10 @@ class SynchronizerClient(ShardSessions):
             attempt += 1
 
     def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
-        payload = get_codec("fp32").encode(value)
+        payload = get_codec(EXACT).encode(value)
 
         def call():
-            header = pb.FragmentHeader(fragment=fragment, island=island, codec="fp32", payload_bytes=payload.numel(),
+            header = pb.FragmentHeader(fragment=fragment, island=island, codec=EXACT, payload_bytes=payload.numel(),
                                        session=self.sessions[self.shard_of(fragment)])
             reply = self._stub(fragment).Seed(self._counted(chunk_messages(header, payload)), timeout=self.timeout, metadata=self.metadata)
             return reply.seeded, reply.version
@@ -324,7 +324,7 @@ class SynchronizerClient(ShardSessions):
                                      session=self.sessions[self.shard_of(fragment)])
             replies = self._stub(fragment).Pull(request, timeout=self.timeout, metadata=self.metadata)
             h, data = self._receive(replies, what)
-            return h.version, get_codec("fp32").decode(data, len(data) // 4)
+            return h.version, get_codec(EXACT).decode(data, len(data) // 4)
 
         return self._call(what, call, self.shard_of(fragment))
 
