@@ -39,13 +39,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
-from lightning_diloco.core.merge import common_scale, norm64
+from lightning_diloco.core.merge import common_scale, contribution_weight, norm64
 
 Number = TypeVar("Number", int, float)
 
@@ -129,6 +129,30 @@ class Bounded:
         return self.scale < 1.0
 
 
+class Contribution(Protocol):
+    """What the bounds read of one contribution to a round (the synchronizer's ``Entry``)."""
+
+    island: int
+    base_version: int
+    outer_gradient: torch.Tensor
+    tokens: float
+    steps: int
+    norm: float
+
+
+@dataclass(frozen=True)
+class BoundedRound:
+    """A round's contributions as they are merged."""
+
+    gradients: list[torch.Tensor]
+    """Each outer gradient, scaled down where a bound says so (a scaled one is a copy)."""
+    weights: list[float]
+    clipped: int
+    """How many were scaled down."""
+    shares: dict[int, float]
+    """Each island's share of the step: weight share x bounded length (for the budget's window)."""
+
+
 def capped_weights(weights: list[float], ratio: float = WEIGHT_RATIO) -> list[float]:
     """``weights`` with each capped at ``ratio`` x their lower median (one entry: unchanged)."""
     reference = lower_median(weights)
@@ -202,6 +226,48 @@ class InfluenceGuard:
         if reference_tps is not None:
             tps = min(tps, TOKENS_PER_STEP_FACTOR * reference_tps)
         return Bounded(scale, tps * bounded_steps, bounded_steps)
+
+    def bound_round(self, entries: Sequence[Contribution], *, fragment: torch.Tensor, version: int,
+                    staleness_discount: float) -> BoundedRound:
+        """The merge rule's bounds for one round of ``entries`` on ``fragment`` at ``version``:
+        each outer gradient scaled down to the norm bound and to its island's influence budget,
+        and its merge weight (bounded tokens and steps, capped against the round's, discounted by
+        age, taken from an entry that points against the others). The entries are not changed:
+        a close that fails after this and is tried again bounds them once more from the same
+        values, not a second time over."""
+        fragment_norm = norm64(fragment)
+        scales, weights, ages, norms = [], [], [], []
+        for e in entries:
+            others = [(o.norm, o.tokens / o.steps) for o in entries if o.island != e.island]
+            b = self.bound(norm=e.norm, tokens=e.tokens, steps=e.steps, others=others,
+                           fragment_norm=fragment_norm, numel=fragment.numel(), island=e.island)
+            scales.append(b.scale)
+            norms.append(e.norm * b.scale)
+            # a base newer than the current version (kept by an island across a synchronizer
+            # restart that lost the last versions) is as fresh as it gets: age 0
+            ages.append(max(0, version - e.base_version))
+            weights.append(contribution_weight(b.tokens, b.steps))
+        # what the islands claim is capped against each other; the age discount is the synchronizer's own
+        weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=staleness_discount)
+                   for w, a in zip(capped_weights(weights), ages)]
+        weights = agreeing(weights, [e.outer_gradient for e in entries], [e.norm for e in entries])
+        shares = self._within_budgets([e.island for e in entries], weights, norms, scales)
+        gradients = [e.outer_gradient * s if s < 1.0 else e.outer_gradient for e, s in zip(entries, scales)]
+        return BoundedRound(gradients, weights, sum(s < 1.0 for s in scales), shares)
+
+    def _within_budgets(self, islands: list[int], weights: list[float], norms: list[float],
+                        scales: list[float]) -> dict[int, float]:
+        """Scale each entry (in place, ``scales``) so that its share of the step, its weight's
+        share of the round times its bounded length, fits what its island may still move the
+        fragment over the guard's window; returns each island's share."""
+        total = sum(weights)
+        shares = [w / total * n if total > 0 else 0.0 for w, n in zip(weights, norms)]
+        reference = lower_median(norms) or 0.0
+        for i, budget in enumerate(self.budgets(islands, reference)):
+            if budget is not None and shares[i] > budget:
+                scales[i] *= budget / shares[i]
+                shares[i] = budget
+        return dict(zip(islands, shares))
 
     def record(self, island: int, norm: float, tokens: float, steps: int) -> None:
         """A merged contribution's raw values become its island's vote (clipped or not)."""

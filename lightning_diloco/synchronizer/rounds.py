@@ -28,8 +28,8 @@ import torch
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
-from lightning_diloco.core.guard import InfluenceGuard, agreeing, capped_weights, lower_median
-from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients, norm64
+from lightning_diloco.core.guard import InfluenceGuard
+from lightning_diloco.core.merge import merge_outer_gradients
 from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
 from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.state import FragmentState
@@ -244,9 +244,9 @@ class FragmentRounds:
     def close(self, now: float, reason: str) -> ClosedRound:
         """Merge every entry into one outer step and publish the new version.
 
-        Each entry is first bounded (core/guard.py). Should the step still not be finite, the
-        entry with the longest outer gradient is left out and the rest merged again; a round
-        whose entries are all left out closes without a step.
+        Each entry is first bounded (core/guard.py: :meth:`InfluenceGuard.bound_round`). Should
+        the step still not be finite, the entry with the longest outer gradient is left out and
+        the rest merged again; a round whose entries are all left out closes without a step.
 
         A failure before the step leaves the round as it was, to be closed again. Once the step is
         taken the round is closed, and each part of its bookkeeping is applied once, whatever
@@ -259,7 +259,9 @@ class FragmentRounds:
         # it, not as a part after it: a settlement that failed there left no record, and the
         # push's retry was merged a second time
         settled = self._settle(entries, index)
-        gradients, weights, clipped, shares = self._bounded(entries)
+        bounded = self.guard.bound_round(entries, fragment=frag.value, version=frag.version,
+                                         staleness_discount=self.config.merge.staleness_discount)
+        gradients, weights, clipped, shares = bounded.gradients, bounded.weights, bounded.clipped, bounded.shares
         version = None
         kept = list(range(len(entries)))
         while kept and version is None:
@@ -318,47 +320,6 @@ class FragmentRounds:
         t.clipped, t.dropped = t.clipped + clipped, t.dropped + dropped
         t.grace_wait_s += grace
         t.grace_wait_max_s = max(t.grace_wait_max_s, grace)
-
-    def _bounded(self, entries: list[Entry]) -> tuple[list[torch.Tensor], list[float], int, dict[int, float]]:
-        """Each entry's outer gradient scaled down to the norm bound and to its island's influence
-        budget (core/guard.py), its merge weight, how many were scaled, and each island's share of
-        the step (for the budget's window). A scaled gradient is a
-        copy: the entries stay as they came in, so a close that fails after this and is tried
-        again (closers.py) bounds them once more from the same values, not a second time over."""
-        frag = self.frag
-        fragment_norm = norm64(frag.value)
-        discount = self.config.merge.staleness_discount
-        scales, weights, ages, norms = [], [], [], []
-        for e in entries:
-            others = [(o.norm, o.tokens / o.steps) for o in entries if o.island != e.island]
-            b = self.guard.bound(norm=e.norm, tokens=e.tokens, steps=e.steps, others=others,
-                                 fragment_norm=fragment_norm, numel=frag.value.numel(), island=e.island)
-            scales.append(b.scale)
-            norms.append(e.norm * b.scale)
-            # a base newer than the current version (kept by an island across a synchronizer
-            # restart that lost the last versions) is as fresh as it gets: age 0
-            ages.append(max(0, frag.version - e.base_version))
-            weights.append(contribution_weight(b.tokens, b.steps))
-        # what the islands claim is capped against each other; the age discount is the synchronizer's own
-        weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=discount) for w, a in zip(capped_weights(weights), ages)]
-        weights = agreeing(weights, [e.outer_gradient for e in entries], [e.norm for e in entries])
-        shares = self._within_budgets(entries, weights, norms, scales)
-        gradients = [e.outer_gradient * s if s < 1.0 else e.outer_gradient for e, s in zip(entries, scales)]
-        return gradients, weights, sum(s < 1.0 for s in scales), shares
-
-    def _within_budgets(self, entries: list[Entry], weights: list[float], norms: list[float],
-                        scales: list[float]) -> dict[int, float]:
-        """Scale each entry (in place, ``scales``) so that its share of the step, its weight's
-        share of the round times its bounded length, fits what its island may still move the
-        fragment over the guard's window; returns each island's share."""
-        total = sum(weights)
-        shares = [w / total * n if total > 0 else 0.0 for w, n in zip(weights, norms)]
-        reference = lower_median(norms) or 0.0
-        for i, budget in enumerate(self.guard.budgets([e.island for e in entries], reference)):
-            if budget is not None and shares[i] > budget:
-                scales[i] *= budget / shares[i]
-                shares[i] = budget
-        return {e.island: s for e, s in zip(entries, shares)}
 
     def publish(self, island: int, have: int) -> list[VersionUpdate]:
         """What an island holding version ``have`` is sent to hold the current version, in order:

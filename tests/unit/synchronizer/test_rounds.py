@@ -329,11 +329,11 @@ def _clipped_round(fail):
 def _fails_once(obj, name):
     original, failed = getattr(obj, name), []
 
-    def failing(*args):
+    def failing(*args, **kwargs):
         if not failed:
             failed.append(True)
             raise RuntimeError(f"injected failure in {name}")
-        return original(*args)
+        return original(*args, **kwargs)
 
     setattr(obj, name, failing)
 
@@ -364,7 +364,7 @@ def _next_round_opened_by_another_island(sync, config):
     return closed.islands
 
 
-@pytest.mark.parametrize("failing", ["_settle", "_bounded"])
+@pytest.mark.parametrize("failing", ["_settle", "bound_round"])
 def test_a_failure_while_closing_never_lets_the_retry_of_a_merged_push_merge_again(failing):
     """Settling the round's sequence numbers was a part run after the step: when it failed (logged,
     the round closed), the retry of a push whose answer was lost found no record and was taken as
@@ -374,7 +374,7 @@ def test_a_failure_while_closing_never_lets_the_retry_of_a_merged_push_merge_aga
     sync, _ = _started(config, 2)
     push = contribution(config, 0, 0, torch.full((_numel(config),), 0.01), seq=1)
     sync.push(push)
-    _fails_once(sync.rounds[0], failing)
+    _fails_once(sync.rounds[0] if failing == "_settle" else sync.rounds[0].guard, failing)
     try:
         sync.poll()
     except RuntimeError:  # a close that fails before its step raises to its closer, which looks again
