@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import stat
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def add_token_arguments(parser: argparse.ArgumentParser, what: str) -> None:
@@ -21,9 +25,14 @@ def read_token(path: str | os.PathLike | None, name: str = "--token-file") -> st
     if path is None:
         return os.environ.get("DILOCO_TOKEN") or None
     try:
-        return Path(path).read_text().strip() or None
+        token = Path(path).read_text().strip() or None
+        mode = os.stat(path).st_mode
     except OSError as err:
         raise ValueError(f"{name} {str(path)!r}: {err.strerror or err}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):  # the run's secret: anyone who reads it acts as every island
+        log.warning("%s %r can be read by other users of this host (mode %s): anyone who reads it can act as "
+                    "every island; restrict it with `chmod 600 %s`", name, str(path), oct(mode & 0o777), path)
+    return token
 
 
 def resolve_token(args: argparse.Namespace) -> str | None:
