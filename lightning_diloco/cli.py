@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "lightning-diloco run --islands 3 -- python examples/train_lm.py --steps 300",
     )
     add_run_arguments(run)
+    from lightning_diloco.launch.report import definitions_help
+
+    run.formatter_class, run.epilog = argparse.RawDescriptionHelpFormatter, definitions_help()
     run.set_defaults(run=_run)
 
     status = commands.add_parser("status", help="print a synchronizer's status as a table")

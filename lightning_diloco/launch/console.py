@@ -66,9 +66,11 @@ class Console:
             self._logs.clear()
 
 
-def progress_line(elapsed: float, progress: dict[int, Progress], running: int, units: int,
+def progress_line(elapsed: float, progress: dict[int, Progress], activity: dict[int, str],
                   status: SynchronizerStatus | None, unit: str = "island") -> str:
-    """One line: where the islands are (steps, of how many), their training loss, the run's outer steps."""
+    """One line: where the islands are (steps, of how many), their training loss, the run's outer
+    steps, and how many are training (``activity``: each one's :meth:`Supervised.activity`), naming
+    the others."""
     steps = [p.step for p in progress.values()]
     parts = [f"[progress] {elapsed:.0f}s"]
     if not any(steps):
@@ -83,5 +85,10 @@ def progress_line(elapsed: float, progress: dict[int, Progress], running: int, u
         parts.append(f"train loss {statistics.fmean(losses):.3f}")
     if status is not None:
         parts.append(f"outer steps {status.outer_steps}")
-    parts.append(f"{running}/{units} {unit}s running")
+    training = sum(a == "training" for a in activity.values())
+    others = [f"{unit} {i} {a}" for i, a in sorted(activity.items()) if a != "training"]
+    line = f"{training}/{len(activity)} {unit}s training"
+    if others and training:
+        line += " (" + ", ".join(others) + ")"
+    parts.append(line)
     return ", ".join(parts) + "\n"

@@ -3,13 +3,14 @@
 The launcher samples, every fraction of a second, each island's inner-step count and the run's
 global progress (outer steps for Decoupled DiLoCo, the job's step for the DDP baseline); the
 report is computed from those samples by the pure functions here. :data:`DEFINITIONS` says what
-each figure means; the report carries it (``to_dict``) and prints it under its figures.
+each figure means; the report file carries it (``to_dict``) and the launcher's ``--help`` prints it.
 Sample intervals are the grain of every figure: progress is read every quarter second.
 """
 
 from __future__ import annotations
 
 import statistics
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,8 +21,8 @@ STEP_GAPS = 3.0  # an island's step gap longer than this many of its typical gap
 JOIN_MARGIN_S = 1.0  # no restarted process imports torch and joins faster: a heartbeat sooner is the old one's
 
 DEFINITIONS = {
-    "start-up": "launch to an island's first step (imports, data, joining); not counted against goodput, "
-                "a restart's start-up is",
+    "start-up": "launch to an island's first step (imports, data, joining); the first start-up is not counted "
+                "against goodput, a restart's is",
     "training": "from the first step of any island to the last one",
     "ending": "last step to the end of the run (final validation, exits)",
     "alive": "seconds an island's processes ran, start-ups and ending included",
@@ -164,13 +165,16 @@ class RunReport:
         if self.recoveries_s or self.unrecovered:
             lines.append("recoveries: " + ", ".join([f"{r:.1f}s" for r in self.recoveries_s]
                                                    + [f"island {i} not recovered by the end" for i in self.unrecovered]))
-        used = ["start-up", "training", "ending", "alive", "useful", "goodput", "global downtime"]
-        if self.recoveries_s or self.unrecovered:
-            used.append("recovery")
-        if self.rounds:
-            used.append("rounds")
-        lines += ["where"] + [f"  {name}: {self.definitions[name]}" for name in used]
+        # the definitions once in --help and the report file, not after every run (they ran to 8 lines)
+        lines.append("what each figure means: `lightning-diloco run --help`, or the report file's definitions")
         return "\n".join(lines)
+
+
+def definitions_help() -> str:
+    """:data:`DEFINITIONS` as the launcher's ``--help`` ends with them."""
+    return "the run report's figures:\n" + "\n".join(
+        textwrap.fill(f"{name}: {text}", width=100, initial_indent="  ", subsequent_indent="    ")
+        for name, text in DEFINITIONS.items())
 
 
 def _change_points(series: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:

@@ -305,10 +305,10 @@ class Run:
         return 1 if any(i.state is UnitState.FAILED for i in self.islands) or self._stop.is_set() else 0
 
     def _print_progress(self, now: float) -> None:
-        progress = {i: read_progress_line(progress_file(self.workdir, i)) for i in range(self.units)}
-        running = sum(unit.alive for unit in self.islands)
-        self.echo(progress_line(now - self.t0, progress, running, self.units, self.last_status,
-                                "DDP job" if self.ddp else "island"))
+        files = [progress_file(self.workdir, i) for i in range(self.units)]
+        progress = {i: read_progress_line(f) for i, f in enumerate(files)}
+        activity = {i: unit.activity(f) for i, (unit, f) in enumerate(zip(self.islands, files))}
+        self.echo(progress_line(now - self.t0, progress, activity, self.last_status, "DDP job" if self.ddp else "island"))
 
     def shutdown(self) -> None:
         self._sampling_done.set()

@@ -27,6 +27,9 @@ def clean_environment(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+MTIME_SLACK_S = 0.05
+
+
 class UnitState(enum.Enum):
     """Where a supervised process tree is in its life. Every change goes through
     :meth:`Supervised._move`, which refuses one that :data:`TRANSITIONS` does not list."""
@@ -66,6 +69,7 @@ class Supervised:
         self.proc: subprocess.Popen | None = None
         self.lifetimes: list[list[float | None]] = []  # [start, end or None] per incarnation
         self.restarts = 0
+        self.started_wall = 0.0  # time.time() at the latest start
         self.state = UnitState.WAITING
         self.due: float | None = None  # WAITING: when to start it; PAUSED: when to resume it
         self.hold_s = 0.0  # KILLED: how long it stays down after its exit
@@ -118,6 +122,7 @@ class Supervised:
         self.proc = subprocess.Popen(self.command, env=self.make_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, start_new_session=True)
         self.lifetimes.append([time.monotonic(), None])
+        self.started_wall = time.time()  # beside a progress file's mtime: has this incarnation stepped yet
         self._reader = threading.Thread(target=self._pump, args=(self.proc,), name=f"diloco-launch-{self.name}", daemon=True)
         self._reader.start()
 
@@ -130,6 +135,24 @@ class Supervised:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def activity(self, progress: Path) -> str:
+        """What the progress line says of it: ``training`` once its current process wrote
+        ``progress``, ``starting`` before, ``down`` between a death and its restart, ``finished``
+        or ``failed`` at the end. (A restarted process counted as running while it imported and
+        joined: the line said 4/4 during an outage.)"""
+        if self.done:
+            return self.state.value
+        if self.state is UnitState.PAUSED:
+            return "paused"
+        if not self.alive:
+            return "down"
+        try:
+            # a file's mtime comes from the kernel's coarse clock, up to a tick behind time.time()
+            stepped = progress.stat().st_mtime >= self.started_wall - MTIME_SLACK_S
+        except OSError:
+            stepped = False
+        return "training" if stepped else "starting"
 
     def poll(self) -> int | None:
         """The exit code if the current incarnation just ended (recorded once), else None."""

@@ -31,9 +31,43 @@ def test_by_default_every_line_is_printed_with_its_name(tmp_path):
 
 def test_the_progress_line_says_steps_loss_and_outer_steps():
     status = dataclasses.replace(_status("a", i0=3, i1=4), outer_steps=41)
-    line = progress_line(35.2, {0: Progress(35, 120, 3.0), 1: Progress(37, 120, 3.5)}, 2, 2, status)
-    assert line == "[progress] 35s, steps 35-37 of 120, train loss 3.250, outer steps 41, 2/2 islands running\n"
-    assert "starting" in progress_line(3.0, {0: Progress(0), 1: Progress(0)}, 2, 2, None)
+    both = {0: "training", 1: "training"}
+    line = progress_line(35.2, {0: Progress(35, 120, 3.0), 1: Progress(37, 120, 3.5)}, both, status)
+    assert line == "[progress] 35s, steps 35-37 of 120, train loss 3.250, outer steps 41, 2/2 islands training\n"
+    assert "starting" in progress_line(3.0, {0: Progress(0), 1: Progress(0)}, {0: "starting", 1: "starting"}, None)
+
+
+def test_the_progress_line_counts_an_island_that_is_down_or_restarting_as_not_training():
+    """During an outage the line said 4/4 islands running: a restarted process counted while it
+    imported and joined, and a killed one until its restart."""
+    progress = {i: Progress(300, 800, 2.0) for i in range(4)}
+    line = progress_line(60.0, progress, {0: "training", 1: "down", 2: "training", 3: "starting"}, None)
+    assert line.endswith("2/4 islands training (island 1 down, island 3 starting)\n")
+
+
+def test_an_island_is_training_once_its_current_process_wrote_progress(tmp_path):
+    import os
+    import sys
+    import time
+
+    from lightning_diloco.launch.supervisor import Supervised
+
+    unit = Supervised("island 0", [sys.executable, "-c", "import time; time.sleep(60)"], make_env=lambda: dict(os.environ))
+    path = tmp_path / "progress-0.txt"
+    path.write_text("300 800 2.0")  # the killed process's last line
+    os.utime(path, (time.time() - 5, time.time() - 5))
+    unit.start()
+    try:
+        assert unit.activity(path) == "starting"
+        path.write_text("301 800 2.0")
+        assert unit.activity(path) == "training"
+        unit.kill()
+        unit.proc.wait(timeout=30)
+        assert unit.activity(path) == "down"
+    finally:
+        if unit.alive:
+            unit.proc.kill()
+            unit.proc.wait(timeout=30)
 
 
 def test_progress_files_carry_step_max_steps_and_loss_and_old_ones_still_read(tmp_path):

@@ -77,9 +77,14 @@ def test_start_up_is_reported_apart_and_not_counted_against_goodput():
     assert report.goodput == pytest.approx(1.0)
     text = report.summary()
     assert "start-up island 0 5.5s, island 1 20.5s; training 34.8s; ending 3.0s" in text and "goodput 100.0%" in text
-    for name in ("start-up", "goodput", "alive", "useful"):  # the figures are defined where they are printed
-        assert f"{name}: {DEFINITIONS[name]}" in text
+    # the figures are defined once in the report file and the launcher's --help, not after every run
+    assert "lightning-diloco run --help" in text and DEFINITIONS["goodput"] not in text
     assert report.to_dict()["definitions"] == DEFINITIONS
+    from lightning_diloco.cli import build_parser
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["run"].format_help().split())
+    for name in ("start-up", "goodput", "alive", "useful"):
+        assert f"{name}: {DEFINITIONS[name]}" in help_text
 
 
 def test_a_run_whose_islands_all_crashed_says_failed_and_why():
