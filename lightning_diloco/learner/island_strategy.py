@@ -321,8 +321,9 @@ class IslandStrategy(_MixedInto):
                 f"Decoupled DiLoCo: island {self.island} of {self.num_islands} ({self.world_size} process(es)), "
                 f"synchronizer {self.address or 'embedded'}; P={sched.num_fragments} H={sched.sync_every} "
                 f"tau={sched.overlap_steps} quorum K={merge.min_quorum} apply={sched.apply}; "
-                f"uplink {config.codec.uplink}, downlink {config.codec.downlink}; starting at the run's step "
-                f"{self.learner.schedule_step}"
+                f"uplink {config.codec.uplink}, downlink {config.codec.downlink}; this island starts at its step "
+                f"{self.lightning_module.trainer.global_step} (the run's clock, which schedules the fragments, "
+                f"is at {self.learner.schedule_step})"
             )
 
     def _hyperparameters(self, config: RunConfig) -> dict[str, Any]:

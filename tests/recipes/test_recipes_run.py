@@ -102,8 +102,8 @@ def test_a_second_run_into_the_same_folder_starts_fresh_and_resume_continues(tmp
     _run("recipes.text_lm", tmp_path, *two)
     _, out, stdout = _run("recipes.text_lm", tmp_path, *two, "--chaos", "kill 1 at step 6")
     assert "held an earlier run: moved it to" in stdout and len(list(tmp_path.glob("out.prev-*"))) == 1
-    assert "starting at the run's step 0" in stdout  # not at the earlier run's last step
+    assert "the run's clock, which schedules the fragments, is at 0)" in stdout  # not at the earlier run's last step
     assert "(fired at 0." not in stdout  # the kill waited for this run's island 1 to reach step 6
     _, _, stdout = _run("recipes.text_lm", tmp_path, *two, "--resume")
-    assert "continuing the run in" in stdout and "starting at the run's step 0" not in stdout
+    assert "continuing the run in" in stdout and "the run's clock, which schedules the fragments, is at 0)" not in stdout
     assert len(list(tmp_path.glob("out.prev-*"))) == 1
