@@ -161,13 +161,13 @@ def main(recipe: Recipe, argv: list[str] | None, description: str | None) -> int
 
 
 # What a recipe run writes into its --out (compare.py adds output.log and command.txt).
-RUN_FILES = ("run", "result*.json", "curve-*.csv", "*.tmp", "logs", "run-report.json", "wandb", "output.log", "command.txt")
+RUN_FILES = ("run", "result*.json", "curve-*.csv", "*-curve.png", "*.tmp", "logs", "run-report.json", "wandb", "output.log", "command.txt")
 
 
 def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
     from lightning_diloco.launch.run import RunOptions, run
     from lightning_diloco.launch.workdir import FolderInUse, set_aside
-    from recipes.summary import format_summary, summarize
+    from recipes.summary import format_summary, plot_curve, summarize
 
     out = Path(args.out)
     try:
@@ -194,6 +194,12 @@ def launch(recipe: Recipe, args: argparse.Namespace, argv: list[str]) -> int:
     if observer:
         observer.close()
     summary = summarize(recipe, args, out, wall, observer.last if observer else None)
+    try:
+        plot = plot_curve(recipe, args, out, summary)
+    except Exception as err:  # a missing plotting library costs the picture, not the run's results
+        print(f"{recipe.module}: no eval-curve picture ({type(err).__name__}: {err})", flush=True)
+        plot = None
+    summary["plot"] = str(plot) if plot else None
     (out / "result.json").write_text(json.dumps(summary, indent=2))
     print(format_summary(recipe, args, summary, argv), flush=True)
     return code

@@ -74,12 +74,48 @@ def format_summary(recipe: Recipe, args: argparse.Namespace, s: dict, argv: list
         lines.append("  " + format_rounds(s["rounds_health"]))
     lines.append(f"  tokens {s['tokens']:,.0f}, wall-clock {s['wall_s']:.0f} s, outer steps {s['outer_steps']}, "
                  f"bytes across islands {s['bytes_across'] / 1e6:.2f} MB ({s['bytes_across_how']})")
-    unmerged = sum(r["diloco"].get("diloco/syncs_unmerged", 0) for r in s["islands_results"])
-    if unmerged:
-        lines.append(f"  {unmerged:.0f} contribution(s) from the islands' last steps were not in the global model they ended with")
-    lines.append(f"  results in {args.out}: result.json, eval curves curve-*.csv, CSV logs logs/, run report run-report.json, "
-                 "each process's output run/*.log")
+    picture = f"the eval curve {s['plot']}, " if s.get("plot") else ""
+    lines.append(f"  results in {args.out}: {picture}result.json, eval curves curve-*.csv, CSV logs logs/, run report "
+                 "run-report.json, each process's output run/*.log")
     return "\n".join(lines)
+
+
+def plot_curve(recipe: Recipe, args: argparse.Namespace, out: Path, s: dict) -> Path | None:
+    """``<metric>-curve.png`` in ``out``: the global model's eval curve against training tokens,
+    DDP's final figure for this setting as a band (mean +- std of its seeds), and the rounds'
+    health in the title; None when no island wrote a curve."""
+    if not list(out.glob("curve-*.csv")):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from recipes.compare import curve
+
+    points = curve(out, args.strategy == "ddp")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    label = "DDP" if args.strategy == "ddp" else f"Decoupled DiLoCo, {args.islands} islands (global model)"
+    ax.plot([p["tokens"] for p in points], [p[recipe.metric] for p in points], marker=".", label=label)
+    ref = recipe.presets[args.preset].reference
+    if ref is not None and ref.applies(recipe, args):
+        ax.axhline(ref.mean, color="black", linestyle="--", linewidth=1,
+                   label=f"DDP, {ref.processes} processes, final ({ref.seeds} seeds)")
+        ax.axhspan(ref.mean - ref.std, ref.mean + ref.std, color="black", alpha=0.08)
+    health = s.get("rounds_health")
+    title = f"{recipe.name} ({s['preset']}): final {recipe.metric} {s['final'][recipe.metric]:.4f}"
+    if health:
+        title += "\n" + format_rounds(health).removeprefix("rounds: ")
+    ax.set_title(title, fontsize=7)
+    ax.set_xlabel("training tokens (all islands)")
+    ax.set_ylabel(recipe.metric)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / f"{recipe.metric}-curve.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def reference_line(recipe: Recipe, args: argparse.Namespace, value: float, argv: Sequence[str] = ()) -> str:

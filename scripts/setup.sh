@@ -22,27 +22,18 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-  echo "setup: installing $CPU_TORCH (CPU build)"
+  echo "setup: installing $CPU_TORCH (CPU build, about 200 MB to download)"
   "$VENV/bin/pip" install --quiet --disable-pip-version-check "$CPU_TORCH"
-fi
-
-# The vision recipe's data: Fashion-MNIST from Debian's dataset-fashion-mnist (30 MB).
-if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then
-    echo "setup: installing Debian's dataset-fashion-mnist"
-    (apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 ||
-      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1; }) ||
-      echo "setup: could not install dataset-fashion-mnist; the vision recipe will say so" >&2
-  else
-    echo "setup: for the vision recipe run: sudo apt-get install dataset-fashion-mnist" >&2
-  fi
 fi
 
 stamp="$VENV/.setup-stamp"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing lightning-diloco and its dependencies"
-  if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e ".[dev]" >"$VENV/setup.log" 2>&1; then
+  echo "setup: installing lightning-diloco and its dependencies (a minute or two the first time; log in $VENV/setup.log)"
+  # each package named as pip takes it, the rest of pip's output to the log
+  if ! "$VENV/bin/pip" install --progress-bar off --disable-pip-version-check -e ".[dev]" 2>&1 | tee "$VENV/setup.log" |
+      { grep --line-buffered -E "^(Collecting|Installing collected packages)" || true; } |
+      sed -u -e 's/^Collecting \([A-Za-z0-9_.-]*\).*/setup:   \1/' -e 's/^Installing collected packages:.*/setup: installing them/'; then
     cat "$VENV/setup.log" >&2
     exit 1
   fi

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/vision_data.sh
 # lint first: ruff and mypy as configured in pyproject.toml (mypy checks the package); a finding fails the run
 .venv/bin/python -m ruff check .
 .venv/bin/python -m mypy

@@ -37,7 +37,9 @@ DEFINITIONS = {
                 "into the global model",
     "rounds": "outer steps per fragment per H of the islands' steps; contributions merged per outer step; shares of "
               "them merged a round late, scaled down by the guard, and replaced by a newer one of their island; the "
-              "run's clock against the islands' steps (from the synchronizer's last status)",
+              "run's clock against the islands' steps; contributions not merged by the end, waiting in rounds that "
+              "never closed (a late send waits for a next round nobody opened), so not in the final global model "
+              "(from the synchronizer's last status)",
 }
 
 
@@ -60,6 +62,7 @@ def rounds_health(status: SynchronizerStatus) -> dict[str, float | None]:
         "clipped": share(sum(r.clipped for r in rounds), merged),
         "superseded": share(sum(r.superseded for r in rounds), merged),
         "clock_per_island_step": share(status.run_step, steps),
+        "not_merged": sum(r.open_contributors for r in rounds),
     }
 
 
@@ -80,6 +83,8 @@ def format_rounds(h: dict) -> str:
     line += f", clock {num(h['clock_per_island_step'])}x the islands' steps"
     if "wait_s" in h:
         line += f", training loops waited {h['wait_s']:.1f} s ({pct(h['wait'])} of their run time)"
+    if h.get("not_merged"):
+        line += f"; {h['not_merged']} contribution(s) not merged by the end (their rounds never closed)"
     return line
 
 
@@ -96,8 +101,8 @@ class Sample:
 class RunReport:
     method: str
     islands: int
-    wall_s: float
-    """The training window's length (``DEFINITIONS['training']``)."""
+    training_s: float
+    """The training window's length (``DEFINITIONS['training']``); the recipes' ``wall_s`` is the whole run."""
     goodput: float
     downtime_total_s: float
     downtime_longest_s: float
@@ -116,8 +121,6 @@ class RunReport:
     unrecovered: list[int] = field(default_factory=list)
     """Islands restarted whose new process had no contribution merged by the end."""
     accepted: dict[int, int] = field(default_factory=dict)
-    unmerged_at_end: int = 0
-    """Islands' contributions still waiting in rounds that had not closed when the run ended."""
     global_progress: int = 0
     global_series: list[tuple[float, int]] = field(default_factory=list)  # (seconds, global progress) samples
     rounds: dict[str, float | None] = field(default_factory=dict)
@@ -145,7 +148,7 @@ class RunReport:
             return "\n".join(lines)
         starts = ", ".join(f"island {i} {'-' if t is None else f'{t:.1f}s'}" for i, t in sorted(self.startup_s.items()))
         lines += [
-            f"{self.method}: {self.islands} islands; start-up {starts}; training {self.wall_s:.1f}s; ending {self.ending_s:.1f}s",
+            f"{self.method}: {self.islands} islands; start-up {starts}; training {self.training_s:.1f}s; ending {self.ending_s:.1f}s",
             f"goodput {self.goodput:.1%}, global downtime {self.downtime_total_s:.1f}s total / {self.downtime_longest_s:.1f}s "
             f"longest ({self.downtime_outside_synchronizer_restarts_s:.1f}s outside synchronizer restarts), "
             f"global progress {self.global_progress}",
@@ -157,9 +160,6 @@ class RunReport:
                 f"steps {self.final_steps.get(i, 0)}, restarts {self.restarts.get(i, 0)}, "
                 f"contributions merged {self.accepted.get(i, '-')}"
             )
-        if self.unmerged_at_end:
-            lines.append(f"not merged: {self.unmerged_at_end} contribution(s) waited in rounds that had not closed when the "
-                         "run ended (late sends wait for a next round nobody opened)")
         if self.rounds:
             lines.append(format_rounds(self.rounds))
         if self.recoveries_s or self.unrecovered:
@@ -312,7 +312,7 @@ def build_report(method: str, num_islands: int, samples: Sequence[Sample], alive
     goodput = min(1.0, sum(useful.values()) / allocated) if allocated > 0 else 0.0
     last = window[-1] if window else Sample(0.0, 0, {}, set())
     final = samples[-1] if samples else last
-    return RunReport(method=method, islands=num_islands, wall_s=wall, goodput=goodput, downtime_total_s=total,
+    return RunReport(method=method, islands=num_islands, training_s=wall, goodput=goodput, downtime_total_s=total,
                      downtime_longest_s=longest, downtime_outside_synchronizer_restarts_s=outside, useful_s=useful,
                      alive_s=dict(alive_s), final_steps=dict(final.steps), startup_s=startup,
                      ending_s=max(0.0, ended_at - last.t) if trained else 0.0, failures=list(failures),

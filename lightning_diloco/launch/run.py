@@ -340,7 +340,6 @@ class Run:
             rep.unrecovered = self.recovery.unrecovered
             rep.accepted = dict(self.recovery.accepted)
             if self.last_status is not None:
-                rep.unmerged_at_end = sum(r.open_contributors for r in self.last_status.rounds.values())
                 rep.rounds = rounds_health(self.last_status)
         rep.faults = self.fired
         rep.restarts = {i: self._unit(i).restarts for i in range(self.options.islands)}

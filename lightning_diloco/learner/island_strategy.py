@@ -339,7 +339,7 @@ class IslandStrategy(_MixedInto):
         return (f"Decoupled DiLoCo, island {self.island}: {m['diloco/syncs_sent']:.0f} contributions sent, "
                 f"{m['diloco/syncs_applied']:.0f} of their rounds' global fragments applied and "
                 f"{m['diloco/syncs_received']:.0f} other new versions taken, {m['diloco/syncs_failed']:.0f} failed, "
-                f"{m['diloco/syncs_unmerged']:.0f} not merged by the end; {m['diloco/bytes_up'] / 1e6:.2f} MB up, "
+                f"{m['diloco/syncs_unmerged']:.0f} in rounds still open when it ended; {m['diloco/bytes_up'] / 1e6:.2f} MB up, "
                 f"{m['diloco/bytes_down'] / 1e6:.2f} MB down; last staleness {m['diloco/staleness']:.0f} versions; "
                 f"ended on global versions from {m['diloco/min_version']:.0f}")
 

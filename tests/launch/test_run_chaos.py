@@ -44,7 +44,7 @@ def test_three_islands_survive_kills_a_pause_and_a_synchronizer_restart(tmp_path
     # (2.4 s in all on a loaded machine; 5.6 s when CI ran beside another test suite). The bound is
     # a share of the run's own wall time, so load that slows everything moves both sides; the
     # DDP baseline under the same faults loses about a quarter of its run (~26 s of ~100 s)
-    assert report["downtime_outside_synchronizer_restarts_s"] <= 0.1 * report["wall_s"], (report["wall_s"], report["global_series"], log)
+    assert report["downtime_outside_synchronizer_restarts_s"] <= 0.1 * report["training_s"], (report["training_s"], report["global_series"], log)
     # no checkpointed outer step was lost: global progress never goes back
     progress = [p for _, p in report["global_series"]]
     assert all(b >= a for a, b in zip(progress, progress[1:])), progress

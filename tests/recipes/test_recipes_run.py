@@ -33,6 +33,9 @@ def test_moe_recipe_two_islands_write_the_summary_curves_and_logs(tmp_path):
     assert [int(r["step"]) for r in rows] == [4, 8]
     assert list((out / "logs").glob("island0/*/metrics.csv")), "the CSV logger always logs"
     assert "outer steps" in stdout and "bytes across islands" in stdout
+    # a picture of the global model's eval curve, its path printed
+    assert result["plot"] == str(out / "eval_loss-curve.png") and (out / "eval_loss-curve.png").stat().st_size > 1000
+    assert f"the eval curve {out / 'eval_loss-curve.png'}" in stdout
     # the rounds' health is said beside the loss: every contribution merged, at least one step per fragment
     health = result["rounds_health"]
     assert health["contributions_per_outer_step"] >= 1 and health["outer_steps_per_fragment_per_h"] > 0

@@ -72,7 +72,7 @@ def test_start_up_is_reported_apart_and_not_counted_against_goodput():
         samples.append(Sample(t, steps[0] // 4, steps, {0, 1}))
     report = build_report("decoupled diloco", 2, samples, {0: 43.0, 1: 43.0}, rollback_steps=False, finished=[0, 1],
                           ended_at=43.0)
-    assert report.startup_s == {0: 5.5, 1: 20.5} and report.wall_s == pytest.approx(40.0 - 5.25)  # from the sample before
+    assert report.startup_s == {0: 5.5, 1: 20.5} and report.training_s == pytest.approx(40.0 - 5.25)  # from the sample before
     assert report.ending_s == pytest.approx(3.0) and report.final_steps == {0: 70, 1: 40}
     assert report.goodput == pytest.approx(1.0)
     text = report.summary()
