@@ -18,6 +18,7 @@ breaks.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -30,7 +31,8 @@ import grpc
 import torch
 
 from lightning_diloco.core.codecs import get_codec
-from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.core.fragments import FragmentLayout, TensorSpec
+from lightning_diloco.core.global_model import ShardModel
 from lightning_diloco.core.protocol import (
     RUNNING_PATIENCE,
     Beat,
@@ -410,6 +412,33 @@ class SynchronizerClient(ShardSessions):
     def status(self, shard: int = 0) -> SynchronizerStatus:
         reply = self._call("status", lambda: self.stubs[shard].Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
         return from_message(reply, SynchronizerStatus)
+
+    def export_shard(self, shard: int) -> ShardModel:
+        """What shard ``shard`` holds of the global model, read with the operator's credential
+        (the run's token): its layout and the exact value of each fragment it owns. It joins
+        nothing and changes nothing in the run (the server's ExportLayout, ExportFragment)."""
+        stub_ = self.stubs[shard]
+        reply = self._call(f"export layout of shard {shard}", lambda: stub_.ExportLayout(
+            pb.ExportLayoutRequest(), timeout=self.timeout, metadata=self.metadata))  # no shard: no session to check
+        if reply.shard != shard or reply.num_shards != self.num_shards:
+            raise ValueError(f"{self.addresses[shard]} is shard {reply.shard} of {reply.num_shards}, given as shard {shard} of "
+                             f"{self.num_shards}: give every shard's address, in shard order (as the islands were given them)")
+        values = {}
+        for p, version in sorted(reply.versions.items()):
+            if version < 0:
+                continue  # not seeded: GlobalModel.from_shards names it
+
+            def call(p=p):
+                what = f"export of fragment {p}"
+                replies = stub_.ExportFragment(pb.ExportFragmentRequest(fragment=p), timeout=self.timeout, metadata=self.metadata)
+                h, data = self._receive(replies, what)
+                return h.version, get_codec("fp32").decode(data, len(data) // 4)
+
+            version, values[p] = self._call(f"export of fragment {p}", call)
+            reply.versions[p] = version
+        return ShardModel(source=self.addresses[shard], run_id=reply.run_id or None, shard=reply.shard,
+                          num_shards=reply.num_shards, layout=FragmentLayout.from_dict(json.loads(reply.layout_json)),
+                          values=values, versions=dict(reply.versions))
 
     @property
     def closed(self) -> bool:
