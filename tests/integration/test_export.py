@@ -18,6 +18,7 @@ from lightning_diloco.learner.export import read_global_model
 from lightning_diloco.synchronizer.credentials import island_credential
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.transport.client import SynchronizerClient
 from tests.helpers import SPECS, layout, run_config
 
 TOKEN = "export-test-token"
@@ -83,6 +84,18 @@ def test_export_from_a_running_synchronizer_is_its_global_fragments_and_disturbs
     assert list(tensors) == [s.name for s in SPECS]  # the trained module's own names
     for name, param in module.named_parameters():
         assert torch.equal(param, tensors[name]), name
+
+
+def test_an_export_during_a_run_leaves_the_joined_island_as_it_was(shards):
+    with SynchronizerClient(_address(shards), token=island_credential(TOKEN, 0), max_retries=1) as island:
+        island.join(0, 1, SPECS)
+        sessions = list(island.sessions)
+        model = read_global_model(synchronizer=_address(shards), token=TOKEN)
+        assert island.heartbeat(0, 5, 0.1, schedule_step=5).versions == model.versions  # its session still holds
+        assert island.sessions == sessions and island.pull(0)[0] == 1
+    for server in shards:
+        status = server.service.status()
+        assert list(status.islands) == [0] and status.live_islands == [0]  # the only island, the export none
 
 
 def test_export_from_checkpoint_directories_equals_the_running_synchronizers(shards, tmp_path):

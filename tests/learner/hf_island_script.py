@@ -1,6 +1,7 @@
 """One learner island training a tiny Hugging Face Llama (built from the config in
 tests/learner/test_hf_models.py, no download), as a user would launch it: `python
-hf_island_script.py`, told where the synchronizer is by DILOCO_* in the environment."""
+hf_island_script.py OUT`, told where the synchronizer is by DILOCO_* in the environment; writes
+the module's state dict at the end of fit to OUT."""
 
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ from tests.learner.test_hf_models import CausalLM, CountingSequences, _dense  # 
 
 def main() -> None:
     strategy = DecoupledDiLoCoStrategy(sync_every=4, num_fragments=4, overlap_steps=1)
-    trainer(strategy, max_epochs=3).fit(CausalLM(_dense()), DataLoader(CountingSequences(), batch_size=16))
+    module = CausalLM(_dense())
+    trainer(strategy, max_epochs=3).fit(module, DataLoader(CountingSequences(), batch_size=16))
+    torch.save(module.state_dict(), sys.argv[1])
 
 
 if __name__ == "__main__":
