@@ -417,28 +417,29 @@ class SynchronizerClient(ShardSessions):
         """What shard ``shard`` holds of the global model, read with the operator's credential
         (the run's token): its layout and the exact value of each fragment it owns. It joins
         nothing and changes nothing in the run (the server's ExportLayout, ExportFragment)."""
-        stub_ = self.stubs[shard]
-        reply = self._call(f"export layout of shard {shard}", lambda: stub_.ExportLayout(
+        shard_stub = self.stubs[shard]
+        reply = self._call(f"export layout of shard {shard}", lambda: shard_stub.ExportLayout(
             pb.ExportLayoutRequest(), timeout=self.timeout, metadata=self.metadata))  # no shard: no session to check
         if reply.shard != shard or reply.num_shards != self.num_shards:
             raise ValueError(f"{self.addresses[shard]} is shard {reply.shard} of {reply.num_shards}, given as shard {shard} of "
                              f"{self.num_shards}: give every shard's address, in shard order (as the islands were given them)")
-        values = {}
-        for p, version in sorted(reply.versions.items()):
-            if version < 0:
-                continue  # not seeded: GlobalModel.from_shards names it
+        layout = FragmentLayout.from_dict(json.loads(reply.layout_json))
+        values, versions = {}, dict(reply.versions)
+        for p in sorted(p for p, version in versions.items() if version >= 0):  # unseeded: GlobalModel.from_shards names it
+            what = f"export of fragment {p}"
 
-            def call(p=p):
-                what = f"export of fragment {p}"
-                replies = stub_.ExportFragment(pb.ExportFragmentRequest(fragment=p), timeout=self.timeout, metadata=self.metadata)
+            def call(p=p, what=what):
+                replies = shard_stub.ExportFragment(pb.ExportFragmentRequest(fragment=p), timeout=self.timeout,
+                                                    metadata=self.metadata)
                 h, data = self._receive(replies, what)
                 return h.version, get_codec("fp32").decode(data, len(data) // 4)
 
-            version, values[p] = self._call(f"export of fragment {p}", call)
-            reply.versions[p] = version
+            versions[p], values[p] = self._call(what, call)
+            if values[p].numel() != layout.fragment_numel(p):
+                raise ValueError(f"{what}: {self.addresses[shard]} sent {values[p].numel()} values for a fragment of "
+                                 f"{layout.fragment_numel(p)} in its own layout; is it a synchronizer of this version?")
         return ShardModel(source=self.addresses[shard], run_id=reply.run_id or None, shard=reply.shard,
-                          num_shards=reply.num_shards, layout=FragmentLayout.from_dict(json.loads(reply.layout_json)),
-                          values=values, versions=dict(reply.versions))
+                          num_shards=reply.num_shards, layout=layout, values=values, versions=versions)
 
     @property
     def closed(self) -> bool:
