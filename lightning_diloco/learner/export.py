@@ -84,28 +84,26 @@ def hugging_face_model(config: str | os.PathLike | Any) -> nn.Module:
     return model  # type: ignore[return-value]
 
 
-def save_hugging_face(model: GlobalModel, hf_model: nn.Module, directory: str | os.PathLike,
-                      prefix: str | None = None) -> str:
-    """The global model in a ``save_pretrained`` folder that ``from_pretrained`` loads: loaded
-    into ``hf_model`` (a ``PreTrainedModel`` of the trained model's config) under ``prefix``
-    (None: found, e.g. ``"model."``); returns the prefix used."""
-    prefix = model.load_into(hf_model, prefix)
-    hf_model.save_pretrained(str(directory))  # type: ignore[operator]  # a PreTrainedModel's
-    return prefix
-
-
 def export(model: GlobalModel, out: str | os.PathLike, *, hf_config: str | os.PathLike | None = None,
            prefix: str | None = None) -> dict:
     """Write ``out/state_dict.pt`` (every tensor by the trained module's parameter name, fp32),
-    with ``hf_config`` also ``out/hf`` (a Hugging Face folder), and ``out/export.json`` (what
-    was written, the run, each fragment's version); returns that summary."""
+    with ``hf_config`` also ``out/hf`` (a ``save_pretrained`` folder of the model built from it,
+    holding the tensors under ``prefix``, None: found), and ``out/export.json`` (what was
+    written, the run, each fragment's version); returns that summary. Nothing is written when
+    the model does not fit the config."""
+    if prefix is not None and hf_config is None:
+        raise ValueError("--prefix says where the Hugging Face model's tensors are; it needs --hf-config")
+    hf_model = None
+    if hf_config is not None:  # built and loaded first: a config that does not fit writes nothing
+        hf_model = hugging_face_model(hf_config)
+        prefix = model.load_into(hf_model, prefix)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(model.tensors(), out / STATE_DICT)
     summary: dict[str, Any] = {"state_dict": STATE_DICT, "run_id": model.run_id, "layout_hash": model.layout.hash,
                                "tensors": len(model.layout.specs), "versions": {str(p): v for p, v in model.versions.items()}}
-    if hf_config is not None:
-        summary["prefix"] = save_hugging_face(model, hugging_face_model(hf_config), out / HUGGING_FACE, prefix)
-        summary["hugging_face"] = HUGGING_FACE
+    if hf_model is not None:
+        hf_model.save_pretrained(str(out / HUGGING_FACE))  # type: ignore[operator]  # a PreTrainedModel's
+        summary.update(hugging_face=HUGGING_FACE, prefix=prefix)
     (out / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary

@@ -211,3 +211,17 @@ def test_export_before_any_island_joined_says_so(tmp_path):
             read_global_model(synchronizer=server.address, token=TOKEN)
     finally:
         server.stop(grace=0)
+
+
+def test_the_cli_refuses_a_config_the_model_does_not_fit_and_writes_nothing(shards, tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=16, hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                num_key_value_heads=1).save_pretrained(tmp_path / "llama")
+    out = tmp_path / "out"
+    for extra, said in [(["--hf-config", str(tmp_path / "llama")], "are not the run's"),
+                        (["--hf-config", str(tmp_path / "nothing.json")], "no such file or folder"),
+                        (["--prefix", "model."], "it needs --hf-config")]:
+        with pytest.raises(SystemExit):
+            main(["export", "--synchronizer", _address(shards), "--token", TOKEN, "--out", str(out), *extra])
+        assert said in capsys.readouterr().err and not out.exists()
