@@ -21,6 +21,7 @@ _LAZY = {
     "ProgressFile": "lightning_diloco.launch.progress",
     "data_rank": "lightning_diloco.learner.data",
     "DataRank": "lightning_diloco.learner.data",
+    "load_global_model": "lightning_diloco.learner.export",
 }
 __all__ = [*_LAZY, "__version__"]
 

@@ -38,6 +38,21 @@ def _credential(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from lightning_diloco.core.token_options import resolve_token
+    from lightning_diloco.learner.export import export, read_global_model
+
+    if args.synchronizer:
+        model = read_global_model(synchronizer=args.synchronizer, token=resolve_token(args), tls_root_cert=args.tls_root_cert)
+    else:
+        model = read_global_model(checkpoint_dirs=args.checkpoint_dir)
+    summary = export(model, args.out, hf_config=args.hf_config, prefix=args.prefix)
+    versions = sorted(set(model.versions.values()))
+    print(f"exported run {model.run_id}: {summary['tensors']} tensors, fragment versions {versions[0]} to {versions[-1]}, "
+          f"into {args.out} ({', '.join(k for k in ('state_dict', 'hugging_face') if k in summary)})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-diloco",
@@ -80,6 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
     credential.add_argument("--island", type=int, required=True, help="the island's index I (>= 0)")
     add_token_arguments(credential, "run's token")
     credential.set_defaults(run=_credential)
+
+    exporting = commands.add_parser(
+        "export", help="write the global model from a running synchronizer or its checkpoint directories",
+        description="Write the run's global model into OUT: state_dict.pt (each tensor by the trained module's "
+                    "parameter name, fp32), with --hf-config a Hugging Face folder OUT/hf, and export.json. Read "
+                    "from a running synchronizer (every shard, with the run's token; the run is not disturbed) or "
+                    "from every shard's checkpoint directory (the run need not be alive).")
+    source = exporting.add_mutually_exclusive_group(required=True)
+    source.add_argument("--synchronizer", metavar="HOST:PORT[,...]", help="every shard's address, in shard order")
+    source.add_argument("--checkpoint-dir", nargs="+", metavar="DIR", help="every shard's --checkpoint-dir")
+    exporting.add_argument("--out", required=True, help="the folder to write into")
+    exporting.add_argument("--hf-config", help="a Hugging Face config.json (or its folder) of the trained model: "
+                           "also write OUT/hf with save_pretrained")
+    exporting.add_argument("--prefix", help="the trained module's attribute path of the Hugging Face model, with its "
+                           "dot (e.g. 'model.'); default: the one under which the run's tensors are the model's")
+    exporting.add_argument("--tls-root-cert", help="the synchronizer's TLS root certificate (PEM), when it serves TLS")
+    add_token_arguments(exporting, "run's token (the operator's)")
+    exporting.set_defaults(run=_export)
     return parser
 
 

@@ -158,15 +158,17 @@ def save(state_dict: dict, summary: dict, directory: str | os.PathLike, keep: in
     return path
 
 
-def load(directory: str | os.PathLike, restore: Callable[[dict], R]) -> R | None:
+def load(directory: str | os.PathLike, restore: Callable[[dict], R], *, tidy: bool = True) -> R | None:
     """``restore(state_dict)`` of the newest valid checkpoint in ``directory``; None when there is none.
 
     ``restore`` raises ValueError for a state it cannot use; such a checkpoint is skipped too.
+    ``tidy``: remove the temporary files of writes cut short (the synchronizer's own start).
+    False: only read, as an export does: a running synchronizer's write in progress is such a file.
     """
     directory = Path(directory)
     if not directory.exists():
         return None
-    for leftover in directory.glob(".synchronizer*.tmp"):  # a write killed before its rename
+    for leftover in directory.glob(".synchronizer*.tmp") if tidy else ():  # a write killed before its rename
         log.warning("removing %s, left by a checkpoint write that did not finish", leftover)
         leftover.unlink(missing_ok=True)
     orphans = [p.name for p in directory.glob("synchronizer-*.json") if _NAME.match(p.name) and not p.with_suffix(".pt").exists()]

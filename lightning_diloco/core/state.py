@@ -230,10 +230,10 @@ class SynchronizerState:
         return checkpoints.save(self.state_dict(), self.summary(), directory)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> SynchronizerState | None:
+    def load(cls, directory: str | os.PathLike, *, tidy: bool = True) -> SynchronizerState | None:
         """The newest valid checkpoint in ``directory``, or None when there is none (ValueError
-        when there are checkpoints and none is valid)."""
-        return checkpoints.load(directory, cls.from_state_dict)
+        when there are checkpoints and none is valid). ``tidy=False``: only read (checkpoints.py)."""
+        return checkpoints.load(directory, cls.from_state_dict, tidy=tidy)
 
 
 def shard_of(fragment: int, num_shards: int) -> int:

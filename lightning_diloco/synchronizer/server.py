@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import threading
 from collections import Counter
@@ -46,6 +47,8 @@ MAX_DETAILS = 1000  # characters of a refusal's message sent back: it may quote 
 RESERVE = 8  # workers kept free of long calls (subscriptions, pulls) for everything else
 SUBSCRIPTIONS_PER_ISLAND = 2  # open streams of one island: its current one and the one it replaces
 PULLS_PER_ISLAND = 2  # an island pulls one fragment at a time (joining, ending); the second: a retry's overlap
+EXPORTS_AT_ONCE = 2  # the operator's export reads one fragment at a time; the second: a retry's overlap
+OPERATOR = -1  # the key of the operator's own slots (exports) beside the islands'
 STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for the rest
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.OUT_OF_RANGE,
@@ -113,8 +116,9 @@ class IslandStreams:
         key = (island, kind)
         with self.lock:
             if self.held[key] >= slots:
-                raise self.service.refuse(Reason.BUSY, f"island {island} already holds {slots} {kind} streams, the most "
-                                          "one island may; retry once one has ended (each ends by its deadline)")
+                who = "the operator" if island == OPERATOR else f"island {island}"
+                raise self.service.refuse(Reason.BUSY, f"{who} already holds {slots} {kind} streams, the most "
+                                          "it may; retry once one has ended (each ends by its deadline)")
             self.held[key] += 1
 
         def release() -> None:
@@ -175,6 +179,13 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         if not caller.may_act_as(island):
             raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot act as island "
                                       f"{island}; each island presents its own (`lightning-diloco credential --island {island}`)")
+
+    def operator_only(self, caller: Caller, what: str) -> None:
+        """Refuse ``what`` to an island credential: the export reads the whole global model, a
+        copy of every fragment, which is the operator's to take (the run's token), not an island's."""
+        if caller.island is not None:
+            raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot {what}: "
+                                      "it takes the run's token (the operator's; --token-file or $DILOCO_TOKEN)")
 
     def _declared(self, declared: int, expected: int, what: str) -> None:
         if declared != expected:
@@ -307,6 +318,31 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     @_handler
     def Status(self, request, context, caller):
         return to_message(self.service.status(), pb.StatusReply())
+
+    @_handler
+    def ExportLayout(self, request, context, caller):
+        self.operator_only(caller, "export the global model")
+        layout, versions = self.service.export_layout()
+        return pb.ExportLayoutReply(layout_json=json.dumps(layout.to_dict()), run_id=self.service.identity["run_id"] or "",
+                                    shard=self.service.shard, num_shards=self.service.num_shards, versions=versions)
+
+    @_handler
+    def ExportFragment(self, request, context, caller):
+        self.operator_only(caller, "export the global model")
+        self.service.export_layout()  # refused the same way before an island has joined
+        # under the same rules as a pull: the operator's own few slots, a long-call slot, and a
+        # reply read within its deadline, so an export never holds what the islands need
+        release = self._island_long_call(OPERATOR, "export", EXPORTS_AT_ONCE)
+        try:
+            version, value = self.service.export(request.fragment)
+        except Refusal:
+            release()
+            raise
+        payload = get_codec(EXACT).encode(value)
+        self._until_read(context, payload.numel(), release)
+        header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec=EXACT,
+                                   payload_bytes=payload.numel())
+        return chunk_messages(header, payload)
 
 
 class SynchronizerServer:

@@ -348,6 +348,25 @@ class Synchronizer(Intake):
             frag = self._seeded(rounds)
             return frag.version, frag.published_value()
 
+    # ---- the operator's export -----------------------------------------------------------
+
+    def export_layout(self) -> tuple[FragmentLayout, dict[int, int]]:
+        """The run's layout and this shard's versions, for the operator's export (server.py)."""
+        state = self.state
+        if state is None:
+            raise self.refuse(Reason.NOT_JOINED, "no island has joined this synchronizer yet: the run has no model to "
+                              "export; export once its islands have started")
+        return state.layout, self.versions()
+
+    def export(self, fragment: int) -> tuple[int, torch.Tensor]:
+        """(version, fp32 copy) of a fragment's exact global value, the one its outer steps move
+        (a pull gets what the islands hold, which a lossy downlink makes an approximation of it).
+        Reads only: no island's membership, round or counter changes."""
+        rounds = self._rounds(fragment)
+        with rounds.cond:
+            frag = self._seeded(rounds)
+            return frag.version, frag.value.clone()
+
     # ---- closing rounds ------------------------------------------------------------------------
 
     def poll(self, now: float | None = None) -> list[ClosedRound]:

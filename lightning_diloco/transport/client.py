@@ -18,6 +18,7 @@ breaks.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -30,7 +31,8 @@ import grpc
 import torch
 
 from lightning_diloco.core.codecs import EXACT, get_codec
-from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.core.fragments import FragmentLayout, TensorSpec
+from lightning_diloco.core.global_model import ShardModel
 from lightning_diloco.core.protocol import (
     RUNNING_PATIENCE,
     Beat,
@@ -410,6 +412,34 @@ class SynchronizerClient(ShardSessions):
     def status(self, shard: int = 0) -> SynchronizerStatus:
         reply = self._call("status", lambda: self.stubs[shard].Status(pb.StatusRequest(), timeout=self.timeout, metadata=self.metadata))
         return from_message(reply, SynchronizerStatus)
+
+    def export_shard(self, shard: int) -> ShardModel:
+        """What shard ``shard`` holds of the global model, read with the operator's credential
+        (the run's token): its layout and the exact value of each fragment it owns. It joins
+        nothing and changes nothing in the run (the server's ExportLayout, ExportFragment)."""
+        shard_stub = self.stubs[shard]
+        reply = self._call(f"export layout of shard {shard}", lambda: shard_stub.ExportLayout(
+            pb.ExportLayoutRequest(), timeout=self.timeout, metadata=self.metadata))  # no shard: no session to check
+        if reply.shard != shard or reply.num_shards != self.num_shards:
+            raise ValueError(f"{self.addresses[shard]} is shard {reply.shard} of {reply.num_shards}, given as shard {shard} of "
+                             f"{self.num_shards}: give every shard's address, in shard order (as the islands were given them)")
+        layout = FragmentLayout.from_dict(json.loads(reply.layout_json))
+        values, versions = {}, dict(reply.versions)
+        for p in sorted(p for p, version in versions.items() if version >= 0):  # unseeded: GlobalModel.from_shards names it
+            what = f"export of fragment {p}"
+
+            def call(p=p, what=what):
+                replies = shard_stub.ExportFragment(pb.ExportFragmentRequest(fragment=p), timeout=self.timeout,
+                                                    metadata=self.metadata)
+                h, data = self._receive(replies, what)
+                return h.version, get_codec(EXACT).decode(data, len(data) // 4)
+
+            versions[p], values[p] = self._call(what, call)
+            if values[p].numel() != layout.fragment_numel(p):
+                raise ValueError(f"{what}: {self.addresses[shard]} sent {values[p].numel()} values for a fragment of "
+                                 f"{layout.fragment_numel(p)} in its own layout; is it a synchronizer of this version?")
+        return ShardModel(source=self.addresses[shard], run_id=reply.run_id or None, shard=reply.shard,
+                          num_shards=reply.num_shards, layout=layout, values=values, versions=versions)
 
     @property
     def closed(self) -> bool:

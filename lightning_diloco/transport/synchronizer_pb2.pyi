@@ -387,3 +387,34 @@ class StatusReply(_message.Message):
     refused: _containers.ScalarMap[str, int]
     adjustments: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., incarnation: _Optional[str] = ..., layout_hash: _Optional[str] = ..., outer_steps: _Optional[int] = ..., run_step: _Optional[int] = ..., sync_every: _Optional[int] = ..., num_fragments: _Optional[int] = ..., min_quorum: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ..., last_checkpoint_outer_steps: _Optional[int] = ..., versions: _Optional[_Mapping[int, int]] = ..., live_islands: _Optional[_Iterable[int]] = ..., islands: _Optional[_Mapping[int, IslandStatus]] = ..., rounds: _Optional[_Mapping[int, RoundStatus]] = ..., accepted: _Optional[_Mapping[str, int]] = ..., refused: _Optional[_Mapping[str, int]] = ..., adjustments: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExportLayoutRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExportLayoutReply(_message.Message):
+    __slots__ = ("layout_json", "run_id", "shard", "num_shards", "versions")
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    layout_json: str
+    run_id: str
+    shard: int
+    num_shards: int
+    versions: _containers.ScalarMap[int, int]
+    def __init__(self, layout_json: _Optional[str] = ..., run_id: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., versions: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
+class ExportFragmentRequest(_message.Message):
+    __slots__ = ("fragment",)
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    def __init__(self, fragment: _Optional[int] = ...) -> None: ...

@@ -74,6 +74,16 @@ class SynchronizerStub:
                 request_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.StatusRequest.SerializeToString,
                 response_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ExportLayout = channel.unary_unary(
+                '/lightning_diloco.v1.Synchronizer/ExportLayout',
+                request_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.ExportLayoutRequest.SerializeToString,
+                response_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.ExportLayoutReply.FromString,
+                _registered_method=True)
+        self.ExportFragment = channel.unary_stream(
+                '/lightning_diloco.v1.Synchronizer/ExportFragment',
+                request_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.ExportFragmentRequest.SerializeToString,
+                response_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.FragmentChunk.FromString,
+                _registered_method=True)
 
 
 class SynchronizerServicer:
@@ -137,6 +147,22 @@ class SynchronizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportLayout(self, request, context):
+        """The operator's read of the global model (the run's token, not an island credential), for
+        `lightning-diloco export`: it joins nothing, counts as no island and changes nothing. The
+        run's layout and this shard's versions ...
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportFragment(self, request, context):
+        """... and one fragment's exact global value (fp32) at its current version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SynchronizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +205,16 @@ def add_SynchronizerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.StatusRequest.FromString,
                     response_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.StatusReply.SerializeToString,
+            ),
+            'ExportLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportLayout,
+                    request_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.ExportLayoutRequest.FromString,
+                    response_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.ExportLayoutReply.SerializeToString,
+            ),
+            'ExportFragment': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportFragment,
+                    request_deserializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.ExportFragmentRequest.FromString,
+                    response_serializer=lightning__diloco_dot_transport_dot_synchronizer__pb2.FragmentChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +433,60 @@ class Synchronizer:
             '/lightning_diloco.v1.Synchronizer/Status',
             lightning__diloco_dot_transport_dot_synchronizer__pb2.StatusRequest.SerializeToString,
             lightning__diloco_dot_transport_dot_synchronizer__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lightning_diloco.v1.Synchronizer/ExportLayout',
+            lightning__diloco_dot_transport_dot_synchronizer__pb2.ExportLayoutRequest.SerializeToString,
+            lightning__diloco_dot_transport_dot_synchronizer__pb2.ExportLayoutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportFragment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lightning_diloco.v1.Synchronizer/ExportFragment',
+            lightning__diloco_dot_transport_dot_synchronizer__pb2.ExportFragmentRequest.SerializeToString,
+            lightning__diloco_dot_transport_dot_synchronizer__pb2.FragmentChunk.FromString,
             options,
             channel_credentials,
             insecure,

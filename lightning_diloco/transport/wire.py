@@ -238,6 +238,7 @@ _SERVER_WIRE: dict[str, dict[str, Any]] = {
     "Push": {"request_deserializer": chunk_reader(pb.PushHeader, default_header=True)},
     "Subscribe": {"response_serializer": serialize},
     "Pull": {"response_serializer": serialize},
+    "ExportFragment": {"response_serializer": serialize},
 }
 
 
@@ -274,4 +275,7 @@ def stub(channel: grpc.Channel) -> pb_grpc.SynchronizerStub:
                                              response_deserializer=read_event, _registered_method=True)
     methods.Pull = channel.unary_stream(path + "Pull", request_serializer=pb.PullRequest.SerializeToString,
                                         response_deserializer=chunk_reader(pb.FragmentHeader), _registered_method=True)
+    methods.ExportFragment = channel.unary_stream(
+        path + "ExportFragment", request_serializer=pb.ExportFragmentRequest.SerializeToString,
+        response_deserializer=chunk_reader(pb.FragmentHeader), _registered_method=True)
     return methods

@@ -28,7 +28,7 @@ from lightning_diloco.core.fragments import TensorSpec
 from lightning_diloco.reasons import Reason, SynchronizerError
 from lightning_diloco.synchronizer import deadlines
 from lightning_diloco.synchronizer.metrics import serve_metrics
-from lightning_diloco.synchronizer.server import PULLS_PER_ISLAND, SynchronizerServer
+from lightning_diloco.synchronizer.server import EXPORTS_AT_ONCE, OPERATOR, PULLS_PER_ISLAND, SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.synchronizer.status_page import serve_status_page
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -193,6 +193,32 @@ def test_unread_pulls_are_capped_per_island_and_cancelled_at_their_deadline(serv
             call.cancel()
         channel.close()
         attacker.close()
+
+
+def test_unread_exports_are_capped_and_leave_the_islands_their_pulls(server_of):
+    """The operator's exports of an 8 MB fragment never read: 2 open at most (the rest refused
+    busy), in slots of their own, while an island's pulls are served; a cancelled one frees its slot."""
+    big = [TensorSpec(name=f"w{i}", shape=(2_000_000,), dtype="float32", role="dense") for i in range(2)]
+    server, honest = server_of(big, seed=[0, 1])
+    channel = grpc.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
+    export = stub(channel).ExportFragment
+    request = pb.ExportFragmentRequest(fragment=0)
+    held = lambda: server.servicer.streams.held[(OPERATOR, "export")]  # noqa: E731
+    unread = []
+    try:
+        unread += [export(request, timeout=120) for _ in range(EXPORTS_AT_ONCE)]
+        _wait_until(lambda: held() == EXPORTS_AT_ONCE, "holding its exports")
+        with pytest.raises(grpc.RpcError) as err:
+            next(export(request, timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.details().startswith("busy: the operator")
+        assert honest.pull(1)[0] == 0 and server.service.status().islands.keys() == {0}  # the islands' calls go on
+        for call in unread:
+            call.cancel()
+        _wait_until(lambda: held() == 0, "freed the slots of the cancelled exports")
+    finally:
+        for call in unread:
+            call.cancel()
+        channel.close()
 
 
 # ---- the HTTP ports -----------------------------------------------------------------------------

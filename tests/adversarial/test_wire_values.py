@@ -90,6 +90,9 @@ class Prober:
                 fields = dict(fragment=0, island=PROBER, session=session)
                 for _ in self.stub.Pull(pb.PullRequest(**{**fields, field: value}), timeout=5):
                     pass
+            elif rpc == "ExportFragment":  # the operator's (no token here: every caller is)
+                for _ in self.stub.ExportFragment(pb.ExportFragmentRequest(**{field: value}), timeout=5):
+                    pass
             elif rpc == "Subscribe":
                 request = pb.SubscribeRequest(island=PROBER, session=session)
                 if field == "versions":
@@ -157,7 +160,8 @@ def test_every_number_of_every_rpc_at_its_extremes_leaves_the_run_working(tmp_pa
             for p, value in initial_fragments(config).items():
                 founder.seed(0, p, value)
         probes = [("Join", pb.JoinRequest), ("Heartbeat", pb.HeartbeatRequest), ("Push", pb.PushHeader),
-                  ("Seed", pb.FragmentHeader), ("Pull", pb.PullRequest), ("Subscribe", pb.SubscribeRequest)]
+                  ("Seed", pb.FragmentHeader), ("Pull", pb.PullRequest), ("Subscribe", pb.SubscribeRequest),
+                  ("ExportFragment", pb.ExportFragmentRequest)]
         outcomes = {}
         for rpc, message_type in probes:
             for field in _numeric_fields(message_type):
@@ -167,7 +171,7 @@ def test_every_number_of_every_rpc_at_its_extremes_leaves_the_run_working(tmp_pa
             outcomes["Subscribe", "versions", repr((key, value))] = prober.call("Subscribe", "versions", (key, value))
         for value in INT64:
             outcomes["Join", "shape", repr(value)] = prober.call("Join", "shape", value)
-        assert len(outcomes) > 130  # every numeric field of the six requests, at every extreme
+        assert len(outcomes) > 130  # every numeric field of the seven requests, at every extreme
         assert outcomes["Push", "round", repr(2**63 - 1)] == grpc.StatusCode.OK  # taken, for the latest round the run admits
         state = server.service.snapshot()
         assert all(bool(torch.isfinite(f.value).all()) for f in state.fragments.values())
