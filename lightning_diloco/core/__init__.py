@@ -2,7 +2,14 @@
 
 from lightning_diloco.core.codecs import Codec, get_codec
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
-from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout, tensor_specs
+from lightning_diloco.core.fragments import (
+    FragmentLayout,
+    TensorSpec,
+    build_layout,
+    canonical_name,
+    tensor_specs,
+    trainable_parameters,
+)
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.quorum import Decision, RoundView, decide
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets
@@ -21,6 +28,7 @@ __all__ = [
     "SynchronizerState",
     "TensorSpec",
     "build_layout",
+    "canonical_name",
     "contribution_weight",
     "decide",
     "due_fragment",
@@ -28,4 +36,5 @@ __all__ = [
     "get_codec",
     "merge_outer_gradients",
     "tensor_specs",
+    "trainable_parameters",
 ]

@@ -1,7 +1,9 @@
 """Balanced tensor fragmentation: which parameters travel together.
 
 The layout is a pure function of the model's (name, shape, dtype, role) list and P, so every
-island computes the same one; its hash is compared when an island joins.
+island computes the same one; its hash is compared when an island joins. The names and the dtype
+are those of the global model, not of one island's copy of it, so islands that wrap or cast the
+same model differently join one run (:func:`canonical_name`, :data:`GLOBAL_DTYPE`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ EMBEDDING = "embedding"
 DENSE = "dense"
 ROLES = (EMBEDDING, DENSE)
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+GLOBAL_DTYPE = "float32"
+"""The dtype of the global model, of every fragment on the wire and of the islands' bases: a
+bf16 island's parameters are read into it and written back from it (rounding once, at the write),
+so its progress is never rounded by a bf16 base and it shares the layout of an fp32 island."""
+WRAPPER_SEGMENTS = frozenset({
+    "_orig_mod",  # torch.compile(module): an OptimizedModule holding the original
+    "_checkpoint_wrapped_module",  # torch.distributed's checkpoint_wrapper and offload_wrapper
+    "_fsdp_wrapped_module",  # FSDP1's FullyShardedDataParallel (FSDP2's fully_shard adds none)
+})
+"""Parts of a parameter's dotted name that a wrapper adds around the user's module: not part of
+the model's own names, so :func:`canonical_name` drops them."""
 MAX_TENSORS = 100_000
 MAX_PARAMETERS = 10**12  # a trillion: far beyond one run's model, far below what overflows anything
 
@@ -58,8 +71,37 @@ class TensorSpec:
         return cls(name=data["name"], shape=tuple(int(d) for d in data["shape"]), dtype=data["dtype"], role=data["role"])
 
 
+def canonical_name(name: str) -> str:
+    """A parameter's name in the global model: ``name`` without the segments wrappers add
+    (:data:`WRAPPER_SEGMENTS`, anywhere in the dotted path), so
+    ``model._orig_mod.layers.0._checkpoint_wrapped_module.weight`` is ``model.layers.0.weight``."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Canonical name -> the module's own live Parameter, for its trainable parameters in
+    registration order (a tensor tied to another is listed once, under its first name)."""
+    out: dict[str, nn.Parameter] = {}
+    given: dict[str, str] = {}  # canonical name -> the module's own name for it
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        canonical = canonical_name(name)
+        if canonical in given:
+            raise ValueError(f"parameters {given[canonical]!r} and {name!r} are both {canonical!r} once the wrapper "
+                             f"segments {sorted(WRAPPER_SEGMENTS)} are dropped; rename one of the modules holding them")
+        given[canonical] = name
+        if str(param.dtype).removeprefix("torch.") not in DTYPES:
+            raise ValueError(f"trainable parameter {name!r} has dtype {param.dtype}; expected one of {DTYPES} "
+                             "(freeze it with requires_grad_(False) to leave it out of synchronization)")
+        out[canonical] = param
+    return out
+
+
 def tensor_specs(module: nn.Module) -> list[TensorSpec]:
-    """The trainable parameters of ``module`` in registration order, with their roles.
+    """The trainable parameters of ``module`` in registration order, with their roles, under their
+    canonical names and in the global dtype: the same list for the model however an island wraps
+    it (``torch.compile``, activation checkpointing) and whatever its parameters' dtype.
 
     A parameter is an ``embedding`` when it is the weight of an ``nn.Embedding`` or the very same
     tensor tied to one (an LM head sharing the input embedding); everything else is ``dense``.
@@ -69,11 +111,10 @@ def tensor_specs(module: nn.Module) -> list[TensorSpec]:
         TensorSpec(
             name=name,
             shape=tuple(param.shape),
-            dtype=str(param.dtype).removeprefix("torch."),
+            dtype=GLOBAL_DTYPE,
             role=EMBEDDING if id(param) in embedding_weights else DENSE,
         )
-        for name, param in module.named_parameters()
-        if param.requires_grad
+        for name, param in trainable_parameters(module).items()
     ]
 
 

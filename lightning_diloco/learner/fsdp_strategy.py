@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_diloco.core.fragments import split_fragment as _split
-from lightning_diloco.core.fragments import tensor_specs
+from lightning_diloco.core.fragments import tensor_specs, trainable_parameters
 from lightning_diloco.learner.arguments import argument_names, describe_for_cli
 from lightning_diloco.learner.island_strategy import CHECKPOINT_KEY, IslandStrategy
 
@@ -161,8 +161,10 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
         if learner is not None and learner.pop("bases_in", None) == "state_dict":
             from torch.distributed.checkpoint import load
 
-            params = dict(self.lightning_module.named_parameters())
-            targets = {BASES + s.name: torch.zeros_like(params[s.name].detach()) for s in tensor_specs(self.lightning_module)}
+            # the bases are the global model's, in its dtype, under its names, whatever the parameters' own
+            params = trainable_parameters(self.lightning_module)
+            targets = {BASES + s.name: torch.zeros_like(params[s.name].detach(), dtype=torch.float32)
+                       for s in tensor_specs(self.lightning_module)}
             load({"state_dict": targets}, checkpoint_id=Path(self.broadcast(checkpoint_path)))
             learner["bases_by_name"] = {key[len(BASES):]: value for key, value in targets.items()}
         return checkpoint

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.exit_codes import EXIT_REFUSED
-from lightning_diloco.core.fragments import build_layout, tensor_specs
+from lightning_diloco.core.fragments import build_layout, tensor_specs, trainable_parameters
 from lightning_diloco.core.settings import config_with, run_settings, value_of
 from lightning_diloco.core.token_options import read_token
 from lightning_diloco.learner.arguments import as_run_config, env_int, refuse_unknown, warn_on_conflicts
@@ -294,7 +294,7 @@ class IslandStrategy(_MixedInto):
     def _join(self) -> None:
         module = self.lightning_module
         specs = tensor_specs(module)
-        named = dict(module.named_parameters())
+        named = trainable_parameters(module)  # canonical name -> this island's own (wrapped, cast) Parameter
         params = [named[s.name] for s in specs]
         link = None
         config_dict = None

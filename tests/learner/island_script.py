@@ -2,8 +2,8 @@
 (or one node of a multi-node island: `torchrun --nnodes 2 ... island_script.py OUT --num-nodes 2`).
 
 Reads DILOCO_* from the environment, trains TinyRegressor (sharded with FSDP2 by
-``--fsdp``), and writes each rank's final weights (whole) and the island's metrics to
-OUT/rank{R}.pt.
+``--fsdp``; compiled or checkpointed by ``--wrapping``, in bf16 by ``--precision``), and writes
+each rank's final weights (whole) and the island's metrics to OUT/rank{R}.pt.
 """
 
 import argparse
@@ -23,7 +23,14 @@ import lightning_diloco  # noqa: E402,F401
 from lightning_diloco import DecoupledDiLoCoFSDPStrategy, DecoupledDiLoCoStrategy  # noqa: E402
 from lightning_diloco.learner.collective import leave_process_group  # noqa: E402
 from tests.helpers import exit_now  # noqa: E402
-from tests.learner.models import ShardedTinyRegressor, TinyRegressor, loader, regression_data, trainer  # noqa: E402
+from tests.learner.models import (  # noqa: E402
+    WRAPPINGS,
+    ShardedTinyRegressor,
+    loader,
+    regression_data,
+    trainer,
+    wrapped_regressor,
+)
 
 
 class WaitForAllIslands(Callback):
@@ -63,6 +70,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", help="save last.ckpt there at the end of every epoch")
     parser.add_argument("--resume", help="a checkpoint to resume from")
     parser.add_argument("--full-checkpoint", action="store_true", help="FSDP2: one file, not a distributed checkpoint")
+    parser.add_argument("--wrapping", choices=WRAPPINGS, default="plain", help="the model as users write it (models.py)")
+    parser.add_argument("--precision", default="32-true", help="Lightning's precision, e.g. bf16-true or bf16-mixed")
     parser.add_argument("--no-wait", action="store_true", help="start training at once, whoever else has joined")
     args = parser.parse_args()
     settings = dict(sync_every=4, num_fragments=2, overlap_steps=args.overlap, uplink_codec="fp32", downlink_codec="fp32")
@@ -70,12 +79,14 @@ def main() -> None:
         strategy = DecoupledDiLoCoFSDPStrategy(save_distributed_checkpoint=not args.full_checkpoint, **settings)
     else:
         strategy = DecoupledDiLoCoStrategy(**settings)
-    model = (ShardedTinyRegressor if args.fsdp else TinyRegressor)(seed=args.seed + strategy.island)  # joining aligns them
+    seed = args.seed + strategy.island  # joining aligns them
+    model = ShardedTinyRegressor(seed=seed) if args.fsdp else wrapped_regressor(args.wrapping, seed=seed)
     callbacks = [WaitForAllIslands(0 if args.no_wait else strategy.num_islands, args.step_seconds)]
     if args.checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True, save_top_k=0))
     island = trainer(strategy, devices=args.devices, num_nodes=args.num_nodes, max_epochs=args.epochs,
-                     max_steps=args.max_steps, callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_dir))
+                     max_steps=args.max_steps, callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_dir),
+                     precision=args.precision)
     island.fit(model, loader(regression_data(n=512)), ckpt_path=args.resume)
     rank = island.global_rank  # LOCAL_RANK is 0 on every node of a multi-node island
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -24,15 +24,18 @@ class TinyRegressor(pl.LightningModule):
         self.lr = lr
         self.losses: list[float] = []
 
+    def forward(self, x):
+        return self.net(x)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self(x), y)
         self.losses.append(float(loss))
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
@@ -51,6 +54,38 @@ class ShardedTinyRegressor(TinyRegressor):
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(self, mesh=mesh)
+
+
+class CheckpointedRegressor(TinyRegressor):
+    """Activation checkpointing by a plain ``torch.utils.checkpoint`` call: no module, no name change."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.net, x, use_reentrant=False)
+
+
+WRAPPINGS = ("plain", "compiled", "checkpoint-wrapped", "checkpointed")
+
+
+def wrapped_regressor(wrapping: str, seed: int = 0) -> TinyRegressor:
+    """TinyRegressor as users write it, wrapped inside the LightningModule: ``compiled``
+    (``self.net = torch.compile(self.net)``: names gain ``_orig_mod.``; the eager backend, as
+    inductor's compile takes 15 s on a loaded 2-core machine and only the names matter here),
+    ``checkpoint-wrapped`` (each Linear in torch's ``checkpoint_wrapper``: names gain
+    ``_checkpoint_wrapped_module.``) or ``checkpointed`` (a ``torch.utils.checkpoint`` call)."""
+    if wrapping not in WRAPPINGS:
+        raise ValueError(f"wrapping {wrapping!r}: expected one of {WRAPPINGS}")
+    model = (CheckpointedRegressor if wrapping == "checkpointed" else TinyRegressor)(seed=seed)
+    if wrapping == "compiled":
+        model.net = torch.compile(model.net, backend="eager")
+    elif wrapping == "checkpoint-wrapped":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.net):
+            if isinstance(layer, nn.Linear):
+                model.net[i] = checkpoint_wrapper(layer)
+    return model
 
 
 def loader(dataset, batch_size=16, shuffle=False):

@@ -83,20 +83,24 @@ def test_ddp_and_fsdp_islands_compute_the_same_global_model(tmp_path):
 def test_an_fsdp_island_resumed_from_its_checkpoint_matches_an_uninterrupted_run(tmp_path):
     """Synchronous, so deterministic: 1 epoch, checkpoint, resume for a 2nd from another init
     gives the model 2 uninterrupted epochs give, from a distributed checkpoint (the bases saved
-    sharded beside the weights) and from a full one (gathered on rank 0)."""
+    sharded beside the weights) and from a full one (gathered on rank 0); and in bf16-true, whose
+    bases are fp32 beside bf16 weights (loaded as bf16, they were rounded: not the same run)."""
     common = ("--fsdp", "--devices", "2", "--overlap", "0")
+    kinds = {"distributed": (), "full": ("--full-checkpoint",), "distributed-bf16": ("--precision", "bf16-true")}
     firsts = {kind: _island(tmp_path / f"first-{kind}", *common, "--epochs", "1", "--checkpoint-dir",
                             str(tmp_path / f"ckpt-{kind}"), *extra)
-              for kind, extra in (("distributed", ()), ("full", ("--full-checkpoint",)))}
-    _run([_island(tmp_path / "straight", *common, "--epochs", "2"), *firsts.values()])
+              for kind, extra in kinds.items()}
+    _run([_island(tmp_path / "straight", *common, "--epochs", "2"),
+          _island(tmp_path / "straight-bf16", *common, "--epochs", "2", "--precision", "bf16-true"), *firsts.values()])
     assert (tmp_path / "ckpt-distributed" / "last.ckpt").is_dir() and (tmp_path / "ckpt-full" / "last.ckpt").is_file()
     _run([_island(tmp_path / f"resumed-{kind}", *common, "--epochs", "2", "--seed", "5", "--resume",
-                  str(tmp_path / f"ckpt-{kind}" / "last.ckpt"), *(("--full-checkpoint",) if kind == "full" else ()))
+                  str(tmp_path / f"ckpt-{kind}" / "last.ckpt"), *kinds[kind])
           for kind in firsts])
-    straight = _ranks(tmp_path / "straight", 2)[0]
     for kind in firsts:
+        straight = _ranks(tmp_path / ("straight-bf16" if kind.endswith("bf16") else "straight"), 2)[0]
         resumed = _ranks(tmp_path / f"resumed-{kind}", 2)
         assert [r["steps"] for r in resumed] == [16, 16]  # the second epoch only
         assert resumed[0]["metrics"]["diloco/min_version"] == 8  # 32 steps / H = 4 per fragment
         for a, b in zip(straight["weights"], resumed[0]["weights"]):
+            assert a.dtype == (torch.bfloat16 if kind.endswith("bf16") else torch.float32)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

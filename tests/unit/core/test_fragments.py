@@ -7,9 +7,11 @@ from lightning_diloco.core.fragments import (
     EMBEDDING,
     TensorSpec,
     build_layout,
+    canonical_name,
     flatten_fragment,
     split_fragment,
     tensor_specs,
+    trainable_parameters,
 )
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets
 
@@ -109,3 +111,62 @@ def test_offsets_spread_evenly():
     assert offsets == (6, 12, 18, 0)
     assert [t for t in range(1, 25) if due_fragment(t, offsets, 24) is not None] == [6, 12, 18, 24]
     assert due_fragment(0, offsets, 24) is None
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+class _Holder(nn.Module):
+    """A user's module holding the network as an attribute, wrapped or not."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+
+def _checkpoint_wrapped(net):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, layer in enumerate(net):
+        if isinstance(layer, nn.Linear):
+            net[i] = checkpoint_wrapper(layer)
+    return net
+
+
+def test_canonical_names_drop_wrapper_segments_anywhere_in_the_path():
+    assert canonical_name("model._orig_mod.layers.0._checkpoint_wrapped_module.weight") == "model.layers.0.weight"
+    assert canonical_name("_fsdp_wrapped_module.head._orig_mod.bias") == "head.bias"
+    assert canonical_name("orig_mod_x.weight") == "orig_mod_x.weight"  # only whole segments are wrappers
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda net: torch.compile(net, backend="eager"),  # names gain _orig_mod.
+    _checkpoint_wrapped,  # names gain _checkpoint_wrapped_module.
+    lambda net: net.to(torch.bfloat16),  # a bf16-true island's parameters
+    lambda net: torch.compile(_checkpoint_wrapped(net), backend="eager").to(torch.bfloat16),
+], ids=["compiled", "checkpoint-wrapped", "bf16", "all-three"])
+def test_a_wrapped_or_cast_model_has_the_plain_models_layout(wrap):
+    plain = tensor_specs(_Holder(_mlp()))
+    wrapped_module = _Holder(wrap(_mlp()))
+    wrapped = tensor_specs(wrapped_module)
+    assert wrapped == plain and [s.name for s in plain] == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    assert build_layout(wrapped, 2).hash == build_layout(plain, 2).hash
+    # and the canonical names lead to the module's own live parameters
+    assert [id(p) for p in trainable_parameters(wrapped_module).values()] == [id(p) for p in wrapped_module.parameters()]
+
+
+def test_two_parameters_with_one_canonical_name_are_refused_naming_both():
+    model = _Holder(_mlp())
+    model.add_module("_orig_mod", nn.Module())
+    model._orig_mod.net = _mlp()  # _orig_mod.net.0.weight -> net.0.weight: the same name as the plain net's
+    with pytest.raises(ValueError, match=r"'net.0.weight' and '_orig_mod.net.0.weight' are both 'net.0.weight'"):
+        tensor_specs(model)
+
+
+def test_a_trainable_parameter_of_a_dtype_the_global_model_cannot_hold_is_refused_by_name():
+    model = nn.Linear(2, 2)
+    model.weight = nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"'weight' has dtype torch.complex64.*requires_grad_\(False\)"):
+        tensor_specs(model)
