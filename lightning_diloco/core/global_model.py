@@ -4,7 +4,7 @@ Every synchronizer shard holds the exact global value of the fragments it owns (
 in a running process or in its checkpoint directory. :class:`GlobalModel` puts the shards of one
 run together (refusing shards of two runs or layouts, a shard given twice or missing, a fragment
 not seeded yet), names its tensors by the layout (the module's own parameter names) and loads
-them into a module by the names :func:`~lightning_diloco.core.fragments.tensor_specs` gives it.
+them into a module by the names :func:`~lightning_diloco.core.fragments.trainable_parameters` gives it.
 
 Reading a checkpoint directory here changes nothing in it, so a running synchronizer's
 directory can be read (its newest complete checkpoint).
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_diloco.core.fragments import FragmentLayout, split_fragment, tensor_specs
+from lightning_diloco.core.fragments import FragmentLayout, split_fragment, trainable_parameters
 from lightning_diloco.core.state import SynchronizerState, shard_of
 
 SHOWN = 3  # names quoted in a mismatch message
@@ -103,15 +103,14 @@ class GlobalModel:
         """Copy the global model into ``module``'s trainable parameters, each cast to its
         parameter's dtype and device; returns the prefix used.
 
-        The module's tensors (by :func:`tensor_specs`) must be the layout's tensors under
+        The module's tensors (by :func:`trainable_parameters`) must be the layout's tensors under
         ``prefix``, exactly and with their shapes: ``""`` for the module that was trained,
         ``"model."`` for its ``self.model``. None: found (:func:`find_prefix`).
         """
-        specs = tensor_specs(module)
-        # tensor_specs lists the trainable parameters in named_parameters' order: its names, which
-        # the layout holds, are matched to the parameters by position, never re-derived here
-        params = [param for _, param in module.named_parameters() if param.requires_grad]
-        names = [s.name for s in specs]
+        # the module's parameters by the names the layout holds (wrapper segments such as
+        # torch.compile's _orig_mod. dropped): one function decides them, for islands and here
+        by_name = trainable_parameters(module)
+        names = list(by_name)
         prefix = find_prefix([s.name for s in self.layout.specs], names) if prefix is None else prefix
         ours = self.state_dict(prefix)
         missing, extra = [n for n in names if n not in ours], [n for n in ours if n not in set(names)]
@@ -119,14 +118,14 @@ class GlobalModel:
             raise ValueError(f"the module does not match the run's layout {self.layout.hash} under prefix {prefix!r}: "
                              + _difference(missing, extra) + "; load into a module built as the trained one was (the "
                              "same model and config)")
-        for spec, param in zip(specs, params):
-            value = ours[spec.name]
+        for name, param in by_name.items():
+            value = ours[name]
             if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"tensor {spec.name!r} is {tuple(value.shape)} in the run and {tuple(param.shape)} in "
+                raise ValueError(f"tensor {name!r} is {tuple(value.shape)} in the run and {tuple(param.shape)} in "
                                  "the module: build the module with the trained model's config")
         with torch.no_grad():
-            for spec, param in zip(specs, params):
-                param.copy_(ours[spec.name].to(param.dtype))
+            for name, param in by_name.items():
+                param.copy_(ours[name].to(param.dtype))
         return prefix
 
 

@@ -225,3 +225,17 @@ def test_the_cli_refuses_a_config_the_model_does_not_fit_and_writes_nothing(shar
         with pytest.raises(SystemExit):
             main(["export", "--synchronizer", _address(shards), "--token", TOKEN, "--out", str(out), *extra])
         assert said in capsys.readouterr().err and not out.exists()
+
+
+def test_a_compiled_or_checkpoint_wrapped_module_takes_the_global_model_by_its_plain_names(shards):
+    """Users wrap what they trained (torch.compile adds _orig_mod., activation checkpointing
+    _checkpoint_wrapped_module.): the global model loads into the wrapped module as into the plain one."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = read_global_model(synchronizer=_address(shards), token=TOKEN)
+    wrapped = Model()
+    wrapped.layer = checkpoint_wrapper(wrapped.layer)
+    compiled = torch.compile(wrapped, backend="eager")
+    assert any("_orig_mod." in n and "_checkpoint_wrapped_module." in n for n, _ in compiled.named_parameters())
+    assert model.load_into(compiled) == ""
+    assert torch.equal(wrapped.layer._checkpoint_wrapped_module.weight, model.tensors()["layer.weight"])
