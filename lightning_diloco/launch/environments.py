@@ -42,6 +42,21 @@ def synchronizer_environment(token: str | None) -> dict[str, str]:
     return clean_environment({"OMP_NUM_THREADS": "1", **({"DILOCO_TOKEN": token} if token else {})})
 
 
+# Upstream warnings every island prints once each, M times per run, that say nothing about the
+# user's code or the run (message prefixes, as -W takes them: no colon or comma in them). A
+# PYTHONWARNINGS the user set is kept and goes after these, so it wins.
+UPSTREAM_WARNINGS = (
+    "ignore:`isinstance(treespec",  # torch's pytree deprecation, raised inside Lightning
+    "ignore:The number of training batches",  # Lightning's log_every_n_steps tip
+    "ignore:Be aware that when using `ckpt_path`",  # Lightning, on every resumed island
+)
+
+
+def island_warnings(user: str | None) -> str:
+    """PYTHONWARNINGS for an island process: :data:`UPSTREAM_WARNINGS`, then the user's own."""
+    return ",".join([*UPSTREAM_WARNINGS, *([user] if user else [])])
+
+
 def island_environment(options: RunOptions, island: int, workdir: Path, synchronizer: str | None) -> dict[str, str]:
     """Island ``island``'s environment (with ``--baseline ddp``: the one DDP job's, ``island`` 0);
     ``synchronizer`` is the address the islands join."""
@@ -53,6 +68,7 @@ def island_environment(options: RunOptions, island: int, workdir: Path, synchron
         "DILOCO_DEVICES": str(options.devices_per_island * (options.islands if ddp else 1)),
         "DILOCO_PROGRESS_FILE": str(progress_file(workdir, island)),
         "DILOCO_CHECKPOINT_DIR": str(checkpoint_folder(workdir, island)),
+        "PYTHONWARNINGS": island_warnings(os.environ.get("PYTHONWARNINGS")),
     }
     if "OMP_NUM_THREADS" not in os.environ:
         # Every island process shares this host's cores. Left unset, Lightning gives each

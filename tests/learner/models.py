@@ -30,7 +30,7 @@ class TinyRegressor(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
         return loss
 
     def validation_step(self, batch, batch_idx):

@@ -252,3 +252,26 @@ def test_a_chaos_schedule_that_cannot_be_read_leaves_an_earlier_run_in_the_workd
     with pytest.raises(ValueError, match="cannot read fault 'kil 1 at 3s'"):
         _run(work, "--chaos", "kil 1 at 3s")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"] and (work / "synchronizer").is_dir()
+
+
+def test_islands_leave_out_upstream_warnings_but_keep_the_users_own(tmp_path, monkeypatch):
+    """Every island printed torch's pytree deprecation and Lightning's tips, M times a run; a
+    warning of the user's code still shows, and a PYTHONWARNINGS the user set still wins."""
+    import subprocess
+    import sys
+
+    from lightning_diloco.launch.environments import island_environment
+    from lightning_diloco.launch.options import RunOptions
+
+    monkeypatch.delenv("PYTHONWARNINGS", raising=False)
+    env = island_environment(RunOptions(islands=2), 0, tmp_path, "127.0.0.1:1")
+    script = ("import warnings\n"
+              "warnings.warn('`isinstance(treespec, LeafSpec)` is deprecated', FutureWarning)\n"
+              "warnings.warn('The number of training batches (16) is smaller than the logging interval')\n"
+              "warnings.warn('my own warning')\n")
+    shown = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60).stderr
+    assert "my own warning" in shown and "LeafSpec" not in shown and "training batches" not in shown
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    env = island_environment(RunOptions(islands=2), 0, tmp_path, "127.0.0.1:1")
+    shown = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60).stderr
+    assert "LeafSpec" in shown
