@@ -147,6 +147,8 @@ class SynchronizerState:
         self.num_islands = 0
         """The run's island count, the operator's or its first island's that said one (0: not yet,
         or a checkpoint of an older version): a restart keeps refusing islands started with another."""
+        self.left: list[int] = []
+        """Islands that left the run (and have not joined since): a restart keeps them out of the quorum."""
         self.memory: dict[int, dict] = {}
         """Per fragment, what its rounds remember besides the value (plain numbers and strings,
         the synchronizer's to read): a restart that lost it reset the influence bounds to their
@@ -195,6 +197,7 @@ class SynchronizerState:
             "fragments": {p: f.state_dict() for p, f in self.fragments.items()},
             "identity": dict(self.identity),
             "num_islands": self.num_islands,
+            "left": list(self.left),
             "memory": {p: m for p, m in self.memory.items() if p in self.fragments},
         }
 
@@ -210,6 +213,7 @@ class SynchronizerState:
             out.fragments[int(p)].load_state_dict(f)
         out.identity = dict(state.get("identity", {}))  # none in checkpoints of older versions
         out.num_islands = int(state.get("num_islands", 0))  # (nor this)
+        out.left = sorted({int(i) for i in state.get("left", []) if 0 <= int(i)})  # (nor this)
         out.memory = {int(p): m for p, m in state.get("memory", {}).items()}  # (nor this)
         return out
 

@@ -166,6 +166,19 @@ class Membership:
             m.requests.clear()
             self.changed.notify_all()  # ends its subscription; requests held for the clock may be due now
 
+    def left_islands(self) -> list[int]:
+        """The islands that left the run and have not joined since (a checkpoint keeps them)."""
+        with self.lock:
+            return sorted(i for i, m in self.members.items() if m.left)
+
+    def restore_left(self, islands: list[int], now: float) -> None:
+        """Remember ``islands`` as left, from a checkpoint: a restarted synchronizer that forgot
+        them counted them in the run again, and a round of a quorum they had lowered waited for them."""
+        with self.lock:
+            for island in islands:
+                if island not in self.members and len(self.members) < MAX_ISLANDS:
+                    self.members[island] = Member(world_size=1, last_seen=now, placed_at=now, left=True)
+
     def left_count(self) -> int:
         """How many islands left the run and have not joined since."""
         with self.lock:

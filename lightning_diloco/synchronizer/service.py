@@ -106,6 +106,7 @@ class Synchronizer(Intake):
             raise
         if loaded is not None:
             self.state = loaded
+            self.membership.restore_left(loaded.left, self.clock())
             if loaded.config != config:
                 log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
             self.config = loaded.config
@@ -436,6 +437,7 @@ class Synchronizer(Intake):
         snapshot = SynchronizerState(self.config, state.layout, {})
         snapshot.identity = dict(self.identity)
         snapshot.num_islands = self.num_islands
+        snapshot.left = self.membership.left_islands()
         for p, rounds in self.rounds.items():
             with rounds.cond:
                 frag = rounds.frag

@@ -112,3 +112,25 @@ def test_a_left_island_is_not_joined_until_it_joins_again_then_counts_as_before(
     _push(sync, config, 0, sessions[0])
     [closed] = sync.poll()
     assert closed.islands == (0, 1)
+
+
+def test_a_restarted_synchronizer_remembers_the_islands_that_left(tmp_path):
+    """It forgot them: after a restart a quorum of K = M counted the islands that had ended their
+    run again, and the last island's rounds waited for them at every due fragment."""
+    sync, config, sessions = _run_of(4, min_quorum=4, checkpoint_dir=tmp_path, checkpoint_every=1)
+    for i in (1, 2, 3):
+        sync.leave(i, session=sessions[i])
+    _push(sync, config, 0, sessions[0])
+    [closed] = sync.poll()  # island 0 alone is the run now; the close writes a checkpoint
+    assert closed.islands == (0,)
+    sync.shutdown()
+    restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
+    session = restarted.join(0, 1, SPECS, num_islands=4).session
+    assert [i for i, isl in restarted.status().islands.items() if isl.left] == [1, 2, 3]
+    delta = torch.full((layout(config).fragment_numel(0),), 0.01)
+    ack = restarted.push(dataclasses.replace(contribution(config, 0, 0, delta, round=1, base_version=1, seq=2), session=session))
+    [closed] = restarted.poll()  # no time passed: the three are still out of the quorum
+    assert closed.islands == (0,) and not ack.late
+    # one of them coming back counts again
+    restarted.join(2, 1, SPECS, num_islands=4)
+    assert [i for i, isl in restarted.status().islands.items() if isl.left] == [1, 3]
