@@ -109,7 +109,7 @@ class IslandMembership:
         join_wait: float = 300.0,
         **kwargs: Any,
     ) -> None:
-        """A Lightning trainer group as one learner island of a Decoupled DiLoCo run.
+        """A Lightning Trainer (or Fabric) process group as one learner island of a Decoupled DiLoCo run.
 
         Arguments left as None come from the environment (``DILOCO_*``) or from the run defaults
         of :class:`~lightning_diloco.core.config.RunConfig`. A remote synchronizer's run settings
@@ -154,7 +154,7 @@ class IslandMembership:
                 settings above override it.
             tokens_per_batch: Counts a batch's tokens for the merge weights (default:
                 attention-mask ones, else ``input_ids`` elements, else samples).
-            end_with_global_model: Load the global model when training ends, if it holds some
+            end_with_global_model: Load the global model when training ends (Fabric: ``teardown()``), if it holds some
                 of this island's work (otherwise the local weights stay, with a warning).
             push_wait: Seconds a sent fragment may wait for its round before the send counts
                 as failed.
@@ -193,13 +193,13 @@ class IslandMembership:
         )
         self.explicit = {k: v for k, v in given.items() if v is not None}
         self.base_config = as_run_config(run_config)
-        self.run_config = config_with(self.explicit, self.base_config)  # validates now, not at fit time
+        self.run_config = config_with(self.explicit, self.base_config)  # validates now, not when training starts
         self.count_tokens = tokens_per_batch or default_tokens_per_batch
         self.end_with_global_model = end_with_global_model
         self.push_wait = push_wait
         self.join_wait = join_wait
         self.learner: IslandLearner | None = None
-        self.final_metrics: dict[str, float] = {}  # the learner's metrics when fit ended
+        self.final_metrics: dict[str, float] = {}  # the learner's metrics when the island's run ended
         self.embedded = None  # the embedded synchronizer (a Synchronizer service), when this island runs one
         self._tokens = 0.0
         self._resume: dict | None = None
@@ -309,7 +309,7 @@ class IslandMembership:
         return LocalLink(self.embedded)
 
     def _summary(self) -> str:
-        """What the island's part in the run came to, said once when fit ends."""
+        """What the island's part in the run came to, said once when its run ends."""
         m = self.final_metrics
         return (f"Decoupled DiLoCo, island {self.island}: {m['diloco/syncs_sent']:.0f} contributions sent, "
                 f"{m['diloco/syncs_applied']:.0f} of their rounds' global fragments applied and "

@@ -102,6 +102,28 @@ def test_fabric_save_and_load_resume_the_island_as_if_never_stopped(tmp_path):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_fabric_load_rejoins_a_remote_synchronizer_and_the_island_goes_on_from_its_checkpoint(tmp_path):
+    """fabric.load after setup: the island joined at setup leaves the run and joins again from
+    the checkpoint, over gRPC; its step and counters go on from the saved ones."""
+    config = RunConfig(schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=0),
+                       codec=CodecConfig(uplink="fp32", downlink="fp32"))
+    server = SynchronizerServer(Synchronizer(config)).start()
+    try:
+        first = DecoupledDiLoCoFabricStrategy(synchronizer=server.address, end_with_global_model=False)
+        train(_fabric(first), 1, save=tmp_path / "island.ckpt")
+        first.teardown()
+        resumed = DecoupledDiLoCoFabricStrategy(synchronizer=server.address, end_with_global_model=False)
+        fabric = _fabric(resumed)
+        _, losses = train(fabric, 2, resume=tmp_path / "island.ckpt")
+        assert resumed.learner.step == 32 and len(losses) == 16
+        assert resumed.metrics()["diloco/syncs_sent"] == 16  # 8 before the checkpoint, 8 after
+        resumed.teardown()
+        status = server.service.status()
+    finally:
+        server.stop(grace=0)
+    assert status.islands[0].left and status.islands[0].accepted == 16, status.islands
+
+
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DILOCO_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
     env.update(OMP_NUM_THREADS="1", **extra)
