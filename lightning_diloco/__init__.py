@@ -1,8 +1,9 @@
 """lightning_diloco: Decoupled DiLoCo for PyTorch Lightning.
 
 Importing the package registers ``Trainer(strategy="decoupled_diloco")`` (and
-``"decoupled_diloco_spawn"``, ``"decoupled_diloco_fsdp"``) with Lightning, once Lightning is
-loaded: the synchronizer and the core never import Lightning themselves.
+``"decoupled_diloco_spawn"``, ``"decoupled_diloco_fsdp"``) and ``Fabric(strategy="decoupled_diloco")``
+with Lightning, once Lightning is loaded: the synchronizer and the core never import Lightning
+themselves.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "DecoupledDiLoCoStrategy": "lightning_diloco.learner.strategy",
     "DecoupledDiLoCoFSDPStrategy": "lightning_diloco.learner.fsdp_strategy",
+    "DecoupledDiLoCoFabricStrategy": "lightning_diloco.learner.fabric_strategy",
     "register": "lightning_diloco.learner.strategy",
     "DiLoCoMonitor": "lightning_diloco.learner.monitor",
     "ProgressFile": "lightning_diloco.launch.progress",

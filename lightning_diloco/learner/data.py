@@ -1,7 +1,7 @@
 """Each rank of each island takes its own part of the run's data, whatever the dataset.
 
 Rank r of island i (M islands, W ranks each) is data rank i + r x M of M x W: the one definition
-is :attr:`~lightning_diloco.learner.island_strategy.IslandStrategy.distributed_sampler_kwargs`,
+is :attr:`~lightning_diloco.learner.island_membership.IslandMembership.distributed_sampler_kwargs`,
 which Lightning's ``DistributedSampler`` takes for a map-style dataset. An iterable dataset has no
 sampler, and Lightning hands it whole to every rank: every island would train on the same samples
 in the same order, and the usual DDP habit (splitting by ``trainer.global_rank`` of
@@ -38,18 +38,22 @@ def data_rank(trainer: Any) -> DataRank:
     Rank r of island i of a run of M islands of W ranks is ``DataRank(i + r * M, M * W)``; under
     any other strategy, Lightning's own (``DataRank(global_rank, world_size)`` for DDP,
     ``DataRank(0, 1)`` for one device), so the same code runs with or without Decoupled DiLoCo.
-    Ask for it once the trainer has started (in ``setup()`` or ``train_dataloader()``), and split
-    an iterable dataset by it, e.g. ``files[rank::world_size]``, or
-    ``itertools.islice(samples, rank, None, world_size)``. Asking also tells the strategy that the
-    script splits its data itself: it no longer warns about an unsplit iterable dataset.
+    Ask for it once the trainer has started (in ``setup()`` or ``train_dataloader()``; with
+    Fabric, after ``fabric.launch()``), and split an iterable dataset by it, e.g.
+    ``files[rank::world_size]``, or ``itertools.islice(samples, rank, None, world_size)``. Asking
+    also tells the strategy that the script splits its data itself: it no longer warns about an
+    unsplit iterable dataset.
 
     Args:
-        trainer: The ``lightning.pytorch.Trainer`` (``self.trainer`` in a module or datamodule).
+        trainer: The ``lightning.pytorch.Trainer`` (``self.trainer`` in a module or datamodule),
+            or the ``lightning.fabric.Fabric``.
     """
     strategy = trainer.strategy
     if hasattr(strategy, "data_split_by_script"):
         strategy.data_split_by_script = True
-    return rank_of(trainer.distributed_sampler_kwargs)
+    if hasattr(trainer, "distributed_sampler_kwargs"):  # a Trainer's: None unless its strategy is a parallel one
+        return rank_of(trainer.distributed_sampler_kwargs)
+    return rank_of(getattr(strategy, "distributed_sampler_kwargs", None))  # Fabric's strategy, whatever it is
 
 
 def rank_of(sampler_kwargs: dict[str, Any] | None) -> DataRank:

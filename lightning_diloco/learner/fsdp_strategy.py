@@ -31,7 +31,8 @@ from typing_extensions import override
 from lightning_diloco.core.fragments import split_fragment as _split
 from lightning_diloco.core.fragments import tensor_specs, trainable_parameters
 from lightning_diloco.learner.arguments import argument_names, describe_for_cli
-from lightning_diloco.learner.island_strategy import CHECKPOINT_KEY, IslandStrategy
+from lightning_diloco.learner.island_membership import CHECKPOINT_KEY, IslandMembership
+from lightning_diloco.learner.island_strategy import IslandStrategy
 
 BASES = f"{CHECKPOINT_KEY}.bases."
 """Prefix of the base fragments' keys, by parameter name, in a distributed checkpoint's state_dict."""
@@ -202,7 +203,7 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-describe_for_cli(DecoupledDiLoCoFSDPStrategy, {}, IslandStrategy.__init__)
+describe_for_cli(DecoupledDiLoCoFSDPStrategy, {}, IslandMembership.__init__)
 
 # registers both strategy names (this class is defined by now, which registering it needs)
 from lightning_diloco.learner import strategy as _strategy  # noqa: E402,F401 - last, for its side effect

@@ -1,58 +1,31 @@
-"""What makes a Lightning strategy a learner island, whatever its inner parallelism.
+"""What makes a Lightning Trainer's strategy a learner island, whatever its inner parallelism.
 
 :class:`IslandStrategy` is mixed in before a Lightning strategy (``class S(IslandStrategy,
 DDPStrategy)``): the inner strategy runs the island's ranks as it always does (DDP, FSDP2, ...),
-and around it the mixin takes the run settings, joins the run, counts tokens, hands control to
+and around it the mixin joins the run when training starts, counts tokens, hands control to
 :class:`~lightning_diloco.learner.island.IslandLearner` after every inner optimizer step, logs
 its metrics, saves its outer state in checkpoints and tears it down. Hooks only; Lightning's loops
-are never copied. The island sees the model's parameters whole or sharded (DTensors: FSDP2,
-tensor parallelism, HSDP): :mod:`~lightning_diloco.learner.shards` moves fragments between the
-two, so adding an inner parallelism is a new inner strategy, not a new island.
+are never copied. The island itself (run settings, joining, outer state, metrics, the end) is
+:class:`~lightning_diloco.learner.island_membership.IslandMembership`, shared with Fabric's
+strategy (:mod:`~lightning_diloco.learner.fabric_strategy`). The island sees the model's
+parameters whole or sharded (DTensors: FSDP2, tensor parallelism, HSDP):
+:mod:`~lightning_diloco.learner.shards` moves fragments between the two, so adding an inner
+parallelism is a new inner strategy, not a new island.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import signal
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.exit_codes import EXIT_REFUSED
-from lightning_diloco.core.fragments import build_layout, tensor_specs, trainable_parameters
-from lightning_diloco.core.settings import config_with, run_settings, value_of
-from lightning_diloco.core.token_options import read_token
-from lightning_diloco.learner.arguments import as_run_config, env_int, refuse_unknown, warn_on_conflicts
-from lightning_diloco.learner.collective import Collective, TorchCollective
+from lightning_diloco.core.settings import run_settings, value_of
 from lightning_diloco.learner.data import rank_of, split_for, unsplit_iterables, unsplit_warning
-from lightning_diloco.learner.island import IslandLearner
-from lightning_diloco.learner.tokens import default_tokens_per_batch
-from lightning_diloco.reasons import Reason, SynchronizerError
-
-log = logging.getLogger(__name__)
-
-CHECKPOINT_KEY = "decoupled_diloco"
-
-
-class RefusedByRun(SystemExit):
-    """The synchronizer refused to let this island join (another model, a wrong token, ...).
-
-    Exits the process with ``EXIT_REFUSED`` after logging why, so a launcher knows a restart is
-    pointless (``lightning-diloco run`` fails the run at once with the reason)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(EXIT_REFUSED)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
+from lightning_diloco.learner.island_membership import CHECKPOINT_KEY, IslandMembership
 
 if TYPE_CHECKING:  # mixed in before a Lightning strategy: the type checker sees what it is mixed into
     from lightning.pytorch.strategies import ParallelStrategy as _MixedInto
@@ -60,162 +33,13 @@ else:
     _MixedInto = object
 
 
-class IslandStrategy(_MixedInto):
-    """The island half of a Decoupled DiLoCo strategy; the other half is a Lightning strategy.
+class IslandStrategy(IslandMembership, _MixedInto):
+    """A Lightning Trainer strategy's island hooks; the island is :class:`IslandMembership`'s,
+    the other half a Lightning strategy."""
 
-    A concrete strategy names the arguments its inner strategy takes (:meth:`inner_arguments`,
-    used to refuse misspelt ones with a hint).
-    """
-
-    inner_kind = "inner strategy"
-
-    @classmethod
-    def inner_arguments(cls) -> set[str]:
-        raise NotImplementedError
-
-    @classmethod
-    def inner_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """What of ``kwargs`` goes to the inner strategy (all of it, unless a strategy says)."""
-        return kwargs
-
-    def __init__(
-        self,
-        synchronizer: str | None = None,
-        island: int | None = None,
-        num_islands: int | None = None,
-        token: str | None = None,
-        *,
-        token_file: str | os.PathLike | None = None,
-        sync_every: int | None = None,
-        num_fragments: int | None = None,
-        overlap_steps: int | None = None,
-        outer_lr: float | None = None,
-        outer_momentum: float | None = None,
-        min_quorum: int | None = None,
-        grace_gamma: float | None = None,
-        merge: str | None = None,
-        apply: str | None = None,
-        mix_alpha: float | None = None,
-        uplink_codec: str | None = None,
-        downlink_codec: str | None = None,
-        run_config: RunConfig | dict | str | os.PathLike | None = None,
-        tokens_per_batch: Callable[[Any], float] | None = None,
-        end_with_global_model: bool = True,
-        push_wait: float = 120.0,
-        join_wait: float = 300.0,
-        **kwargs: Any,
-    ) -> None:
-        """A Lightning trainer group as one learner island of a Decoupled DiLoCo run.
-
-        Arguments left as None come from the environment (``DILOCO_*``) or from the run defaults
-        of :class:`~lightning_diloco.core.config.RunConfig`. A remote synchronizer's run settings
-        are authoritative: the run settings below then only warn where they differ.
-
-        Args:
-            synchronizer: The synchronizer's address, ``host:port``, comma-separated for shards
-                (``DILOCO_SYNCHRONIZER``). None starts an embedded synchronizer in this process,
-                called directly, for a one-island run (refused when num_islands > 1).
-            island: This island's index i in [0, num_islands) (``DILOCO_ISLAND``, default 0); it
-                trains on shard i of the data.
-            num_islands: M, the islands in the run (``DILOCO_NUM_ISLANDS``, default 1).
-            token: The run's shared secret (or this island's credential) if the synchronizer
-                requires one (``DILOCO_TOKEN``). Not an argument of LightningCLI, which would
-                save it in config.yaml.
-            token_file: A file holding it, for LightningCLI's config.yaml and for anything else
-                that should not hold the secret itself.
-            sync_every: H, inner steps between two sends of one fragment (run setting, default
-                24). Given alone, num_fragments becomes min(24, H). A module with several
-                optimizers (a GAN) counts an inner step per step of its first optimizer; the
-                outer step covers the parameters of all of them.
-            num_fragments: P, fragments the parameters are packed into, at most H (run setting,
-                default 24; the synchronizer lowers it to the model's tensor count).
-            overlap_steps: tau, steps after a send at which its round's global fragment is
-                applied; 0 waits for it (synchronous DiLoCo) (run setting, default 2).
-            outer_lr: The outer Nesterov step's learning rate (run setting, default 0.7).
-            outer_momentum: The outer Nesterov momentum (run setting, default 0.9).
-            min_quorum: K, islands that must contribute before a round may close (run
-                setting, default 1).
-            grace_gamma: gamma in [0, 1): after its quorum a round waits for more islands at
-                most gamma x what is left of tau step times; 0 closes at quorum (run setting,
-                default 0.5).
-            merge: ``rda`` (radial-directional averaging) or ``mean`` (run setting).
-            apply: How an island takes a global fragment: ``mix``, ``overwrite`` (the paper's)
-                or ``rebase`` (run setting, default mix).
-            mix_alpha: For ``apply="mix"``: the weight the local fragment keeps, in [0, 1).
-            uplink_codec: Codec of outer gradients sent: ``fp32``, ``bf16``, ``int8``, ``int4``,
-                ``int2`` (run setting, default int4; with error feedback, ``uplink_feedback``).
-            downlink_codec: Codec of global fragments received (run setting, default int4).
-            run_config: Every run setting at once: a ``RunConfig``, its ``to_dict()`` form, or
-                the path of such a JSON file (the synchronizer's ``--config``). The run
-                settings above override it.
-            tokens_per_batch: Counts a batch's tokens for the merge weights (default:
-                attention-mask ones, else ``input_ids`` elements, else samples).
-            end_with_global_model: Load the global model when training ends, if it holds some
-                of this island's work (otherwise the local weights stay, with a warning).
-            push_wait: Seconds a sent fragment may wait for its round before the send counts
-                as failed.
-            join_wait: Seconds an island waits at start for a synchronizer it cannot reach yet
-                (started later, or restarting) before failing.
-            **kwargs: Any other run setting by name (``outlier_z=5.0``, ``history=6``; see
-                ``lightning_diloco.core.settings.run_settings()``); everything else goes to the
-                inner strategy (DDP: e.g. ``find_unused_parameters=True``; FSDP2: the arguments
-                of :class:`~lightning.pytorch.strategies.ModelParallelStrategy`).
-        """
-        setting_names = {s.name for s in run_settings()}
-        refuse_unknown(type(self).__name__, set(kwargs) - setting_names, self.inner_arguments(), self.inner_kind)
-        super().__init__(**self.inner_kwargs({k: v for k, v in kwargs.items() if k not in setting_names}))
-        self.address = synchronizer if synchronizer is not None else (os.environ.get("DILOCO_SYNCHRONIZER") or None)
-        self.island = env_int("DILOCO_ISLAND", island, 0)
-        self.num_islands = env_int("DILOCO_NUM_ISLANDS", num_islands, 1)
-        if not 0 <= self.island < self.num_islands:
-            unset = (" (neither num_islands= nor DILOCO_NUM_ISLANDS was given: every island of a run needs the run's "
-                     "island count)") if num_islands is None and not os.environ.get("DILOCO_NUM_ISLANDS") else ""
-            raise ValueError(f"island={self.island} must be in [0, num_islands={self.num_islands}){unset}; "
-                             "set DILOCO_ISLAND (island=) below DILOCO_NUM_ISLANDS (num_islands=)")
-        if self.num_islands > 1 and self.address is None:
-            # an embedded synchronizer serves this process only: the island would train alone, on
-            # 1/M of the data, and no other island could ever reach it
-            raise ValueError(
-                f"island {self.island} of num_islands={self.num_islands} has no synchronizer to share its work with: "
-                "set DILOCO_SYNCHRONIZER=host:port (or synchronizer=...) to one started with `lightning-diloco "
-                "synchronizer`, let `lightning-diloco run --islands M -- COMMAND` start every island and the "
-                "synchronizer, or train one island alone with num_islands=1 (DILOCO_NUM_ISLANDS unset)")
-        self.token = token if token is not None else read_token(token_file, "token_file")
-        given = dict(
-            sync_every=sync_every, num_fragments=num_fragments, overlap_steps=overlap_steps, outer_lr=outer_lr,
-            outer_momentum=outer_momentum, min_quorum=min_quorum, grace_gamma=grace_gamma, merge=merge, apply=apply,
-            mix_alpha=mix_alpha, uplink_codec=uplink_codec, downlink_codec=downlink_codec,
-            **{k: v for k, v in kwargs.items() if k in setting_names},
-        )
-        self.explicit = {k: v for k, v in given.items() if v is not None}
-        self.base_config = as_run_config(run_config)
-        self.run_config = config_with(self.explicit, self.base_config)  # validates now, not at fit time
-        self.count_tokens = tokens_per_batch or default_tokens_per_batch
-        self.end_with_global_model = end_with_global_model
-        self.push_wait = push_wait
-        self.join_wait = join_wait
-        self.learner: IslandLearner | None = None
-        self.final_metrics: dict[str, float] = {}  # the learner's metrics when fit ended
-        self.embedded = None  # the embedded synchronizer (a Synchronizer service), when this island runs one
-        self._tokens = 0.0
-        self._resume: dict | None = None
-        self._sigterm: tuple[Any, Any] | None = None  # (ours, the handler it wraps) while ours is installed
-        self.data_split_by_script = False  # set by lightning_diloco.data_rank(): the script splits its iterables
+    _sigterm: tuple[Any, Any] | None = None  # (ours, the handler it wraps) while ours is installed
 
     # ---- data: island i of M trains on shard i of M (learner/data.py) -------------------------
-
-    @override
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # island i takes the samples at positions i mod M of the (shuffled) dataset, and its rank r
-        # every W-th of those: rank i + r x M of M x W. Islands of different sizes W still take
-        # disjoint shards (rank i x W + r would make a 2-rank island overlap a one-process one).
-        # The seed too: Lightning's default is this process's PL_GLOBAL_SEED, which differs between
-        # islands seeded apart, and shards cut from different permutations overlap
-        inner = super().distributed_sampler_kwargs  # the island's data-parallel ranks
-        config = self.learner.config if self.learner is not None else self.run_config  # the synchronizer's, once joined
-        return {"num_replicas": self.num_islands * inner["num_replicas"], "rank": inner["rank"] * self.num_islands + self.island,
-                "seed": config.data.seed}
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -291,40 +115,13 @@ class IslandStrategy(_MixedInto):
             signal.signal(signal.SIGTERM, previous)
         self._sigterm = None
 
-    def _join(self) -> None:
-        module = self.lightning_module
-        specs = tensor_specs(module)
-        named = trainable_parameters(module)  # canonical name -> this island's own (wrapped, cast) Parameter
-        params = [named[s.name] for s in specs]
-        link = None
-        config_dict = None
-        run_step = 0
-        if self.global_rank == 0:
-            link, info = self._connect(specs)
-            config_dict, run_step = info.config.to_dict(), info.run_step
-        collective: Collective = Collective()
-        if self.world_size > 1:
-            nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
-            collective = TorchCollective(self.world_size, self.root_device if nccl else torch.device("cpu"))
-            config_dict = collective.broadcast_object(config_dict)
-        config = RunConfig.from_dict(config_dict)
-        layout = build_layout(specs, config.schedule.num_fragments)
-        self.learner = IslandLearner(params, layout, config, island=self.island, link=link, collective=collective, push_wait=self.push_wait)
-        self.learner.start(resume=self._learner_resume(), run_step=run_step)
-        if self.global_rank == 0:
-            from lightning.pytorch.utilities.rank_zero import rank_zero_info
+    def _island_module(self):
+        return self.lightning_module
 
-            for logger in self.lightning_module.trainer.loggers:  # the run's settings beside the module's hyperparameters
-                logger.log_hyperparams(self._hyperparameters(config))
-            sched, merge = config.schedule, config.merge
-            rank_zero_info(
-                f"Decoupled DiLoCo: island {self.island} of {self.num_islands} ({self.world_size} process(es)), "
-                f"synchronizer {self.address or 'embedded'}; P={sched.num_fragments} H={sched.sync_every} "
-                f"tau={sched.overlap_steps} quorum K={merge.min_quorum} apply={sched.apply}; "
-                f"uplink {config.codec.uplink}, downlink {config.codec.downlink}; this island starts at its step "
-                f"{self.lightning_module.trainer.global_step} (the run's clock, which schedules the fragments, "
-                f"is at {self.learner.schedule_step})"
-            )
+    def _joined(self, config: RunConfig) -> None:
+        for logger in self.lightning_module.trainer.loggers:  # the run's settings beside the module's hyperparameters
+            logger.log_hyperparams(self._hyperparameters(config))
+        self._info(self._start_line(config, self.lightning_module.trainer.global_step))
 
     def _hyperparameters(self, config: RunConfig) -> dict[str, Any]:
         """Every run setting as the synchronizer has it, and where this island stands in the run."""
@@ -332,55 +129,6 @@ class IslandStrategy(_MixedInto):
                  "synchronizer": self.address or "embedded"}
         return {f"diloco/{name}": value for name, value in
                 {**where, **{s.name: value_of(config, s.name) for s in run_settings()}}.items()}
-
-    def _summary(self) -> str:
-        """What the island's part in the run came to, said once when fit ends."""
-        m = self.final_metrics
-        return (f"Decoupled DiLoCo, island {self.island}: {m['diloco/syncs_sent']:.0f} contributions sent, "
-                f"{m['diloco/syncs_applied']:.0f} of their rounds' global fragments applied and "
-                f"{m['diloco/syncs_received']:.0f} other new versions taken, {m['diloco/syncs_failed']:.0f} failed, "
-                f"{m['diloco/syncs_unmerged']:.0f} in rounds still open when it ended; {m['diloco/bytes_up'] / 1e6:.2f} MB up, "
-                f"{m['diloco/bytes_down'] / 1e6:.2f} MB down; last staleness {m['diloco/staleness']:.0f} versions; "
-                f"ended on global versions from {m['diloco/min_version']:.0f}")
-
-    def _connect(self, specs):
-        if self.address is None:
-            link, where = self._start_embedded(), "the embedded synchronizer"
-        else:
-            from lightning_diloco.transport.client import SynchronizerClient
-
-            link, where = SynchronizerClient(self.address, token=self.token), f"the synchronizer at {self.address}"
-        try:
-            info = link.join(self.island, self.world_size, specs, patience=self.join_wait, num_islands=self.num_islands)
-        except SynchronizerError as err:
-            link.close()
-            if err.reason == Reason.UNREACHABLE:
-                raise RuntimeError(f"island {self.island}: {where} did not answer within "
-                                   f"join_wait={self.join_wait:g}s ({err}); start it, check the address, or raise "
-                                   "join_wait") from None
-            message = f"island {self.island}: {where} refused it ({err.reason}): {err}"
-            log.error(message)
-            raise RefusedByRun(message) from None
-        # what the user asked for: the named settings, and all of a run_config they passed
-        asked = {s.name for s in run_settings()} if self.base_config is not None else set(self.explicit)
-        warn_on_conflicts(asked, self.run_config, info.config, tensors=len(specs))
-        return link, info
-
-    def _start_embedded(self):
-        """A synchronizer in this process and a link that calls it directly. No gRPC server: no
-        one outside the process is told of it (the island says "embedded"), and over loopback
-        gRPC the island's own traffic cost 3-4 ms of CPU per 170 ms step beside the training
-        loop (benchmarks/RESULTS.md)."""
-        from lightning_diloco.core.state import SynchronizerState
-        from lightning_diloco.synchronizer.local_link import LocalLink
-        from lightning_diloco.synchronizer.service import Synchronizer
-
-        # a model of fewer tensors than num_fragments gets one fragment each: the synchronizer
-        # lowers P at the first join, as a remote one does
-        saved = (self._resume or {}).get("embedded")
-        state = SynchronizerState.from_state_dict(saved) if saved else None
-        self.embedded = Synchronizer(self.run_config, state=state).start()
-        return LocalLink(self.embedded)
 
     # ---- the inner loop ------------------------------------------------------------------------
 
@@ -419,10 +167,7 @@ class IslandStrategy(_MixedInto):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if self.learner is not None:
-            checkpoint[CHECKPOINT_KEY] = {
-                "learner": self._learner_checkpoint(checkpoint),
-                "embedded": self.embedded.snapshot().state_dict() if self.embedded and self.embedded.state else None,
-            }
+            checkpoint[CHECKPOINT_KEY] = self._outer_state(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -431,28 +176,10 @@ class IslandStrategy(_MixedInto):
         self._resume = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
-    def _learner_checkpoint(self, checkpoint: dict[str, Any]) -> dict:
-        """The learner's outer state in the form this strategy's checkpoints keep (every rank
-        calls it; a strategy whose ranks hold different parts of it says how they are kept)."""
-        return self.learner.state_dict()
-
-    def _learner_resume(self) -> dict | None:
-        """The learner's outer state from the restored checkpoint, for the learner just built."""
-        return (self._resume or {}).get("learner")
-
     @override
     def teardown(self) -> None:
         self._restore_sigterm()
-        if self.learner is not None:
-            self.final_metrics = self.learner.metrics()
-            self.learner.close()
-            self.learner = None
-            from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-            rank_zero_info(self._summary())
-        if self.embedded is not None:
-            self.embedded.shutdown()
-            self.embedded = None
+        self._leave_run()
         super().teardown()
 
 

@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_diloco.learner.arguments import DDP_ARGUMENTS, argument_names, describe_for_cli, given_arguments
-from lightning_diloco.learner.island_strategy import IslandStrategy, RefusedByRun
+from lightning_diloco.learner.island_membership import IslandMembership, RefusedByRun
+from lightning_diloco.learner.island_strategy import IslandStrategy
 
 __all__ = ["DecoupledDiLoCoStrategy", "RefusedByRun", "register"]
 
@@ -25,7 +26,8 @@ __all__ = ["DecoupledDiLoCoStrategy", "RefusedByRun", "register"]
 class DecoupledDiLoCoStrategy(IslandStrategy, DDPStrategy):
     """A Lightning trainer group as one learner island of a Decoupled DiLoCo run, DDP inside.
 
-    Takes the run settings (see :class:`IslandStrategy`) and DDP's arguments.
+    Takes the run settings (see :class:`~lightning_diloco.learner.island_membership.IslandMembership`) and
+    DDP's arguments.
     """
 
     strategy_name = "decoupled_diloco"
@@ -85,7 +87,7 @@ class DecoupledDiLoCoStrategy(IslandStrategy, DDPStrategy):
         )
 
 
-describe_for_cli(DecoupledDiLoCoStrategy, DDP_ARGUMENTS, IslandStrategy.__init__)
+describe_for_cli(DecoupledDiLoCoStrategy, DDP_ARGUMENTS, IslandMembership.__init__)
 
 
 def register() -> None:

@@ -1,6 +1,6 @@
 """An island's link to a synchronizer in its own process: direct calls, no gRPC.
 
-An island given no synchronizer address runs an embedded one (learner/island_strategy.py). Over
+An island given no synchronizer address runs an embedded one (learner/island_membership.py). Over
 loopback gRPC its own traffic cost the training process 3-4 ms of CPU per 170 ms step beside the
 training loop, in gRPC's workers and threads and in serializing (benchmarks/RESULTS.md);
 :class:`LocalLink` calls the :class:`~lightning_diloco.synchronizer.service.Synchronizer`

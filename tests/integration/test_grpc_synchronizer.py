@@ -641,7 +641,7 @@ def test_an_island_of_another_num_islands_stops_saying_both_values():
     """What the user of the second island sees: its fit ends at the join, with both counts."""
     from lightning_diloco import DecoupledDiLoCoStrategy
     from lightning_diloco.core.fragments import tensor_specs
-    from lightning_diloco.learner.island_strategy import RefusedByRun
+    from lightning_diloco.learner.island_membership import RefusedByRun
     from tests.learner.models import TinyRegressor, loader, regression_data, trainer
 
     with SynchronizerServer(Synchronizer(run_config(num_fragments=2))) as server:
