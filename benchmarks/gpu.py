@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Table 4 of "Scaling Laws for DiLoCo" (Charles et al., 2025): M = 4 against data-parallel, eval loss
 PAPER_M4 = {"35M": 0.020, "90M": 0.015}
 SIZES = {  # (a): model, batch, steps; (b): train_lm.py size; (c): model, per-island batch, steps
-    "gpu": dict(a_hidden=768, a_layers=12, a_vocab=32000, a_seq=256, a_batch=32, a_steps=150, a_warmup=30, a_repeats=2,
+    "gpu": dict(a_hidden=768, a_layers=12, a_vocab=32000, a_seq=256, a_batch=32, a_steps=200, a_warmup=40, a_repeats=2,
                 b_args=["--hidden", "256", "--layers", "4", "--vocab", "512", "--seq", "128", "--batch", "32",
                         "--step-seconds", "0.02"],  # long enough that the others still train when island 1 is back
                 b_steps=600, b_kill_at=150,
