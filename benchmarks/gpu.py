@@ -295,6 +295,7 @@ def part_islands(args, size: dict, budget: Budget, tmp: Path) -> dict:
            "--steps", str(size["b_steps"]), "--checkpoint-every", str(size["b_kill_at"] // 2), *size["b_args"]]
     child(cmd, budget, 240, "(b) 4 islands with a kill")
     rep = json.loads(report.read_text())
+    (args.out_dir / "b-report.json").write_text(report.read_text())  # the whole run report, beside gpu.json
     rounds = rep.get("rounds") or {}
     result = {k: rep.get(k) for k in ("faults", "restarts", "recoveries_s", "unrecovered", "accepted", "final_steps",
                                       "global_progress", "goodput", "failures")}
@@ -362,6 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     budget = Budget(args.budget_s)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="diloco-gpu-"))
     out.mkdir(parents=True, exist_ok=True)
+    args.out_dir = out
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     results: dict = {"device": device, "torch": torch.__version__, "smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     say(f"GPU check on {device} (torch {torch.__version__}){' at toy size' if args.smoke else ''}, budget {args.budget_s:.0f} s")

@@ -15,11 +15,13 @@ fragments exist only in flight, one fragment at a time:
 
 A sync's extra memory per rank is therefore: the local bases (1/W of the model, fp32, host), and
 in flight one whole fragment (fp32, host; at most the largest, about 1/P of the model) plus one
-whole tensor on the device. Reads and writes of a local part go through
-:class:`~lightning_diloco.learner.staging.HostStaging`: on CUDA off the training stream, through
-one flat fp32 fragment on the device (at most the largest); :meth:`IslandShards.apply` takes a
-global fragment into the parameters where they live, without reading them back to the host. The leader also keeps the global model whole in host memory, in its
+whole tensor on the device. The leader also keeps the global model whole in host memory, in its
 inbox: the downlink sends deltas against it (``benchmarks/fsdp_overhead.py`` measures both).
+
+Reads and writes of a local part go through :class:`~lightning_diloco.learner.staging.HostStaging`:
+on CUDA off the training stream, through one flat fp32 fragment on the device (at most the
+largest); :meth:`IslandShards.apply` takes a global fragment into the parameters where they live,
+without reading them back to the host.
 """
 
 from __future__ import annotations
