@@ -309,7 +309,7 @@ class IslandLearner(EndOfRun):
         return (arrival is not None and flight.ended_by(arrival)) or flight.failed()
 
     def _send(self, p: int, r: int) -> None:
-        f, future, snapshot = self.fragments[p], None, None
+        f, future, snapshot, staged = self.fragments[p], None, None, None
         rebase, sharded = self.config.schedule.apply == "rebase", self.shards.any_sharded(p)
         if self.is_leader or sharded or rebase:  # a whole non-sharded fragment is sent from the leader's copy alone
             staged = self.shards.snapshot(p)  # host copy of this rank's part, 1/P of the model (on CUDA, still copying)
