@@ -105,6 +105,7 @@ class LossCurve(Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--accelerator", default="cpu", help="cpu, or cuda: every island of a host on its one GPU (benchmarks/gpu.py)")
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -137,7 +138,7 @@ def main() -> None:
     if args.curve:
         callbacks.append(LossCurve(val, args.eval_every, args.curve, args.batch))
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, num_nodes=num_nodes, max_steps=args.steps, logger=False,
+        strategy=strategy, accelerator=args.accelerator, devices=devices, num_nodes=num_nodes, max_steps=args.steps, logger=False,
         enable_checkpointing=bool(ckpt_dir) and strategy != "auto", enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, val_check_interval=None, check_val_every_n_epoch=None,
         limit_val_batches=8, num_sanity_val_steps=0,

@@ -41,6 +41,11 @@ def reads_local(mode: str) -> bool:
     return mode != "overwrite"
 
 
+def reads_reference(mode: str) -> bool:
+    """Whether the new local fragment depends on ``reference``: only rebase's does."""
+    return mode == "rebase"
+
+
 def keeps_counters(mode: str) -> bool:
     """Whether the island's token and step counters survive an apply: only rebase keeps the
     progress they count; overwrite and mix start the fragment's count again."""

@@ -25,7 +25,6 @@ from contextlib import contextmanager
 
 import torch
 
-from lightning_diloco.core.apply import apply_global, reads_local
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout
@@ -41,6 +40,7 @@ from lightning_diloco.learner.inbox import Arrival, Inbox
 from lightning_diloco.learner.leader import LeaderSync
 from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.learner.shards import IslandShards
+from lightning_diloco.learner.staging import HostCopy
 
 log = logging.getLogger(__name__)
 
@@ -309,17 +309,19 @@ class IslandLearner(EndOfRun):
         return (arrival is not None and flight.ended_by(arrival)) or flight.failed()
 
     def _send(self, p: int, r: int) -> None:
-        f, future, snapshot = self.fragments[p], None, None
+        f, future, snapshot, staged = self.fragments[p], None, None, None
         rebase, sharded = self.config.schedule.apply == "rebase", self.shards.any_sharded(p)
         if self.is_leader or sharded or rebase:  # a whole non-sharded fragment is sent from the leader's copy alone
-            snapshot = self.shards.read(p)  # host copy of this rank's part, 1/P of the model
+            staged = self.shards.snapshot(p)  # host copy of this rank's part, 1/P of the model (on CUDA, still copying)
         if sharded or rebase:
             # sharded: every rank's part of the outer gradient is gathered whole on the leader (a
             # collective, so here); rebase: its apply changes the kept snapshot in place, so the
-            # outer gradient is taken from it now
-            local, base = self.shards.gather(p, island_delta(snapshot, f.base)), None
-        else:  # the push thread forms the outer gradient: the snapshot is the push's alone, the base is never changed
-            local, base = snapshot, f.base
+            # outer gradient is taken from it now: both wait for the copy
+            snapshot = staged.wait()
+            local: torch.Tensor | HostCopy | None = self.shards.gather(p, island_delta(snapshot, f.base))
+            base = None
+        else:  # the push thread forms the outer gradient (once the copy is done): the snapshot is the push's alone, the base is never changed
+            local, base = staged, f.base
         if self.is_leader:
             self.seq += 1
             future = self.leader.push(fragment=p, round=r, local=local, base=base, base_version=f.version,
@@ -338,8 +340,7 @@ class IslandLearner(EndOfRun):
         if a.base_version >= 0:  # a delta from the version this island holds: onto each rank's own part
             value = f.base + value
         reference = f.flight.snapshot if (a.ends_flight and f.flight.snapshot is not None) else f.base
-        current = self.shards.read(p) if reads_local(sched.apply) else None  # overwrite: no copy of the parameters
-        self.write_fragment(p, apply_global(sched.apply, current, value, reference, alpha=sched.mix_alpha))
+        self.shards.apply(p, sched.apply, value, reference, alpha=sched.mix_alpha)
         self.staleness = f.applied(value, a.version, sched.apply, a.ends_flight)
         self.merged_any = self.merged_any or a.included
         self._count("applied" if a.ends_flight else "received")

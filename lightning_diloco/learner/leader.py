@@ -22,6 +22,7 @@ from lightning_diloco.core.feedback import UplinkFeedback
 from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.learner.link import SynchronizerLink
+from lightning_diloco.learner.staging import HostCopy
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,15 @@ class LeaderSync:
     def start_heartbeat(self) -> None:
         self._heartbeat.start()
 
-    def push(self, *, fragment: int, round: int, local: torch.Tensor, base: torch.Tensor | None, base_version: int,
-             tokens: float, steps: int, seq: int) -> Future:
+    def push(self, *, fragment: int, round: int, local: torch.Tensor | HostCopy, base: torch.Tensor | None,
+             base_version: int, tokens: float, steps: int, seq: int) -> Future:
         """Form, encode and push the whole fragment's progress since its base
         (:func:`~lightning_diloco.core.outer.island_delta` of ``local`` and ``base``; ``base``
         None: ``local`` is that progress already) in the background; the future holds the ack (or
-        the refusal). Neither tensor may change until the push is done: the training thread hands
-        over a snapshot and a base it replaces, never changes."""
+        the refusal). ``local`` may be a :class:`~lightning_diloco.learner.staging.HostCopy` still
+        being copied from the GPU: the pool thread waits for it, and sees host tensors only.
+        Neither tensor may change until the push is done: the training thread hands over a
+        snapshot and a base it replaces, never changes."""
         return self._pool.submit(self._push, fragment, round, local, base, base_version, tokens, steps, seq)
 
     def answered(self, ok: bool) -> None:
@@ -64,6 +67,8 @@ class LeaderSync:
             self.reachable = ok
 
     def _push(self, fragment, round, local, base, base_version, tokens, steps, seq):
+        if isinstance(local, HostCopy):
+            local = local.wait()
         delta = local if base is None else island_delta(local, base)
         payload = self.uplink.encode(delta) if self.feedback is None else self.feedback.encode(fragment, delta)
         with self.lock:

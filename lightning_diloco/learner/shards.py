@@ -17,6 +17,11 @@ A sync's extra memory per rank is therefore: the local bases (1/W of the model, 
 in flight one whole fragment (fp32, host; at most the largest, about 1/P of the model) plus one
 whole tensor on the device. The leader also keeps the global model whole in host memory, in its
 inbox: the downlink sends deltas against it (``benchmarks/fsdp_overhead.py`` measures both).
+
+Reads and writes of a local part go through :class:`~lightning_diloco.learner.staging.HostStaging`:
+on CUDA off the training stream, through one flat fp32 fragment on the device (at most the
+largest); :meth:`IslandShards.apply` takes a global fragment into the parameters where they live,
+without reading them back to the host.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment
+from lightning_diloco.core.apply import apply_global, reads_local, reads_reference
+from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.learner.collective import Collective
+from lightning_diloco.learner.staging import HostCopy, HostStaging
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -50,6 +57,7 @@ class IslandShards:
                 raise ValueError(f"parameter {spec.name!r} has shape {tuple(param.shape)}, the layout {spec.shape}")
         self.params, self.layout, self.collective, self.leader = list(params), layout, collective, leader
         self.sharded = [_is_sharded(t) for t in self.params]
+        self.staging = HostStaging(_local(self.params[0]).device if self.params else torch.device("cpu"))
         self.before_write: Callable[[], None] | None = None
         """Set by a strategy whose modules may hold gathered copies of the shards (FSDP2 keeps the
         root's after a forward without backward): drops them, so the next forward sees the write."""
@@ -63,21 +71,48 @@ class IslandShards:
     def local_numel(self, p: int) -> int:
         return sum(_local(self.params[i]).numel() for i in self._members(p))
 
+    def snapshot(self, p: int) -> HostCopy:
+        """This rank's part of fragment ``p`` as it is now: a flat fp32 host copy, on CUDA still
+        being copied (:meth:`HostCopy.wait <lightning_diloco.learner.staging.HostCopy.wait>`)."""
+        return self.staging.snapshot([_local(self.params[i]) for i in self._members(p)])
+
     def read(self, p: int) -> torch.Tensor:
-        """This rank's part of fragment ``p``: a flat fp32 host copy."""
-        return flatten_fragment([_local(self.params[i]) for i in self._members(p)])
+        """This rank's part of fragment ``p``: a flat fp32 host copy (waits for it on CUDA)."""
+        return self.snapshot(p).wait()
 
     @torch.no_grad()
     def write(self, p: int, flat: torch.Tensor) -> None:
         """Put ``flat`` (this rank's part, as :meth:`read` gives it) into the parameters."""
         if self.before_write is not None:
             self.before_write()
+        flat = self.staging.upload(flat)
         start = 0
         for i in self._members(p):
             local = _local(self.params[i])
             local.copy_(flat[start : start + local.numel()].view(local.shape))
             start += local.numel()
         assert start == flat.numel(), f"{flat.numel()=} != {start=}"
+
+    @torch.no_grad()
+    def apply(self, p: int, mode: str, new_global: torch.Tensor, reference: torch.Tensor | None, *, alpha: float) -> None:
+        """Take the global fragment ``new_global`` into this rank's part of fragment ``p`` with apply
+        ``mode`` (:func:`~lightning_diloco.core.apply.apply_global`; ``reference`` as there; all
+        flat fp32 host tensors of this rank's part), tensor by tensor where the parameters live."""
+        if self.before_write is not None:
+            self.before_write()
+        new_global = self.staging.upload(new_global)
+        reference = self.staging.upload(reference) if reads_reference(mode) else None
+        start = 0
+        for i in self._members(p):
+            local = _local(self.params[i])
+            end = start + local.numel()
+            current = local.to(self.staging.dtype) if reads_local(mode) else None  # fp32 parameters: themselves
+            out = apply_global(mode, current, new_global[start:end].view(local.shape),
+                               None if reference is None else reference[start:end].view(local.shape), alpha=alpha)
+            if out is not local:
+                local.copy_(out)
+            start = end
+        assert start == new_global.numel(), f"{new_global.numel()=} != {start=}"
 
     def save(self) -> list[torch.Tensor]:
         """A copy of this rank's part of every parameter, in its own dtype (for :meth:`restore`)."""
