@@ -66,13 +66,20 @@ class LeaderSync:
         with self.lock:
             self.reachable = ok
 
-    def _push(self, fragment, round, local, base, base_version, tokens, steps, seq):
+    def encode(self, fragment: int, local: torch.Tensor | HostCopy, base: torch.Tensor | None) -> torch.Tensor:
+        """The push's payload: the fragment's progress since ``base`` in the uplink codec, with the
+        residual of its last push (counted in ``bytes_up``); a ``local`` still being copied off the
+        device is waited for here, off the training thread."""
         if isinstance(local, HostCopy):
             local = local.wait()
         delta = local if base is None else island_delta(local, base)
         payload = self.uplink.encode(delta) if self.feedback is None else self.feedback.encode(fragment, delta)
         with self.lock:
             self.bytes_up += payload.numel()
+        return payload
+
+    def _push(self, fragment, round, local, base, base_version, tokens, steps, seq):
+        payload = self.encode(fragment, local, base)
         ack = self.link.push(
             island=self.island, fragment=fragment, round=round, base_version=base_version, tokens=max(tokens, 1.0),
             steps=max(steps, 1), codec=self.uplink.name, seq=seq, payload=payload, layout_hash=self.layout_hash,

@@ -1,7 +1,8 @@
 """The package's layers point one way (docs/design.md, "Layers"), read from the source.
 
 ``core`` <- ``transport`` <- ``synchronizer`` <- ``learner`` (which embeds a synchronizer in
-process) <- ``launch`` <- ``cli``; ``reasons`` is beside ``core``. Every import statement counts,
+process) <- ``launch`` <- ``cli``, and ``simulate`` (the synchronizer's service and the island's
+learner on a virtual clock) beside ``launch``; ``reasons`` is beside ``core``. Every import statement counts,
 those inside functions and under ``TYPE_CHECKING`` too: a lazy import is still a dependency, and
 one that breaks the rule would load Lightning or gRPC where the import-time test in
 test_packaging.py does not look.
@@ -24,6 +25,7 @@ MAY_IMPORT = {
     "synchronizer": {"core", "reasons", "transport", "synchronizer"},
     "learner": {"core", "reasons", "transport", "synchronizer", "learner"},
     "launch": {"core", "reasons", "transport", "synchronizer", "learner", "launch"},
+    "simulate": {"core", "reasons", "transport", "synchronizer", "learner", "simulate"},
     "cli": {"core", "reasons", "transport", "synchronizer", "learner", "launch", "cli", "__init__"},  # __version__
     "__init__": {"_registration"},  # its public names load their modules lazily, on first use
     "_registration": set(),
@@ -117,7 +119,7 @@ def test_every_import_of_the_package_points_down_its_layers():
 def test_every_module_of_the_package_was_read():
     """The walk finds the package's layers: a rename of the folder would make the rules vacuous."""
     layers = {layer(name) for name in module_names()}
-    assert {"core", "transport", "synchronizer", "learner", "launch", "cli", "reasons"} <= layers
+    assert {"core", "transport", "synchronizer", "learner", "launch", "simulate", "cli", "reasons"} <= layers
 
 
 @pytest.mark.parametrize("source, expected", [
