@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.codecs import EXACT, get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import build_layout, tensor_specs
 from lightning_diloco.core.protocol import Beat, PushAck
 from lightning_diloco.learner.inbox import Inbox
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.learner.leader import LeaderSync
+from lightning_diloco.learner.staging import HostCopy
 from lightning_diloco.simulate.events import EventQueue
 from lightning_diloco.synchronizer.requests import Contribution
 
@@ -76,7 +77,7 @@ class SimLink:
         return self.service.heartbeat(island, steps, step_time, schedule_step, session=self.session)
 
     def seed(self, island: int, fragment: int, value: torch.Tensor) -> tuple[bool, int]:
-        seeded = self.service.seed(island, fragment, get_codec("fp32").encode(value), session=self.session)
+        seeded = self.service.seed(island, fragment, get_codec(EXACT).encode(value), session=self.session)
         return seeded, self.service.versions()[fragment]
 
     def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
@@ -108,7 +109,7 @@ class SimLeader(LeaderSync):
     def start_heartbeat(self) -> None:
         pass  # the simulation beats for it
 
-    def push(self, *, fragment: int, round: int, local: torch.Tensor, base: torch.Tensor | None, base_version: int,
+    def push(self, *, fragment: int, round: int, local: torch.Tensor | HostCopy, base: torch.Tensor | None, base_version: int,
              tokens: float, steps: int, seq: int) -> Future:
         payload = self.encode(fragment, local, base)
         ack: Future = Future()
