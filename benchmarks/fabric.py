@@ -118,26 +118,28 @@ def _child_cmd(role: str, seed: int, steps: int, out: Path) -> list[str]:
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> None:
-    import os
+    from lightning_diloco.launch.supervisor import clean_environment
 
-    done = run_tree(cmd, timeout=1800, env={**os.environ, **env})
+    # without the parent's rank variables: a LOCAL_RANK left by an earlier in-process Lightning run
+    # (the test suite's) made Fabric's DDP arm take its ranks as launched outside, start no second
+    # rank, and wait for it until killed
+    done = run_tree(cmd, timeout=1800, env=clean_environment(env))
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: exit {done.returncode}")
 
 
 def islands_eval_loss(seed: int, steps: int, folder: Path) -> float:
-    import os
-
     import lightning_diloco
     from lightning_diloco.core.presets import small_model
+    from lightning_diloco.launch.supervisor import clean_environment
     from lightning_diloco.synchronizer.server import SynchronizerServer
     from lightning_diloco.synchronizer.service import Synchronizer
 
     server = SynchronizerServer(Synchronizer(small_model())).start()
     try:
         procs = [subprocess.Popen(_child_cmd("island", seed, steps, folder / f"island{i}.json"), start_new_session=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", "DILOCO_SYNCHRONIZER": server.address,
-                                       "DILOCO_ISLAND": str(i), "DILOCO_NUM_ISLANDS": "2"})
+                                  env=clean_environment({"OMP_NUM_THREADS": "1", "DILOCO_SYNCHRONIZER": server.address,
+                                                         "DILOCO_ISLAND": str(i), "DILOCO_NUM_ISLANDS": "2"}))
                  for i in range(2)]
         for proc in procs:
             if proc.wait(timeout=1800) != 0:
