@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,7 +106,7 @@ def plot_curve(recipe: Recipe, args: argparse.Namespace, out: Path, s: dict) -> 
     health = s.get("rounds_health")
     title = f"{recipe.name} ({s['preset']}): final {recipe.metric} {s['final'][recipe.metric]:.4f}"
     if health:
-        title += "\n" + format_rounds(health).removeprefix("rounds: ")
+        title += "\n" + textwrap.fill(format_rounds(health), width=120)  # the whole line, wrapped to the figure
     ax.set_title(title, fontsize=7)
     ax.set_xlabel("training tokens (all islands)")
     ax.set_ylabel(recipe.metric)
