@@ -20,7 +20,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -292,15 +292,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.service.admit_pull(request.island, request.fragment, request.session)
         # gRPC sends a reply as fast as its client reads it: one never read holds its worker
         release = self._island_long_call(request.island, "pull", PULLS_PER_ISLAND)
-        try:
-            version, value = self.service.pull(request.fragment)
-        except Refusal:
-            release()
-            raise
-        payload = get_codec(EXACT).encode(value)
-        self._until_read(context, payload.numel(), release)
-        header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec=EXACT, payload_bytes=payload.numel())
-        return chunk_messages(header, payload)
+        return self._whole_fragment(context, request.fragment, self.service.pull, release)
 
     @_handler
     def Heartbeat(self, request, context, caller):
@@ -333,14 +325,20 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         # under the same rules as a pull: the operator's own few slots, a long-call slot, and a
         # reply read within its deadline, so an export never holds what the islands need
         release = self._island_long_call(OPERATOR, "export", EXPORTS_AT_ONCE)
+        return self._whole_fragment(context, request.fragment, self.service.export, release)
+
+    def _whole_fragment(self, context, fragment: int, read, release: Callable[[], None]):
+        """A whole fragment's value, exact, as ``read(fragment)`` gives it (version, value), in
+        chunks the client must read within the deadline; ``release`` frees the long-call slot
+        taken for it (at once if the read is refused)."""
         try:
-            version, value = self.service.export(request.fragment)
+            version, value = read(fragment)
         except Refusal:
             release()
             raise
         payload = get_codec(EXACT).encode(value)
         self._until_read(context, payload.numel(), release)
-        header = pb.FragmentHeader(fragment=request.fragment, version=version, base_version=-1, codec=EXACT,
+        header = pb.FragmentHeader(fragment=fragment, version=version, base_version=-1, codec=EXACT,
                                    payload_bytes=payload.numel())
         return chunk_messages(header, payload)
 
