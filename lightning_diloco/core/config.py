@@ -15,9 +15,11 @@ from typing import Any, Literal, get_args
 Codec = Literal["fp32", "bf16", "int8", "int4", "int2"]
 MergeMethod = Literal["rda", "mean"]
 ApplyMode = Literal["overwrite", "mix", "rebase"]
+GraceSlack = Literal["round", "overlap"]
 CODECS: tuple[str, ...] = get_args(Codec)
 MERGE_METHODS: tuple[str, ...] = get_args(MergeMethod)
 APPLY_MODES: tuple[str, ...] = get_args(ApplyMode)
+GRACE_SLACKS: tuple[str, ...] = get_args(GraceSlack)
 
 
 MAX_BLOCK_SIZE = 1 << 16
@@ -85,8 +87,17 @@ class MergeConfig:
     """K: distinct islands that must contribute before a round may close. With fewer islands
     alive the round waits while the islands keep training locally."""
     grace_gamma: float = 0.5
-    """gamma in [0, 1): after quorum, wait at most gamma * max(0, tau * step_time - time_to_quorum
-    - sync_time) for more islands. 0 closes at quorum."""
+    """gamma in [0, 1): after quorum, wait at most gamma * max(0, slack * step_time -
+    time_to_quorum - sync_time) for more islands (``grace_slack`` says what the slack is). 0 closes
+    at quorum; a round closes at once when every live island has sent for it."""
+    grace_slack: GraceSlack = "round"
+    """The steps the grace window is a fraction of. ``round``: H, the steps until the fragment is
+    due again; islands that overlap (tau >= 1) never wait for a round (a late version is applied
+    when it comes), so a longer wait only makes the apply later, while a contribution that misses
+    its round is merged a round late (simulated, 4 islands with jittered steps: 72% merged late
+    and +8.9% of DDP's eval loss with ``overlap``, 0% and +6.2% with ``round``; docs/recipes.md).
+    ``overlap``: tau, the paper's rule (the slack before an island needs the reply). With tau = 0
+    the islands wait for their round, so both are 0: the round closes at quorum."""
     history: int = 4
     """S: versions of each fragment an island may hold and still be sent the next one as deltas;
     one holding an older version gets the full value. Synchronizer memory: with the fp32 downlink
@@ -107,6 +118,7 @@ class MergeConfig:
         _check_choice("method", self.method, MERGE_METHODS)
         _check(self.min_quorum >= 1, f"min_quorum={self.min_quorum} must be >= 1")
         _check(0.0 <= self.grace_gamma < 1.0, f"grace_gamma={self.grace_gamma} must be in [0, 1)")
+        _check_choice("grace_slack", self.grace_slack, GRACE_SLACKS)
         _check(self.history >= 1, f"history={self.history} must keep at least the current version (>= 1)")
         _check(
             math.isfinite(self.staleness_discount) and self.staleness_discount >= 0.0,

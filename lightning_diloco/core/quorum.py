@@ -35,13 +35,27 @@ class Decision:
     """While waiting: the time at which the decision changes by itself (None: only new input)."""
 
 
-def grace_window(*, gamma: float, overlap_steps: int, step_time: float, time_to_quorum: float, sync_time: float) -> float:
-    """gamma * max(0, tau * step_time - time_to_quorum - sync_time), in seconds.
+def slack_steps(grace_slack: str, *, overlap_steps: int, sync_every: int) -> int:
+    """The steps a round's grace window is a fraction of (``MergeConfig.grace_slack``).
 
-    The slack is how long the islands keep training before they need the reply; waiting longer
-    than that would stall them, so only a fraction gamma < 1 of it is spent on latecomers.
+    ``overlap`` (the paper): tau, how long an island trains on before it needs the reply.
+    ``round``: H, until the fragment is due again. An island that overlaps (tau >= 1) does not
+    wait for a late reply, it applies it when it comes, so waiting past tau costs an apply a few
+    steps later; closing before the others' sends costs their contributions a round (merged into
+    the next one, against an older base). An island at tau = 0 waits for its round: no slack.
     """
-    return gamma * max(0.0, overlap_steps * step_time - time_to_quorum - sync_time)
+    if overlap_steps == 0:
+        return 0
+    return sync_every if grace_slack == "round" else overlap_steps
+
+
+def grace_window(*, gamma: float, slack_steps: int, step_time: float, time_to_quorum: float, sync_time: float) -> float:
+    """gamma * max(0, slack_steps * step_time - time_to_quorum - sync_time), in seconds.
+
+    Waiting the whole slack would leave nothing for the merge and the reply before it runs out,
+    so only a fraction gamma < 1 of it is spent on latecomers.
+    """
+    return gamma * max(0.0, slack_steps * step_time - time_to_quorum - sync_time)
 
 
 def quorum_in_run(min_quorum: int, *, num_islands: int, left: int) -> int:
@@ -65,7 +79,7 @@ def decide(
     *,
     min_quorum: int,
     gamma: float,
-    overlap_steps: int,
+    slack_steps: int,
     step_time: float,
     sync_time: float,
 ) -> Decision:
@@ -77,7 +91,7 @@ def decide(
     assert view.quorum_at is not None, "a round at quorum must know when it got there"
     grace = grace_window(
         gamma=gamma,
-        overlap_steps=overlap_steps,
+        slack_steps=slack_steps,
         step_time=step_time,
         time_to_quorum=view.quorum_at - view.opened_at,
         sync_time=sync_time,

@@ -31,7 +31,7 @@ from lightning_diloco.core.fragments import TensorSpec, split_fragment
 from lightning_diloco.core.guard import InfluenceGuard
 from lightning_diloco.core.merge import merge_outer_gradients
 from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
-from lightning_diloco.core.quorum import Decision, RoundView, decide
+from lightning_diloco.core.quorum import Decision, RoundView, decide, slack_steps
 from lightning_diloco.core.state import FragmentState
 
 log = logging.getLogger(__name__)
@@ -238,8 +238,10 @@ class FragmentRounds:
         on_time = frozenset(i for i, e in self.entries.items() if e.sent_for >= self.index)
         view = RoundView(contributors=frozenset(self.islands()), on_time=on_time, live=frozenset(live), opened_at=self.opened_at,
                          quorum_at=self.quorum_at)
-        return decide(view, now, min_quorum=quorum, gamma=merge.grace_gamma,
-                      overlap_steps=self.config.schedule.overlap_steps, step_time=step_time, sync_time=sync_time)
+        sched = self.config.schedule
+        slack = slack_steps(merge.grace_slack, overlap_steps=sched.overlap_steps, sync_every=sched.sync_every)
+        return decide(view, now, min_quorum=quorum, gamma=merge.grace_gamma, slack_steps=slack, step_time=step_time,
+                      sync_time=sync_time)
 
     def close(self, now: float, reason: str) -> ClosedRound:
         """Merge every entry into one outer step and publish the new version.

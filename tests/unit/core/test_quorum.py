@@ -2,9 +2,9 @@
 
 import pytest
 
-from lightning_diloco.core.quorum import RoundView, decide, grace_window, quorum_in_run
+from lightning_diloco.core.quorum import RoundView, decide, grace_window, quorum_in_run, slack_steps
 
-SETTINGS = dict(min_quorum=2, gamma=0.5, overlap_steps=2, step_time=1.0, sync_time=0.1)
+SETTINGS = dict(min_quorum=2, gamma=0.5, slack_steps=2, step_time=1.0, sync_time=0.1)
 
 
 def _view(contributors, live, opened_at=0.0, quorum_at=None, late=()):
@@ -37,8 +37,8 @@ def test_dead_islands_are_not_waited_for():
 
 
 def test_grace_window_formula_and_deadline():
-    # slack = tau * step - quorum - sync = 2 * 1.0 - 0.2 - 0.1 = 1.7; grace = 0.85
-    assert grace_window(gamma=0.5, overlap_steps=2, step_time=1.0, time_to_quorum=0.2, sync_time=0.1) == pytest.approx(0.85)
+    # slack = 2 steps - quorum - sync = 2 * 1.0 - 0.2 - 0.1 = 1.7; grace = 0.85
+    assert grace_window(gamma=0.5, slack_steps=2, step_time=1.0, time_to_quorum=0.2, sync_time=0.1) == pytest.approx(0.85)
     view = _view({0, 1}, {0, 1, 2}, quorum_at=0.2)
     wait = decide(view, 0.5, **SETTINGS)
     assert not wait.close and wait.deadline == pytest.approx(1.05) and "grace window" in wait.reason
@@ -57,7 +57,7 @@ def test_grace_never_exceeds_gamma_times_slack(gamma, quorum_time):
 
 
 def test_no_slack_closes_at_quorum():
-    settings = dict(SETTINGS, overlap_steps=0)
+    settings = dict(SETTINGS, slack_steps=0)
     d = decide(_view({0, 1}, {0, 1, 2}, quorum_at=0.0), 0.0, **settings)
     assert d.close and "no grace" in d.reason
 
@@ -69,3 +69,12 @@ def test_no_slack_closes_at_quorum():
 ])
 def test_the_quorum_counts_at_most_the_islands_still_in_the_run(min_quorum, num_islands, left, needed):
     assert quorum_in_run(min_quorum, num_islands=num_islands, left=left) == needed
+
+
+@pytest.mark.parametrize("grace_slack, overlap_steps, expected", [
+    ("round", 2, 24), ("round", 1, 24),  # overlapping islands never wait for a round: until the fragment is due again
+    ("overlap", 2, 2), ("overlap", 1, 1),  # the paper's: until the island needs the reply
+    ("round", 0, 0), ("overlap", 0, 0),  # synchronous islands wait for their round: close at quorum
+])
+def test_the_grace_slack_is_the_round_for_overlapping_islands_and_none_for_waiting_ones(grace_slack, overlap_steps, expected):
+    assert slack_steps(grace_slack, overlap_steps=overlap_steps, sync_every=24) == expected

@@ -90,13 +90,18 @@ def test_the_grace_window_admits_an_island_inside_it():
     assert closed.grace_wait_s == pytest.approx(0.6)
 
 
-def test_the_grace_window_closes_the_round_without_a_slow_island():
-    config = run_config(min_quorum=1, gamma=0.5, overlap=2)
+@pytest.mark.parametrize("grace_slack, window", [("overlap", 1.0), ("round", 2.0)])
+def test_the_grace_window_closes_the_round_without_a_slow_island(grace_slack, window):
+    """gamma 0.5 of tau = 2 step times (the paper's slack), or of H = 4 (the default: the
+    fragment's round); step time 1 s."""
+    config = run_config(min_quorum=1, gamma=0.5, overlap=2, grace_slack=grace_slack)
     sync, clock = _started(config, 2)
     for i in (0, 1):
         sync.heartbeat(i, 10, 1.0)
     sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=3))
-    clock.advance(1.5)
+    clock.advance(window - 0.1)
+    assert sync.poll() == []  # the slow island still has time
+    clock.advance(0.1)
     [closed] = sync.poll()
     assert closed.islands == (0,) and "grace window elapsed" in closed.reason
 
