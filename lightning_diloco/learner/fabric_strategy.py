@@ -95,11 +95,11 @@ def _refuse_trainer_strategies() -> None:
     and the arguments it was given. Not mapped onto the Fabric class: the Trainer's objects carry
     what Fabric has no place for (the FSDP2 form shards in the module's ``configure_model``,
     Fabric's in ``parallelize_fn``), and the Fabric class takes the same arguments."""
-    from lightning.fabric.connector import _Connector
+    from lightning.fabric import connector
 
-    check = _Connector._check_config_and_set_final_flags
-    if getattr(check, "_refuses_trainer_islands", False):
-        return
+    check = getattr(getattr(connector, "_Connector", None), "_check_config_and_set_final_flags", None)
+    if check is None or getattr(check, "_refuses_trainer_islands", False):
+        return  # another Lightning than 2.6's checks elsewhere: its own message stands
 
     def check_config(connector, strategy, *args, **kwargs):
         from lightning_diloco.learner.island_strategy import IslandStrategy
@@ -109,7 +109,7 @@ def _refuse_trainer_strategies() -> None:
         return check(connector, strategy, *args, **kwargs)
 
     check_config._refuses_trainer_islands = True  # type: ignore[attr-defined]
-    _Connector._check_config_and_set_final_flags = check_config  # type: ignore[method-assign,assignment]
+    connector._Connector._check_config_and_set_final_flags = check_config  # type: ignore[method-assign,assignment]
 
 
 def _trainer_strategy_refusal(strategy: Any) -> str:

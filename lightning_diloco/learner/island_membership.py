@@ -2,12 +2,12 @@
 
 :class:`IslandMembership` is mixed in before a Lightning strategy, through
 :class:`~lightning_diloco.learner.island_strategy.IslandStrategy` (the Trainer's hooks) or
-:class:`~lightning_diloco.learner.fabric_strategy.DecoupledDiLoCoFabricStrategy` (Fabric's). It
-holds what both need, defined once: the run settings and where the island stands in the run
+:class:`~lightning_diloco.learner.fabric_island.FabricIsland` (Fabric's). It holds what both
+need, defined once: the run settings and where the island stands in the run
 (constructor, environment), each rank's data rank across islands, joining the run (a remote or
 an embedded synchronizer) and building the
 :class:`~lightning_diloco.learner.island.IslandLearner`, the outer state a checkpoint carries, the
-island's metrics and its end. The training loop's side (when to join, when an inner step ends,
+island's hyperparameters, metrics and its end. The training loop's side (when to join, when an inner step ends,
 where checkpoints go) is the framework's, in the strategy that mixes this in.
 
 Imports neither ``lightning.pytorch`` nor ``lightning.fabric`` at module level: Fabric's

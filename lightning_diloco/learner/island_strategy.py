@@ -7,7 +7,7 @@ and around it the mixin joins the run when training starts, counts tokens, hands
 its metrics, saves its outer state in checkpoints and tears it down. Hooks only; Lightning's loops
 are never copied. The island itself (run settings, joining, outer state, metrics, the end) is
 :class:`~lightning_diloco.learner.island_membership.IslandMembership`, shared with Fabric's
-strategy (:mod:`~lightning_diloco.learner.fabric_strategy`). The island sees the model's
+strategies (:mod:`~lightning_diloco.learner.fabric_island`). The island sees the model's
 parameters whole or sharded (DTensors: FSDP2, tensor parallelism, HSDP):
 :mod:`~lightning_diloco.learner.shards` moves fragments between the two, so adding an inner
 parallelism is a new inner strategy, not a new island.
