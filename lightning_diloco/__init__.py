@@ -2,8 +2,8 @@
 
 Importing the package registers ``Trainer(strategy="decoupled_diloco")`` (and
 ``"decoupled_diloco_spawn"``, ``"decoupled_diloco_fsdp"``) and ``Fabric(strategy="decoupled_diloco")``
-with Lightning, once Lightning is loaded: the synchronizer and the core never import Lightning
-themselves.
+(and ``"decoupled_diloco_fsdp"``) with Lightning, once Lightning is loaded: the synchronizer and the
+core never import Lightning themselves.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ _LAZY = {
     "DecoupledDiLoCoStrategy": "lightning_diloco.learner.strategy",
     "DecoupledDiLoCoFSDPStrategy": "lightning_diloco.learner.fsdp_strategy",
     "DecoupledDiLoCoFabricStrategy": "lightning_diloco.learner.fabric_strategy",
+    "DecoupledDiLoCoFabricFSDPStrategy": "lightning_diloco.learner.fabric_fsdp_strategy",
     "register": "lightning_diloco.learner.strategy",
     "DiLoCoMonitor": "lightning_diloco.learner.monitor",
     "ProgressFile": "lightning_diloco.launch.progress",

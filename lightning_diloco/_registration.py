@@ -19,7 +19,7 @@ import sys
 # is imported), then any other module whose classes Lightning must find loaded
 STRATEGY_MODULES = {
     "lightning.pytorch": ("lightning_diloco.learner.strategy", "lightning_diloco.learner.fsdp_strategy"),
-    "lightning.fabric": ("lightning_diloco.learner.fabric_strategy",),
+    "lightning.fabric": ("lightning_diloco.learner.fabric_strategy", "lightning_diloco.learner.fabric_fsdp_strategy"),
 }
 ALSO_LOADED = {
     # a loaded Callback subclass: LightningCLI's --trainer.callbacks+=DiLoCoMonitor finds it by name

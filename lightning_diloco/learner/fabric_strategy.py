@@ -1,23 +1,10 @@
 """``Fabric(strategy="decoupled_diloco")``: a Fabric process group becomes one learner island, DDP inside.
 
-The island is :class:`~lightning_diloco.learner.island_membership.IslandMembership`'s, as for the
-Trainer's strategies; this module maps it onto Fabric's calls, which are the training loop's
-only hooks:
-
-- ``fabric.setup(model, optimizer)`` joins the run once the module and its (first) optimizer are
-  set up: from then on the module holds the global model;
-- each step of that optimizer (``optimizer.step()``, which Fabric routes through
-  :meth:`~DecoupledDiLoCoFabricStrategy.optimizer_step`) is an inner step: the island's step
-  boundary runs after it, as after the Trainer strategy's optimizer step;
-- ``fabric.save(path, state)`` adds the island's outer state to the checkpoint, and
-  ``fabric.load(path, state)`` restores it: an island that had already joined joins again from
-  it (leaving the run for the moment between), so its counters and sync state go on;
-- ``fabric.setup_dataloaders`` gives each rank the run's data rank (rank r of island i of M:
-  i + r x M), and counts each batch's tokens for the merge weights as it is drawn;
-- ``fabric.strategy.teardown()`` ends the island's run as the end of ``Trainer.fit`` does: it
-  waits for the last rounds, loads the global model and leaves the run.
-
-A one-process island takes no process group and no DDP wrapper, as the Trainer's strategy does.
+The island's Fabric hooks are :class:`~lightning_diloco.learner.fabric_island.FabricIsland`'s
+(joining in ``fabric.setup``, an inner step per ``optimizer.step()``, ``fabric.save`` /
+``fabric.load``, ``teardown()``), shared with the FSDP2 form
+(:mod:`~lightning_diloco.learner.fabric_fsdp_strategy`). A one-process island takes no process
+group and no DDP wrapper, as the Trainer's strategy does.
 """
 
 from __future__ import annotations
@@ -27,17 +14,16 @@ from typing import Any
 import torch
 from lightning.fabric.strategies import DDPStrategy, Strategy
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_diloco.learner.arguments import DDP_ARGUMENTS, argument_names, describe_for_cli, given_arguments
-from lightning_diloco.learner.data import rank_of, split_for, unsplit_iterables, unsplit_warning
-from lightning_diloco.learner.island_membership import CHECKPOINT_KEY, IslandMembership
+from lightning_diloco.learner.fabric_island import FabricIsland
+from lightning_diloco.learner.island_membership import IslandMembership
 
 __all__ = ["DecoupledDiLoCoFabricStrategy", "register"]
 
 
-class DecoupledDiLoCoFabricStrategy(IslandMembership, DDPStrategy):
+class DecoupledDiLoCoFabricStrategy(FabricIsland, DDPStrategy):
     """A Lightning Fabric process group as one learner island of a Decoupled DiLoCo run, DDP inside.
 
     Takes the run settings and island arguments of
@@ -55,9 +41,6 @@ class DecoupledDiLoCoFabricStrategy(IslandMembership, DDPStrategy):
     @classmethod
     def inner_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         return given_arguments(kwargs, DDP_ARGUMENTS)
-
-    _module: torch.nn.Module | None = None  # the module set up last, unwrapped: the island's once joined
-    _optimizer: Any = None  # the first optimizer set up: its steps are the inner steps
 
     # ---- a one-process island: no process group, no DDP wrapper ---------------------------------
 
@@ -78,96 +61,10 @@ class DecoupledDiLoCoFabricStrategy(IslandMembership, DDPStrategy):
         Strategy.setup_environment(self)  # the device only, as Fabric's single-device strategy
         self._backward_sync_control = None  # no DDP wrapper: fabric.no_backward_sync has nothing to skip
 
-    # ---- joining: once the module and its optimizer are set up -----------------------------------
-
     @override
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]  # one process: unwrapped
-        if self.learner is None:
-            self._module = module
+        self._set_island_module(module)
         return module if self.one_process else super().setup_module(module)
-
-    @override
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        optimizer = super().setup_optimizer(optimizer)
-        if self.learner is None:
-            if self._module is None:
-                raise RuntimeError("the island joins the run with the module it trains: set up the model before or "
-                                   "with its optimizer (fabric.setup(model, optimizer), or fabric.setup_module(model) "
-                                   "then fabric.setup_optimizers(optimizer))")
-            self._optimizer = optimizer
-            self._join()
-        return optimizer
-
-    def _island_module(self) -> torch.nn.Module:
-        return self._module
-
-    # ---- the inner loop --------------------------------------------------------------------------
-
-    @override
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, **kwargs)
-        if self.learner is not None and optimizer is self._optimizer:  # a second optimizer's steps are not inner steps
-            self.learner.after_step(self._tokens)
-            self._tokens = 0.0
-        return output
-
-    @override
-    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
-        # after Fabric injected the sampler (of distributed_sampler_kwargs: the run's data rank): a
-        # Hugging Face iterable dataset is split here for the same rank, any other is the script's
-        part = rank_of(self.distributed_sampler_kwargs)
-        dataloader = split_for(dataloader, part)  # type: ignore[assignment]  # a DataLoader in, a DataLoader out
-        names = unsplit_iterables([dataloader])
-        if names and part.world_size > 1 and not self.data_split_by_script:
-            from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn(unsplit_warning(names, self.island, self.num_islands, part))
-        return _counting(super().process_dataloader(dataloader), self._count)
-
-    def _count(self, batch: Any) -> None:
-        self._tokens += self.count_tokens(batch)
-
-    # ---- checkpoints: fabric.save / fabric.load --------------------------------------------------
-
-    @override
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
-                        filter: dict[str, Any] | None = None) -> None:
-        if self.learner is not None:
-            state = {**state, CHECKPOINT_KEY: self._outer_state(state)}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-
-    @override
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
-                        weights_only: bool | None = None) -> dict[str, Any]:
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        if not isinstance(state, dict) or not state:  # the checkpoint read whole, or a raw state dict: nothing resumed
-            return remainder
-        saved = remainder.pop(CHECKPOINT_KEY, None)
-        if saved is not None:
-            self._resume = saved
-            if self.learner is not None:  # joined at setup, before the weights were restored: again, from them
-                self._leave_for_resume()
-                self._join()
-        return remainder
-
-    def _leave_for_resume(self) -> None:
-        self.learner.close()
-        self.learner = None
-        if self.embedded is not None:  # restarted from the checkpoint's state by the join
-            self.embedded.shutdown()
-            self.embedded = None
-
-    # ---- the end ----------------------------------------------------------------------------------
-
-    @override
-    def teardown(self) -> None:
-        """End the island's run (wait for its last rounds, load the global model, leave the run),
-        then Fabric's teardown. Fabric calls no end of training itself: the script calls
-        ``fabric.strategy.teardown()`` once its loop is done."""
-        if self.learner is not None and self.end_with_global_model:
-            self.learner.finish()
-        self._leave_run()
-        super().teardown()
 
     @override
     @classmethod
@@ -177,39 +74,56 @@ class DecoupledDiLoCoFabricStrategy(IslandMembership, DDPStrategy):
         )
 
 
-def _counting(dataloader: DataLoader, count: Any) -> DataLoader:
-    """``dataloader`` as it was, but each batch it yields is passed to ``count`` first. A shallow
-    copy of another class (the loader's, with that iteration): Fabric wraps what it is given and
-    reads its attributes, so a wrapper object would have to be a DataLoader anyway."""
-    if not isinstance(dataloader, DataLoader):
-        return dataloader
-    counted = _COUNTING.get(type(dataloader))
-    if counted is None:
-        base = type(dataloader)
-
-        def __iter__(self):
-            for batch in base.__iter__(self):
-                self._count_batch(batch)
-                yield batch
-
-        counted = _COUNTING[base] = type(f"Counting{base.__name__}", (base,), {"__iter__": __iter__})
-    copy_ = object.__new__(counted)
-    copy_.__dict__.update(dataloader.__dict__)
-    copy_.__dict__["_count_batch"] = count
-    copy_.__dict__["_iterator"] = None  # persistent workers of the original's iterate without counting
-    return copy_
-
-
-_COUNTING: dict[type[DataLoader], type[DataLoader]] = {}
-
 describe_for_cli(DecoupledDiLoCoFabricStrategy, DDP_ARGUMENTS, IslandMembership.__init__)
 
 
 def register() -> None:
-    """Make ``Fabric(strategy="decoupled_diloco")`` work; safe to call more than once."""
+    """Make ``Fabric(strategy="decoupled_diloco")`` (and ``"decoupled_diloco_fsdp"``) work, and
+    ``Fabric(strategy=DecoupledDiLoCoStrategy(...))`` say which class to use; safe to call more than once."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
+    from lightning_diloco.learner.fabric_fsdp_strategy import DecoupledDiLoCoFabricFSDPStrategy
+
     DecoupledDiLoCoFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    DecoupledDiLoCoFabricFSDPStrategy.register_strategies(STRATEGY_REGISTRY)
+    _refuse_trainer_strategies()
+
+
+def _refuse_trainer_strategies() -> None:
+    """Fabric takes only Fabric strategies, and calls a Trainer's "an invalid strategy name". A
+    Trainer island strategy given to Fabric is refused by name, with the Fabric class to write
+    and the arguments it was given. Not mapped onto the Fabric class: the Trainer's objects carry
+    what Fabric has no place for (the FSDP2 form shards in the module's ``configure_model``,
+    Fabric's in ``parallelize_fn``), and the Fabric class takes the same arguments."""
+    from lightning.fabric import connector
+
+    check = getattr(getattr(connector, "_Connector", None), "_check_config_and_set_final_flags", None)
+    if check is None or getattr(check, "_refuses_trainer_islands", False):
+        return  # another Lightning than 2.6's checks elsewhere: its own message stands
+
+    def check_config(connector, strategy, *args, **kwargs):
+        from lightning_diloco.learner.island_strategy import IslandStrategy
+
+        if isinstance(strategy, IslandStrategy):
+            raise ValueError(_trainer_strategy_refusal(strategy))
+        return check(connector, strategy, *args, **kwargs)
+
+    check_config._refuses_trainer_islands = True  # type: ignore[attr-defined]
+    connector._Connector._check_config_and_set_final_flags = check_config  # type: ignore[method-assign,assignment]
+
+
+def _trainer_strategy_refusal(strategy: Any) -> str:
+    fsdp = strategy.strategy_name == "decoupled_diloco_fsdp"
+    fabric_class = "DecoupledDiLoCoFabricFSDPStrategy" if fsdp else "DecoupledDiLoCoFabricStrategy"
+    given = {"synchronizer": strategy.address, **strategy.explicit}  # not the token: a secret
+    if strategy.num_islands > 1:
+        given.update(island=strategy.island, num_islands=strategy.num_islands)
+    arguments = ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None)
+    return (f"Fabric(strategy={type(strategy).__name__}(...)): that is the Lightning Trainer's strategy; Fabric takes "
+            f"lightning_diloco.{fabric_class}, with the same arguments: Fabric(strategy=lightning_diloco.{fabric_class}("
+            f"{arguments})), or Fabric(strategy=\"{strategy.strategy_name}\") for the defaults and the DILOCO_* environment"
+            + (" (FSDP2: pass parallelize_fn=(module, device_mesh) -> module to shard the model as configure_model "
+               "does)" if fsdp else ""))
 
 
 register()  # importing the strategy is enough for Fabric(strategy="decoupled_diloco")

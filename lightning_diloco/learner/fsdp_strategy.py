@@ -18,19 +18,16 @@ rank 0 with the weights.
 
 from __future__ import annotations
 
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_diloco.core.fragments import split_fragment as _split
-from lightning_diloco.core.fragments import tensor_specs, trainable_parameters
 from lightning_diloco.learner.arguments import argument_names, describe_for_cli
+from lightning_diloco.learner.fsdp_island import FSDPIsland
 from lightning_diloco.learner.island_membership import CHECKPOINT_KEY, IslandMembership
 from lightning_diloco.learner.island_strategy import IslandStrategy
 
@@ -40,7 +37,7 @@ BASES = f"{CHECKPOINT_KEY}.bases."
 __all__ = ["DecoupledDiLoCoFSDPStrategy"]
 
 
-class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
+class DecoupledDiLoCoFSDPStrategy(IslandStrategy, FSDPIsland, ModelParallelStrategy):
     strategy_name = "decoupled_diloco_fsdp"
     inner_kind = "ModelParallelStrategy"
 
@@ -78,11 +75,6 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
                 (``sync_every``, ``num_fragments``, ``overlap_steps``, ``run_config``,
                 ``push_wait``, ...).
         """
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism inside an island is not supported yet; "
-                "use tensor_parallel_size=1 (FSDP2 over all of the island's devices)"
-            )
         super().__init__(
             synchronizer, island, num_islands, token, data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size, save_distributed_checkpoint=save_distributed_checkpoint,
@@ -93,67 +85,23 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
     def inner_arguments(cls) -> set[str]:
         return argument_names(ModelParallelStrategy.__init__)
 
-    @override
-    def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":  # before the mesh is built from it
-            self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size  # type: ignore[operator]  # 1, not "auto": checked in __init__
-        super().setup_environment()
-
-    def _join(self) -> None:
-        # the sanity check's forward may have left the root's parameters gathered (and registered in
-        # place of the DTensors): the island must see the shards, and its first writes must reach them
-        self._reshard()
-        super()._join()
-        self.learner.shards.before_write = self._reshard
-
-    def _reshard(self) -> None:
-        """FSDP2 keeps the root module's gathered parameters after a forward without backward (an
-        evaluation); a write into the shards would not reach them. Resharding drops them."""
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.lightning_module.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-
     # ---- checkpoints: the bases sharded like the weights -----------------------------------------
 
     def _learner_checkpoint(self, checkpoint: dict[str, Any]) -> dict:
         state = self.learner.state_dict()
-        bases, shards, layout = state.pop("bases"), self.learner.shards, self.learner.layout
+        bases = state.pop("bases")
         if self._save_distributed_checkpoint:  # every rank saves its shards, beside the weights'
-            for p, flat in enumerate(bases):
-                for i, local in zip(layout.fragments[p], shards.local_pieces(p, flat)):
-                    checkpoint["state_dict"][BASES + layout.specs[i].name] = shards.as_distributed(i, local.clone())
+            for name, value in self._bases_distributed(bases).items():
+                checkpoint["state_dict"][BASES + name] = value
             state["bases_in"] = "state_dict"
         else:  # rank 0 saves the whole model: the bases too, one fragment gathered at a time
-            whole: dict[str, torch.Tensor] = {}
-            for p, flat in enumerate(bases):
-                fragment = shards.gather(p, flat)
-                if fragment is not None:
-                    whole.update(zip((s.name for s in layout.fragment_specs(p)),
-                                     (t.clone() for t in _split(fragment, layout.fragment_specs(p)))))
-            state["bases_by_name"] = whole
+            state["bases_by_name"] = self._bases_whole(bases)
         return state
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Written beside the old one, then swapped in: a distributed checkpoint is a folder its
-        ranks fill file by file, and an island killed while saving (a fault, or its launcher's
-        chaos) must still find the previous one whole when it restarts."""
-        path = Path(self.broadcast(filepath))
-        partial, old = path.with_name(path.name + ".partial"), path.with_name(path.name + ".old")
-        if self.global_rank == 0:
-            _remove(partial)
-        self.barrier()
-        super().save_checkpoint(checkpoint, partial, storage_options)
-        self.barrier()
-        if self.global_rank == 0:
-            _remove(old)
-            if path.exists():
-                path.rename(old)
-            partial.rename(path)  # between the two renames (microseconds) there is no checkpoint
-            _remove(old)
-        self.barrier()
+        self._write_then_swap(filepath, lambda partial: super(DecoupledDiLoCoFSDPStrategy, self).save_checkpoint(
+            checkpoint, partial, storage_options))
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -162,31 +110,10 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
         if learner is not None and learner.pop("bases_in", None) == "state_dict":
             from torch.distributed.checkpoint import load
 
-            # the bases are the global model's, in its dtype, under its names, whatever the parameters' own
-            params = trainable_parameters(self.lightning_module)
-            targets = {BASES + s.name: torch.zeros_like(params[s.name].detach(), dtype=torch.float32)
-                       for s in tensor_specs(self.lightning_module)}
+            targets = {BASES + name: value for name, value in self._bases_to_load().items()}
             load({"state_dict": targets}, checkpoint_id=Path(self.broadcast(checkpoint_path)))
             learner["bases_by_name"] = {key[len(BASES):]: value for key, value in targets.items()}
         return checkpoint
-
-    def _learner_resume(self) -> dict | None:
-        resume = super()._learner_resume()
-        if resume is None or "bases_by_name" not in resume:
-            return resume
-        by_name, shards, layout = resume.pop("bases_by_name"), self.learner.shards, self.learner.layout
-        missing = sorted({s.name for s in layout.specs} - set(by_name))
-        if missing:
-            raise ValueError(f"the checkpoint holds no base fragments for {missing[:3]}: resume with the same model")
-        resume["bases"] = []
-        for p in range(layout.num_fragments):
-            parts = []
-            for i in layout.fragments[p]:
-                value = by_name[layout.specs[i].name]  # a DTensor loaded sharded, or a whole tensor
-                local = value.to_local() if hasattr(value, "to_local") else shards.local_part(i, value)
-                parts.append(local.reshape(-1).to("cpu", torch.float32))
-            resume["bases"].append(torch.cat(parts))
-        return resume
 
     @override
     @classmethod
@@ -194,13 +121,6 @@ class DecoupledDiLoCoFSDPStrategy(IslandStrategy, ModelParallelStrategy):
         strategy_registry.register(
             "decoupled_diloco_fsdp", cls, description="Decoupled DiLoCo learner island (FSDP2 inside)", override=True
         )
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 describe_for_cli(DecoupledDiLoCoFSDPStrategy, {}, IslandMembership.__init__)

@@ -2,12 +2,12 @@
 
 :class:`IslandMembership` is mixed in before a Lightning strategy, through
 :class:`~lightning_diloco.learner.island_strategy.IslandStrategy` (the Trainer's hooks) or
-:class:`~lightning_diloco.learner.fabric_strategy.DecoupledDiLoCoFabricStrategy` (Fabric's). It
-holds what both need, defined once: the run settings and where the island stands in the run
+:class:`~lightning_diloco.learner.fabric_island.FabricIsland` (Fabric's). It holds what both
+need, defined once: the run settings and where the island stands in the run
 (constructor, environment), each rank's data rank across islands, joining the run (a remote or
 an embedded synchronizer) and building the
 :class:`~lightning_diloco.learner.island.IslandLearner`, the outer state a checkpoint carries, the
-island's metrics and its end. The training loop's side (when to join, when an inner step ends,
+island's hyperparameters, metrics and its end. The training loop's side (when to join, when an inner step ends,
 where checkpoints go) is the framework's, in the strategy that mixes this in.
 
 Imports neither ``lightning.pytorch`` nor ``lightning.fabric`` at module level: Fabric's
@@ -26,11 +26,12 @@ import torch
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.exit_codes import EXIT_REFUSED
 from lightning_diloco.core.fragments import build_layout, tensor_specs, trainable_parameters
-from lightning_diloco.core.settings import config_with, run_settings
+from lightning_diloco.core.settings import config_with, run_settings, value_of
 from lightning_diloco.core.token_options import read_token
 from lightning_diloco.learner.arguments import as_run_config, env_int, refuse_unknown, warn_on_conflicts
 from lightning_diloco.learner.collective import Collective, TorchCollective
 from lightning_diloco.learner.island import IslandLearner
+from lightning_diloco.learner.sigterm import SigtermStop
 from lightning_diloco.learner.tokens import default_tokens_per_batch
 from lightning_diloco.reasons import Reason, SynchronizerError
 
@@ -203,6 +204,7 @@ class IslandMembership:
         self.embedded = None  # the embedded synchronizer (a Synchronizer service), when this island runs one
         self._tokens = 0.0
         self._resume: dict | None = None
+        self._sigterm = SigtermStop()
         self.data_split_by_script = False  # set by lightning_diloco.data_rank(): the script splits its iterables
 
     # ---- data: island i of M trains on shard i of M (learner/data.py) -------------------------
@@ -337,7 +339,24 @@ class IslandMembership:
         """The learner's outer state from the restored checkpoint, for the learner just built."""
         return (self._resume or {}).get("learner")
 
-    # ---- metrics and the end ---------------------------------------------------------------------
+    # ---- hyperparameters, metrics and the end -----------------------------------------------------
+
+    def hyperparameters(self, config: RunConfig | None = None) -> dict[str, Any]:
+        """Every run setting (``diloco/sync_every``, ...) and where this island stands in the run
+        (``diloco/island``, ...), for a logger's ``log_hyperparams``: the run's settings as the
+        synchronizer has them once the island has joined (``config``, or the learner's), this
+        island's own before."""
+        config = config or (self.learner.config if self.learner is not None else self.run_config)
+        where = {"island": self.island, "num_islands": self.num_islands, "island_processes": self.world_size,
+                 "synchronizer": self.address or "embedded"}
+        return {f"diloco/{name}": value for name, value in
+                {**where, **{s.name: value_of(config, s.name) for s in run_settings()}}.items()}
+
+    def _stop_waits(self) -> None:
+        """End the island's waits for rounds at once: it is stopping (SIGTERM; signal-safe)."""
+        learner = self.learner
+        if learner is not None:
+            learner.stop()
 
     def metrics(self) -> dict[str, float]:
         """The island's metrics (``diloco/syncs_sent``, ``diloco/bytes_up``, ...): now while it

@@ -7,7 +7,7 @@ and around it the mixin joins the run when training starts, counts tokens, hands
 its metrics, saves its outer state in checkpoints and tears it down. Hooks only; Lightning's loops
 are never copied. The island itself (run settings, joining, outer state, metrics, the end) is
 :class:`~lightning_diloco.learner.island_membership.IslandMembership`, shared with Fabric's
-strategy (:mod:`~lightning_diloco.learner.fabric_strategy`). The island sees the model's
+strategies (:mod:`~lightning_diloco.learner.fabric_island`). The island sees the model's
 parameters whole or sharded (DTensors: FSDP2, tensor parallelism, HSDP):
 :mod:`~lightning_diloco.learner.shards` moves fragments between the two, so adding an inner
 parallelism is a new inner strategy, not a new island.
@@ -15,15 +15,12 @@ parallelism is a new inner strategy, not a new island.
 
 from __future__ import annotations
 
-import signal
-import threading
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.settings import run_settings, value_of
 from lightning_diloco.learner.data import rank_of, split_for, unsplit_iterables, unsplit_warning
 from lightning_diloco.learner.island_membership import CHECKPOINT_KEY, IslandMembership
 
@@ -36,8 +33,6 @@ else:
 class IslandStrategy(IslandMembership, _MixedInto):
     """A Lightning Trainer strategy's island hooks; the island is :class:`IslandMembership`'s,
     the other half a Lightning strategy."""
-
-    _sigterm: tuple[Any, Any] | None = None  # (ours, the handler it wraps) while ours is installed
 
     # ---- data: island i of M trains on shard i of M (learner/data.py) -------------------------
 
@@ -86,49 +81,18 @@ class IslandStrategy(IslandMembership, _MixedInto):
         super().on_train_start()
 
     def _stop_waiting_on_sigterm(self) -> None:
-        """On SIGTERM, end the island's waits for rounds (learner.stop()) before Lightning's own
-        handler runs, which only asks the loop to stop once the current batch ends. A synchronous
-        island (tau = 0) waits for its round inside the batch, up to push_wait, so the launcher's
-        SIGTERM took 35 s to end a blocked island. Installed here, after Lightning installed its
-        handler (when fit starts), and only over a Python handler such as Lightning's: the default
-        (the process ends) and an ignored SIGTERM stay as they are. Teardown puts it back."""
-        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-        if not callable(previous) or self._sigterm is not None:
-            return
-
-        def on_sigterm(signum, frame):
-            learner = self.learner
-            if learner is not None:
-                learner.stop()
-            previous(signum, frame)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-        self._sigterm = (on_sigterm, previous)
-
-    def _restore_sigterm(self) -> None:
-        if self._sigterm is None or threading.current_thread() is not threading.main_thread():
-            return
-        ours, previous = self._sigterm
-        if signal.getsignal(signal.SIGTERM) is ours:  # unless someone installed another since
-            signal.signal(signal.SIGTERM, previous)
-        self._sigterm = None
+        """Installed when fit starts, after Lightning installed its SIGTERM handler (which only asks
+        the loop to stop once the current batch ends): the island's waits for rounds end first
+        (:mod:`~lightning_diloco.learner.sigterm`). Teardown puts Lightning's back."""
+        self._sigterm.install(self._stop_waits)
 
     def _island_module(self):
         return self.lightning_module
 
     def _joined(self, config: RunConfig) -> None:
         for logger in self.lightning_module.trainer.loggers:  # the run's settings beside the module's hyperparameters
-            logger.log_hyperparams(self._hyperparameters(config))
+            logger.log_hyperparams(self.hyperparameters(config))
         self._info(self._start_line(config, self.lightning_module.trainer.global_step))
-
-    def _hyperparameters(self, config: RunConfig) -> dict[str, Any]:
-        """Every run setting as the synchronizer has it, and where this island stands in the run."""
-        where = {"island": self.island, "num_islands": self.num_islands, "island_processes": self.world_size,
-                 "synchronizer": self.address or "embedded"}
-        return {f"diloco/{name}": value for name, value in
-                {**where, **{s.name: value_of(config, s.name) for s in run_settings()}}.items()}
 
     # ---- the inner loop ------------------------------------------------------------------------
 
@@ -178,7 +142,7 @@ class IslandStrategy(IslandMembership, _MixedInto):
 
     @override
     def teardown(self) -> None:
-        self._restore_sigterm()
+        self._sigterm.restore()
         self._leave_run()
         super().teardown()
 

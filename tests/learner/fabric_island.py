@@ -1,6 +1,9 @@
 """One Fabric learner island, as a user writes its loop: :func:`train` in-process, or a process
-``python fabric_island.py OUT [--devices N]`` that reads DILOCO_* from the environment and writes
-each rank's final weights and the island's metrics to OUT/rank{R}.pt."""
+``python fabric_island.py OUT [--devices N] [--fsdp] [--overlap TAU] [--epochs E] [--save CKPT]
+[--resume CKPT]`` that reads DILOCO_* from the environment and writes each rank's final (whole)
+weights, losses and the island's metrics to OUT/rank{R}.pt; with --save, each rank's local base
+fragments as saved to OUT/rank{R}-bases-saved.pt, with --resume as loaded to
+OUT/rank{R}-bases-loaded.pt."""
 
 from __future__ import annotations
 
@@ -29,16 +32,25 @@ def tiny_regressor(seed: int = 0) -> nn.Module:
 
 
 def train(fabric, epochs: int, *, seed: int = 0, n: int = 256, save: Path | None = None, resume: Path | None = None,
-          wait_for_islands: int = 0, step_seconds: float = 0.0) -> tuple[nn.Module, list[float]]:
+          wait_for_islands: int = 0, step_seconds: float = 0.0, on_save=None, on_resume=None,
+          ) -> tuple[nn.Module, list[float]]:
     """Fabric's loop: set up, (resume,) train ``epochs`` epochs saving after each, return the
-    model and its losses. ``wait_for_islands``: start only once that many islands have joined."""
+    model and its losses. ``wait_for_islands``: start only once that many islands have joined.
+    An FSDP2 island (whose sharding replaces the parameters) sets the model up before creating
+    its optimizer. ``on_save``/``on_resume``: called after each save / the resume."""
     model = tiny_regressor(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    model, optimizer = fabric.setup(model, optimizer)
+    if getattr(fabric.strategy, "strategy_name", "") == "decoupled_diloco_fsdp":
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(regression_data(n), batch_size=16))
     state = {"model": model, "optimizer": optimizer, "epoch": 0}
     if resume is not None:
         fabric.load(resume, state)
+        if on_resume is not None:
+            on_resume()
     link = fabric.strategy.learner.link
     deadline = time.monotonic() + 120
     while wait_for_islands and link is not None and len(link.status().live_islands) < wait_for_islands:
@@ -56,31 +68,50 @@ def train(fabric, epochs: int, *, seed: int = 0, n: int = 256, save: Path | None
         state["epoch"] = epoch + 1
         if save is not None:
             fabric.save(save, state)
+            if on_save is not None:
+                on_save()
     return model, losses
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
 
 
 def main() -> None:
     from lightning.fabric import Fabric
 
-    from lightning_diloco import DecoupledDiLoCoFabricStrategy
+    from lightning_diloco import DecoupledDiLoCoFabricFSDPStrategy, DecoupledDiLoCoFabricStrategy
     from lightning_diloco.learner.collective import leave_process_group
     from tests.helpers import exit_now
 
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--overlap", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--save", type=Path)
+    parser.add_argument("--resume", type=Path)
+    parser.add_argument("--no-wait", action="store_true", help="start without waiting for the other islands")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    strategy = DecoupledDiLoCoFabricStrategy(sync_every=4, num_fragments=2, overlap_steps=1, uplink_codec="fp32",
-                                             downlink_codec="fp32")  # a remote synchronizer's own settings win
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kind = DecoupledDiLoCoFabricFSDPStrategy if args.fsdp else DecoupledDiLoCoFabricStrategy
+    strategy = kind(sync_every=4, num_fragments=2, overlap_steps=args.overlap, uplink_codec="fp32",
+                    downlink_codec="fp32")  # a remote synchronizer's own settings win
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=args.devices)
     fabric.launch()
-    model, losses = train(fabric, 2, seed=strategy.island, n=512, wait_for_islands=strategy.num_islands,
-                          step_seconds=0.02)
+
+    def bases(name):
+        return lambda: torch.save(strategy.learner.state_dict()["bases"], out / f"rank{fabric.global_rank}-bases-{name}.pt")
+
+    model, losses = train(fabric, args.epochs, seed=strategy.island, n=512, step_seconds=0.02, save=args.save,
+                          resume=args.resume, on_save=bases("saved"), on_resume=bases("loaded"),
+                          wait_for_islands=0 if args.no_wait else strategy.num_islands)
     strategy.teardown()  # ends on the global model
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    torch.save({"weights": [p.detach() for p in model.parameters()], "metrics": strategy.metrics(),
-                "losses": losses}, Path(args.out) / f"rank{fabric.global_rank}.pt")
+    torch.save({"weights": [_whole(p) for p in model.parameters()], "metrics": strategy.metrics(),
+                "losses": losses}, out / f"rank{fabric.global_rank}.pt")
     leave_process_group()
     exit_now()
 

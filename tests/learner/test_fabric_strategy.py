@@ -1,11 +1,14 @@
 """Fabric(strategy="decoupled_diloco"): one island in-process, two island processes on one
-synchronizer, an island of two DDP processes, and fabric.save / fabric.load resuming the island."""
+synchronizer, an island of two DDP processes, fabric.save / fabric.load resuming the island, its
+hyperparameters, a Trainer strategy given to Fabric, and an island process stopped by SIGTERM."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +16,10 @@ import torch
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+import lightning_diloco
 from lightning_diloco import DecoupledDiLoCoFabricStrategy
 from lightning_diloco.core.config import CodecConfig, MergeConfig, RunConfig, ScheduleConfig
+from lightning_diloco.learner.sigterm import EXIT_ON_SIGTERM
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import holds_final_global_model
@@ -53,8 +58,6 @@ def test_fabric_by_name_trains_one_island_with_outer_steps_and_ends_on_the_globa
 
 
 def test_fabric_island_counts_tokens_of_each_batch_and_gives_the_run_wide_data_rank():
-    import lightning_diloco
-
     strategy = DecoupledDiLoCoFabricStrategy(synchronizer="localhost:1", island=1, num_islands=2, **SETTINGS)
     fabric = _fabric(strategy)
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2))
@@ -122,6 +125,80 @@ def test_fabric_load_rejoins_a_remote_synchronizer_and_the_island_goes_on_from_i
     finally:
         server.stop(grace=0)
     assert status.islands[0].left and status.islands[0].accepted == 16, status.islands
+
+
+def test_fabric_island_hyperparameters_are_the_run_settings_as_the_synchronizer_has_them():
+    """What a script logs in one call (fabric.logger.log_hyperparams(...)), as the Trainer
+    strategy logs by itself: Fabric's own CSVLogger refuses hyperparameters, so the strategy
+    does not log them unasked."""
+    strategy = DecoupledDiLoCoFabricStrategy(sync_every=8, uplink_codec="int8")
+    before = strategy.hyperparameters()
+    assert before["diloco/sync_every"] == 8 and before["diloco/num_fragments"] == 8  # min(24, H), this island's
+    train(_fabric(strategy), 1)
+    joined = strategy.hyperparameters()
+    strategy.teardown()
+    assert (joined["diloco/island"], joined["diloco/num_islands"], joined["diloco/synchronizer"]) == (0, 1, "embedded")
+    assert joined["diloco/num_fragments"] == 4  # as the synchronizer has it: lowered to the model's 4 tensors
+    assert joined["diloco/uplink_codec"] == "int8" and joined["diloco/island_processes"] == 1 and "diloco/outer_lr" in joined
+
+
+@pytest.mark.parametrize(("trainer_class", "fabric_class", "name"), [
+    ("DecoupledDiLoCoStrategy", "DecoupledDiLoCoFabricStrategy", "decoupled_diloco"),
+    ("DecoupledDiLoCoFSDPStrategy", "DecoupledDiLoCoFabricFSDPStrategy", "decoupled_diloco_fsdp"),
+])
+def test_fabric_refuses_a_trainer_strategy_naming_the_fabric_class_and_the_arguments_to_give_it(
+        trainer_class, fabric_class, name):
+    import lightning.pytorch  # noqa: F401 - a Trainer script's strategy, given to Fabric
+
+    trainer_strategy = getattr(lightning_diloco, trainer_class)(synchronizer="sync:7470", island=1, num_islands=4,
+                                                                sync_every=8, uplink_codec="int8")
+    with pytest.raises(ValueError) as refused:
+        Fabric(strategy=trainer_strategy, accelerator="cpu", devices=1)
+    message = str(refused.value)
+    assert f"Fabric takes lightning_diloco.{fabric_class}" in message
+    written = message.split("Fabric(strategy=lightning_diloco.", 1)[1].split(")),", 1)[0] + ")"
+    # what the message says to write builds the Fabric strategy with the same settings
+    fabric_strategy = eval(written, {fabric_class: getattr(lightning_diloco, fabric_class)})  # noqa: S307
+    assert (fabric_strategy.address, fabric_strategy.island, fabric_strategy.num_islands) == ("sync:7470", 1, 4)
+    assert fabric_strategy.run_config == trainer_strategy.run_config
+    assert f'Fabric(strategy="{name}")' in message
+
+
+def _island(out, *args, **env):
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], env=_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_a_fabric_island_stopped_by_sigterm_leaves_the_run_and_exits_at_once(tmp_path):
+    """A synchronous island (tau 0) of a run of 2 (quorum 2) with the other island never there:
+    it waits for its first round, which no quorum will close, up to push_wait (120 s). A Fabric
+    script has no SIGTERM handler of its own: the island ends the wait, leaves the run and exits
+    143, as a shell reports a SIGTERM."""
+    config = RunConfig(schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=0),
+                       merge=MergeConfig(min_quorum=2, grace_gamma=0.0), codec=CodecConfig(uplink="fp32", downlink="fp32"))
+    server = SynchronizerServer(Synchronizer(config, num_islands=2)).start()
+    proc = _island(tmp_path / "island0", "--no-wait", "--overlap", "0",
+                   DILOCO_SYNCHRONIZER=server.address, DILOCO_ISLAND="0", DILOCO_NUM_ISLANDS="2")
+    try:
+        deadline = time.monotonic() + 180  # a hang guard for the start (imports under load)
+        while not any(r.open for r in server.service.status().rounds.values()):  # its first send waits for a quorum
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=60)[0][-3000:]
+            time.sleep(0.1)
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)  # a hang guard: the wait alone is push_wait, 120 s
+        took = time.monotonic() - stopped_at
+        status = server.service.status()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        server.stop(grace=0)
+    assert proc.returncode == EXIT_ON_SIGTERM, out[-3000:]  # ended by our handler, not killed by the signal
+    assert took < 20, f"SIGTERM took {took:.1f} s to end a blocked Fabric island\n{out[-3000:]}"
+    assert status.islands[0].left and status.live_islands == [], status.islands
+    assert not (tmp_path / "island0" / "rank0.pt").exists()  # the loop did not run on to its end
 
 
 def _env(**extra):
