@@ -5,7 +5,7 @@ volume, and one island of its own (torchrun and examples/train_lm.py) against it
 The image is built by ``bash deploy/container/build.sh`` and tagged with a hash of what goes into
 it. The test runs the image of the current sources: where it is missing it builds it if the slow
 parts are cached (the base and the dependencies' wheels: a code change costs seconds), or builds
-it from scratch (about three minutes) with DILOCO_BUILD_IMAGE=1; else it skips, saying how."""
+it from scratch (3-6 minutes here) with DILOCO_BUILD_IMAGE=1; else it skips, saying how."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tests.deploy.runs import island_row, outer_steps
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "deploy" / "container" / "build.sh"
 MANIFESTS = ROOT / "deploy" / "kubernetes"
-BUILD_SECONDS = 900  # from scratch: debootstrap, about 250 MB of wheels, the install (3-4 minutes here)
+BUILD_SECONDS = 900  # from scratch: debootstrap, about 250 MB of wheels, the install (3-6 minutes here)
 LIMIT = 16384  # open files and processes in a container: podman's default (the maximum) may not be settable
 
 
@@ -62,7 +62,7 @@ def _image(tmp_path: Path) -> str:
     image = f"localhost/{_image_tag()}"
     if _podman("image", "exists", image).returncode == 0:
         return image
-    how = f"build it with `bash {BUILD.relative_to(ROOT)}` (3-4 minutes the first time, seconds after a code change)"
+    how = f"build it with `bash {BUILD.relative_to(ROOT)}` (3-6 minutes the first time, seconds after a code change)"
     if not shutil.which("buildah"):
         pytest.skip(f"the image {image} is not built and buildah is missing (apt-get install -y buildah debootstrap): "
                     f"{how}")
