@@ -17,8 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.processes import run_tree
 from lightning_diloco.launch.supervisor import clean_environment
+from recipes.processes import run_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 ARM_TIMEOUT_S = 3600  # seconds per arm before it counts as failed (and is stopped with its islands)

@@ -29,12 +29,12 @@ from torch.utils.data import DataLoader
 
 import lightning_diloco  # noqa: F401
 from benchmarks.overhead import LM, RandomTokens, StepTimer
-from benchmarks.processes import run_tree
 from lightning_diloco import DecoupledDiLoCoFSDPStrategy
 from lightning_diloco.core.settings import config_with
 from lightning_diloco.launch.supervisor import clean_environment
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from recipes.processes import run_tree
 
 
 class ShardedLM(LM):

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.processes import run_tree
 from lightning_diloco.launch.supervisor import clean_environment
+from recipes.processes import run_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 # Table 4 of "Scaling Laws for DiLoCo" (Charles et al., 2025): M = 4 against data-parallel, eval loss

@@ -47,10 +47,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_diloco  # noqa: F401
-from benchmarks.processes import run_tree
 from lightning_diloco import DecoupledDiLoCoStrategy
 from lightning_diloco.launch.supervisor import clean_environment
 from lightning_diloco.learner.collective import leave_process_group
+from recipes.processes import run_tree
 
 
 class RandomTokens(Dataset):

@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.processes import run_tree
+from recipes.processes import run_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_OF_PHASE = ["--stagger=3", "--slow-island=1", "--slowdown=1.5"]

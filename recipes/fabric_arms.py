@@ -121,8 +121,8 @@ def run_child(args: argparse.Namespace, build: Builder, run_config: RunConfig) -
 
 def run_process(cmd: list[str], out: Path) -> dict:
     """Runs one arm's process (tree) to its end, bounded; what it wrote to ``out``."""
-    from benchmarks.processes import run_tree
     from lightning_diloco.launch.supervisor import clean_environment
+    from recipes.processes import run_tree
 
     # without the parent's rank variables: a LOCAL_RANK left by an earlier in-process Lightning run
     # (the test suite's) made Fabric's DDP arm take its ranks as launched outside, start no second

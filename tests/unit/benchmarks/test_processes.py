@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from benchmarks.processes import run_tree
+from recipes.processes import run_tree
 
 
 def _gone(pid: int) -> bool:

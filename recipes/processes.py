@@ -1,4 +1,4 @@
-"""The benchmarks' child processes: bounded, and killed with everything they started.
+"""The recipes' and benchmarks' child processes: bounded, and killed with everything they started.
 
 A benchmark arm is a process that starts others (Lightning's DDP ranks, the launcher's islands and
 synchronizer). ``subprocess.run(timeout=...)`` kills only the child it started, so a hung or
