@@ -141,8 +141,8 @@ class IslandMembership:
             min_quorum: K, islands that must contribute before a round may close (run
                 setting, default 1).
             grace_gamma: gamma in [0, 1): after its quorum a round waits for more islands at
-                most gamma x what is left of tau step times; 0 closes at quorum (run setting,
-                default 0.5).
+                most gamma x what is left of H step times (``grace_slack="overlap"``: of tau
+                step times, the paper's rule); 0 closes at quorum (run setting, default 0.5).
             merge: ``rda`` (radial-directional averaging) or ``mean`` (run setting).
             apply: How an island takes a global fragment: ``mix``, ``overwrite`` (the paper's)
                 or ``rebase`` (run setting, default mix).
