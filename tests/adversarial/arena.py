@@ -37,9 +37,11 @@ COUNTERS = ("honest", "max_tokens", "one_step", "many_steps")
 SCALES = (1.0, 1.0, 1.5, 10.0, 100.0)
 
 
-def arena_config() -> RunConfig:
+def arena_config(grace_gamma: float = 0.0) -> RunConfig:
+    """``grace_gamma`` 0: every round closes at its first send; the library's 0.5 waits up to half
+    the fragment's round for the others' (``grace_slack="round"``)."""
     return RunConfig(schedule=ScheduleConfig(num_fragments=1, sync_every=H, overlap_steps=1),
-                     merge=MergeConfig(min_quorum=1, grace_gamma=0.0),
+                     merge=MergeConfig(min_quorum=1, grace_gamma=grace_gamma),
                      outer=OuterConfig(lr=0.7, momentum=0.9),
                      codec=CodecConfig(uplink="fp32", downlink="fp32"))
 
@@ -76,10 +78,10 @@ class Report:
 
 
 class Arena:
-    def __init__(self, honest: int, hostile: int, seed: int, *, slow: tuple[int, ...] = ()) -> None:
+    def __init__(self, honest: int, hostile: int, seed: int, *, slow: tuple[int, ...] = (), grace_gamma: float = 0.0) -> None:
         self.rng = random.Random(seed)
         self.g = torch.Generator().manual_seed(seed)
-        self.config = arena_config()
+        self.config = arena_config(grace_gamma)
         self.clock = FakeClock()
         self.sync = Synchronizer(self.config, clock=self.clock)
         start = initial_fragments(self.config)[0]
@@ -210,5 +212,5 @@ class Arena:
         self.largest_requests = max(self.largest_requests, pending)
 
 
-def honest_distance(honest: int, seed: int, ticks: int, slow: tuple[int, ...] = ()) -> float:
-    return Arena(honest, 0, seed, slow=slow).run(ticks).distance
+def honest_distance(honest: int, seed: int, ticks: int, slow: tuple[int, ...] = (), grace_gamma: float = 0.0) -> float:
+    return Arena(honest, 0, seed, slow=slow, grace_gamma=grace_gamma).run(ticks).distance

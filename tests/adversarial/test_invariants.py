@@ -5,7 +5,10 @@ Each case draws, tick by tick, the hostile islands' rounds (their own, the fragm
 ahead, 2**40), counters (honest, 1e15 tokens in one step, 10**6 steps), direction (sign flip,
 "away" inside the honest spread, noise, ALIE, min-max) and size (1x to 100x), heartbeats (place 0,
 the honest one, 2**62; step time 1e-9, honest, 1e9) and rejoins. Budget: 5 cases of each of 5
-mixes of honest and hostile islands, 300 ticks (about 75 rounds) each, about 10 s in all.
+mixes of honest and hostile islands, 300 ticks (about 75 rounds) each, about 10 s in all; once with
+rounds closing at their first send, once with the library's grace window (half the fragment's
+round: over 20 seeds, one hostile of four moved the model 1.27x the honest-only distance at the
+median, 2.03x at worst, against 1.62x / 2.49x closing at the first send; benchmarks/RESULTS.md).
 
 Invariants, for every case:
 - the global model stays finite and bounded (before: 1,000-1e10 times the start distance);
@@ -34,16 +37,17 @@ BOUNDED = 5.0  # x the start distance: far from the target, but not diverging
 MIXES = [(3, 1), (2, 1), (1, 1), (2, 2), (3, 2)]  # (honest, hostile)
 
 
+@pytest.mark.parametrize("grace_gamma", [0.0, 0.5], ids=["close-at-first-send", "default-grace-window"])
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize(("honest", "hostile"), MIXES)
-def test_no_hostile_mix_breaks_the_runs_invariants(honest, hostile, seed):
-    arena = Arena(honest, hostile, seed)
+def test_no_hostile_mix_breaks_the_runs_invariants(honest, hostile, seed, grace_gamma):
+    arena = Arena(honest, hostile, seed, grace_gamma=grace_gamma)
     report = arena.run(TICKS // 2)
     start, first_half = report.start_distance, dict(report.merged)
     report = arena.run(TICKS - TICKS // 2)
     assert math.isfinite(report.distance) and report.distance < BOUNDED * start, report
     if (honest, hostile) == (3, 1):
-        assert report.distance <= RATIO_1_OF_4 * honest_distance(honest, seed, TICKS), report
+        assert report.distance <= RATIO_1_OF_4 * honest_distance(honest, seed, TICKS, grace_gamma=grace_gamma), report
     assert report.clock_lead <= H, report
     assert all(report.merged[i] > first_half[i] for i in first_half), (first_half, report.merged)
     assert report.largest_round <= honest + hostile and report.largest_requests <= 1, report
