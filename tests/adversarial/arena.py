@@ -214,3 +214,32 @@ class Arena:
 
 def honest_distance(honest: int, seed: int, ticks: int, slow: tuple[int, ...] = (), grace_gamma: float = 0.0) -> float:
     return Arena(honest, 0, seed, slow=slow, grace_gamma=grace_gamma).run(ticks).distance
+
+
+MIXES = [(3, 1), (2, 1), (1, 1), (2, 2), (3, 2)]  # (honest, hostile)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The figures behind test_invariants.py's bounds: each mix's model distance over the
+    honest-only run's of the same seed, median and worst over ``--seeds`` seeds.
+
+        python -m tests.adversarial.arena --seeds 20 --grace-gamma 0.5
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=20, help="seeds per mix (default %(default)s)")
+    p.add_argument("--ticks", type=int, default=300, help="ticks per run, 0.1 s each (default %(default)s)")
+    p.add_argument("--grace-gamma", type=float, default=0.0,
+                   help="0: rounds close at their first send; 0.5: the library's window (default %(default)s)")
+    args = p.parse_args(argv)
+    for honest, hostile in MIXES:
+        ratios = {seed: Arena(honest, hostile, seed, grace_gamma=args.grace_gamma).run(args.ticks).distance
+                  / honest_distance(honest, seed, args.ticks, grace_gamma=args.grace_gamma) for seed in range(args.seeds)}
+        ordered = sorted(ratios.values())
+        worst = max(ratios, key=ratios.__getitem__)
+        print(f"{honest} honest + {hostile} hostile: model distance / honest-only, median {ordered[len(ordered) // 2]:.2f}x, "
+              f"worst {ratios[worst]:.2f}x (seed {worst})")
+
+if __name__ == "__main__":
+    main()

@@ -28,13 +28,12 @@ from dataclasses import replace
 import pytest
 
 from lightning_diloco.synchronizer.requests import Refusal
-from tests.adversarial.arena import Arena, H, honest_distance
+from tests.adversarial.arena import MIXES, Arena, H, honest_distance
 from tests.helpers import contribution
 
 TICKS = 300
 RATIO_1_OF_4 = 2.5
 BOUNDED = 5.0  # x the start distance: far from the target, but not diverging
-MIXES = [(3, 1), (2, 1), (1, 1), (2, 2), (3, 2)]  # (honest, hostile)
 
 
 @pytest.mark.parametrize("grace_gamma", [0.0, 0.5], ids=["close-at-first-send", "default-grace-window"])
