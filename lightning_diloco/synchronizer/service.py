@@ -2,11 +2,10 @@
 
 Transport-agnostic: the gRPC server and in-process callers drive the same object.
 
-- A push is validated, measured against its base and put into its fragment's round; it is
-  answered at once with a :class:`~lightning_diloco.core.protocol.PushAck` (which round, late
-  or not). A push that opens a round asks every other live island to send that fragment now.
-  Seeds and pushes are taken in by :class:`~lightning_diloco.synchronizer.intake.Intake`
-  (intake.py), mixed in here.
+- A push is admitted once, from its header (push_admission.py: every rule it can be refused
+  by, in order), then its payload is received and the push taken in, measured against its base
+  and put into its fragment's round: one call, :meth:`push`. Seeds and pushes are taken in by an
+  :class:`~lightning_diloco.synchronizer.intake.Intake` this service holds (intake.py).
 - Each fragment has one closer thread (:meth:`start`; closers.py) that closes its round when the
   quorum and grace rules say so, whether or not anyone is waiting; tests move a fake clock and
   call :meth:`poll` instead.
@@ -30,9 +29,10 @@ from pathlib import Path
 
 import torch
 
+from lightning_diloco.core.codecs import EXACT, Payload
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
-from lightning_diloco.core.protocol import Beat, JoinInfo, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
@@ -43,13 +43,14 @@ from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume
 from lightning_diloco.synchronizer.intake import Intake
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, MAX_ISLANDS, IslandRunning, Membership, SessionError
-from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
+from lightning_diloco.synchronizer.push_admission import PushAdmission
+from lightning_diloco.synchronizer.requests import Contribution, Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
 log = logging.getLogger(__name__)
 
 
-class Synchronizer(Intake):
+class Synchronizer:
     def __init__(
         self,
         config: RunConfig,
@@ -118,6 +119,10 @@ class Synchronizer(Intake):
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
         self._started = False
+        self.admission = PushAdmission(fragment_rounds=self._rounds, check_session=self._check_session, seeded=self._seeded,
+                                       layout=lambda: self.state.layout, refuse=self.refuse,
+                                       block_size=self.config.codec.block_size)
+        self.intake: Intake | None = None  # once the run has a layout (_make_rounds)
         self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint_every, snapshot=self._snapshot_or_none,
                                          outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing)
         self.closers = Closers(self.rounds, self.membership, clock=self.clock, closing=self.closing,
@@ -157,12 +162,18 @@ class Synchronizer(Intake):
             self.directory_lock.release()
 
     def _make_rounds(self, layout: FragmentLayout) -> None:
+        """(Once the run's state, layout and schedule are settled.)"""
+        state = self.state
+        if self.intake is None:
+            self.intake = Intake(state=state, membership=self.membership, admission=self.admission, offsets=self.offsets,
+                                 sync_every=self.config.schedule.sync_every, clock=self.clock,
+                                 count_accepted=self._count_accepted, count_bytes_in=self._count_bytes_in)
         for p in range(layout.num_fragments):
             if self.owned(p) and p not in self.rounds:
                 rounds = FragmentRounds(p, layout.fragment_specs(p), self.config)
-                rounds.frag = self.state.fragments.get(p)
-                if p in self.state.memory:  # from a checkpoint
-                    rounds.restore(self.state.memory[p])
+                rounds.frag = state.fragments.get(p)
+                if p in state.memory:  # from a checkpoint
+                    rounds.restore(state.memory[p])
                 self.rounds[p] = rounds
         if self._started:
             self.closers.start()
@@ -314,6 +325,43 @@ class Synchronizer(Intake):
         owned = [p for p in range(self.config.schedule.num_fragments) if self.owned(p)]
         return {p: (state.fragments[p].version if state and p in state.fragments else -1) for p in owned}
 
+    # ---- seeds and pushes (intake.py) ----------------------------------------------------------
+
+    def admit_seed(self, island: int, fragment: int, session: str | None) -> int | None:
+        """A seed's header checks, before its payload is read; the fragment's version when it is
+        seeded already (the first offer won: the server answers so without reading the payload,
+        where 200 held seeds of a seeded fragment were each read in full, 1.7 GB, to be ignored),
+        else None."""
+        rounds = self._rounds(fragment)
+        self._check_session(island, session, "seed")
+        with rounds.cond:
+            return None if rounds.frag is None else rounds.frag.version
+
+    def seed_payload_bytes(self, fragment: int) -> int:
+        """Bytes a seed of ``fragment`` must have (fp32)."""
+        self._rounds(fragment)
+        return self.admission.payload_bytes(EXACT, fragment)
+
+    def seed(self, island: int, fragment: int, payload: Payload, session: str | None = None) -> bool:
+        """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored."""
+        rounds = self._rounds(fragment)
+        self._check_session(island, session, "seed")
+        return self.intake.seed(rounds, island, payload)
+
+    def push(self, c: Contribution, *, declared_bytes: int | None = None,
+             receive: Callable[[int], Payload] | None = None) -> PushAck:
+        """Put a contribution into its fragment's round; answered at once, merged when it closes.
+        A retry with the same sequence number gets the same answer and is never merged twice.
+
+        One call per push, one admission: the header is admitted (push_admission.py) before its
+        payload is looked at. ``receive(expected_bytes)``: the payload, asked for only once the
+        header is admitted (the server reads it from its stream then, so a stream from no session,
+        or for no fragment, holds no worker while its bytes trickle in); None: ``c.payload`` is
+        it. ``declared_bytes``: the payload size a stream's header declares, checked first."""
+        admitted = self.admission.admit(c, declared_bytes)
+        payload = c.payload if receive is None else receive(admitted.payload_bytes)
+        return self.intake.push(admitted, payload)
+
     # ---- fragments and pulling -------------------------------------------------------------
 
     def _rounds(self, fragment: int) -> FragmentRounds:
@@ -416,6 +464,14 @@ class Synchronizer(Intake):
     def _count_bytes_out(self, n: int) -> None:
         with self.lock:
             self.bytes_out += n
+
+    def _count_bytes_in(self, n: int) -> None:
+        with self.lock:
+            self.bytes_in += n
+
+    def _count_accepted(self, kind: str) -> None:
+        with self.lock:
+            self.accepted[kind] += 1
 
     # ---- durability and status ----------------------------------------------------------------
 
