@@ -18,10 +18,12 @@ anything is bounded by what the run itself makes plausible, not only by its sign
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from lightning_diloco.core.fragments import MAX_TENSORS
-from lightning_diloco.synchronizer.membership import MAX_ISLANDS
+from lightning_diloco.synchronizer.membership import MAX_ISLANDS, IslandRunning
 
 MAX_WORLD_SIZE = 1 << 20  # processes per island: past this it is not a world size
 MAX_SEED_ABS = 1e6  # no model starts with a weight this large; a seed beyond it is not one
@@ -75,3 +77,23 @@ def layout_pin_problem(expected_hash: str | None, offered_hash: str) -> str | No
         return (f"the model's layout hash is {offered_hash}, but this synchronizer was started with --layout-hash "
                 f"{expected_hash}; join with the run's model (and its --num-fragments)")
     return None
+
+
+def pinned_num_islands(pinned: int | None, checkpointed: int, directory: Path | None) -> int:
+    """The run's island count: the operator's (``--num-islands``) or the checkpoint's (0: not yet known),
+    which must agree."""
+    if pinned is not None and not 1 <= pinned <= MAX_ISLANDS:
+        raise ValueError(f"--num-islands {pinned}: need 1 to {MAX_ISLANDS}")
+    if pinned and checkpointed and pinned != checkpointed:
+        raise ValueError(f"--num-islands {pinned}, but the run in {directory} has num_islands={checkpointed}; pass "
+                         f"--num-islands {checkpointed} (or none), or start a new run with a new --checkpoint-dir")
+    return pinned or checkpointed
+
+
+def running_message(running: IslandRunning) -> str:
+    """Why a join as an island that is running elsewhere is refused, and what to do."""
+    i = running.island
+    return (f"island {i} is already running: its session was heard from {running.silent:.1f} s ago (a running island "
+            f"heartbeats every second), and this join comes from another process. Give each island its own index "
+            f"(DILOCO_ISLAND); to restart island {i}, stop its running process: the restart is let in once the old one "
+            f"has been silent for {running.window:g} s (its client retries meanwhile)")

@@ -37,12 +37,19 @@ from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem, num_islands_problem, tensor_count_problem
+from lightning_diloco.synchronizer.admission import (
+    join_problem,
+    layout_pin_problem,
+    num_islands_problem,
+    pinned_num_islands,
+    running_message,
+    tensor_count_problem,
+)
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume
+from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume, snapshot_of
 from lightning_diloco.synchronizer.intake import Intake
-from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, MAX_ISLANDS, IslandRunning, Membership, SessionError
+from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
 from lightning_diloco.synchronizer.push_admission import PushAdmission
 from lightning_diloco.synchronizer.requests import Contribution, Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
@@ -100,7 +107,7 @@ class Synchronizer:
             loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
             restored = loaded if loaded is not None else state
             # the run's island count, fixed by the operator or the first island that says it (0: not yet)
-            self.num_islands = _pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0,
+            self.num_islands = pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0,
                                                    self.checkpoint_dir)
         except BaseException:
             self.release_checkpoint_dir()  # a refused start leaves the directory to the next try
@@ -240,7 +247,7 @@ class Synchronizer:
         except OverflowError as err:
             raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
         except IslandRunning as running:
-            raise self.refuse(Reason.ISLAND_RUNNING, _running_message(running)) from None
+            raise self.refuse(Reason.ISLAND_RUNNING, running_message(running)) from None
         return JoinInfo(config=self.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
                         session=session, incarnation=self.incarnation)
 
@@ -487,21 +494,10 @@ class Synchronizer:
         return snapshot
 
     def _snapshot_or_none(self) -> SynchronizerState | None:
-        state = self.state
-        if state is None:
+        if self.state is None:
             return None
-        snapshot = SynchronizerState(self.config, state.layout, {})
-        snapshot.identity = dict(self.identity)
-        snapshot.num_islands = self.num_islands
-        snapshot.left = self.membership.left_islands()
-        for p, rounds in self.rounds.items():
-            with rounds.cond:
-                frag = rounds.frag
-                if frag is not None:
-                    snapshot.seed(p, frag.value)
-                    snapshot.fragments[p].load_state_dict(frag.state_dict())
-                    snapshot.memory[p] = rounds.memory()
-        return snapshot
+        return snapshot_of(self.state.layout, self.config, self.identity, self.num_islands, self.membership.left_islands(),
+                           self.rounds)
 
     def status(self) -> SynchronizerStatus:
         now = self.clock()
@@ -523,20 +519,3 @@ class Synchronizer:
                 live_islands=sorted(live), islands=islands, rounds=rounds, accepted=dict(self.accepted),
                 refused=dict(self.refused), adjustments=list(self.adjustments),
             )
-
-
-def _pinned_num_islands(pinned: int | None, checkpointed: int, directory: Path | None) -> int:
-    if pinned is not None and not 1 <= pinned <= MAX_ISLANDS:
-        raise ValueError(f"--num-islands {pinned}: need 1 to {MAX_ISLANDS}")
-    if pinned and checkpointed and pinned != checkpointed:
-        raise ValueError(f"--num-islands {pinned}, but the run in {directory} has num_islands={checkpointed}; pass "
-                         f"--num-islands {checkpointed} (or none), or start a new run with a new --checkpoint-dir")
-    return pinned or checkpointed
-
-
-def _running_message(running: IslandRunning) -> str:
-    i = running.island
-    return (f"island {i} is already running: its session was heard from {running.silent:.1f} s ago (a running island "
-            f"heartbeats every second), and this join comes from another process. Give each island its own index "
-            f"(DILOCO_ISLAND); to restart island {i}, stop its running process: the restart is let in once the old one "
-            f"has been silent for {running.window:g} s (its client retries meanwhile)")
