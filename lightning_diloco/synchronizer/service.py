@@ -108,7 +108,7 @@ class Synchronizer:
             restored = loaded if loaded is not None else state
             # the run's island count, fixed by the operator or the first island that says it (0: not yet)
             self.num_islands = pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0,
-                                                   self.checkpoint_dir)
+                                                  self.checkpoint_dir)
         except BaseException:
             self.release_checkpoint_dir()  # a refused start leaves the directory to the next try
             raise
