@@ -31,12 +31,11 @@ server authenticates the caller, and checks the island it acts as, before step 1
 refused after step 12: a push sent for a round the run has not reached is taken for the latest
 round it admits (:func:`admitted_round`), so no island can open a round ahead of the run.
 
-Why the round is bounded so: a push naming round 2**61 used to become the fragment's next round,
-and the run's step (round x H) no longer fit the int64 of every later reply. A send is admitted
-for a round at most one round (``lead_steps`` = H) past the later of the run's clock and its
-island's own place (membership.py: a place advances no faster than a rate, and only the island's
-own steps or a request for a round due on the clock move it). The fragment's next round is no
-floor: one island that sent for it as soon as the last round closed opened and closed rounds
+Why the round is bounded so (admission.py says why every number a client sends is): a send is
+admitted for a round at most one round (``lead_steps`` = H) past the later of the run's clock and
+its island's own place (membership.py: a place advances no faster than a rate, and only the
+island's own steps or a request for a round due on the clock move it). The fragment's next round
+is no floor: one island that sent for it as soon as the last round closed opened and closed rounds
 alone, as fast as a grace window allows, each an outer step of its contribution alone. Nor is the
 clock plus a lead of 4H: one island that sent for round 2**40 after every close had each send
 taken for the round 4H ahead, which opened it, asked every honest island to skip to it, and so
