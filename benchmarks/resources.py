@@ -85,6 +85,7 @@ class Synchronizer:
             raise RuntimeError(f"the synchronizer did not start: {''.join(self.log[-5:])}")
         threading.Thread(target=self._drain, args=(self.proc.stdout,), daemon=True).start()
         self.specs = [TensorSpec(name=f"w{i}", shape=(numel,), dtype="float32", role="dense") for i in range(2)]
+        self.layout_hash = ""  # the run's, once the honest island has joined (case())
         self.peak = 0.0
 
     def _drain(self, pipe) -> None:
@@ -148,7 +149,7 @@ def honest_calls(sync: Synchronizer, honest: SynchronizerClient, numel: int, seq
     seq[0] += 1
     payload = get_codec("fp32").encode(torch.zeros(numel))
     push = lambda: honest.push(island=0, fragment=0, round=0, base_version=0, tokens=1.0, steps=1, codec="fp32",  # noqa: E731
-                               seq=seq[0], payload=payload, layout_hash=honest._replies[0].layout_hash)
+                               seq=seq[0], payload=payload, layout_hash=sync.layout_hash)
     # a new island's join on a connection of its own, as from another process (channels in one
     # process otherwise share their connections)
     newcomer = grpc.insecure_channel(sync.address, options=[("grpc.use_local_subchannel_pool", 1)])
@@ -189,7 +190,7 @@ def case(name: str, args, attack, *, http: bool = False, nofile: int | None = No
     honest = sync.client(0)
     release = threading.Event()
     try:
-        honest.join(0, 1, sync.specs)
+        sync.layout_hash = honest.join(0, 1, sync.specs).layout_hash  # what every push of the honest island names
         honest.seed(0, 0, torch.zeros(args.numel))
         row = {"case": name, "rss_before_mb": round(sync.rss(), 1)}
         with sync.sampling():

@@ -11,8 +11,9 @@ and jumps forward when the synchronizer asks for a round it has not reached yet,
 fragment in the same round as every other island. It applies every new global version it
 receives (contributor or not) at its next step boundary, except that a fragment it sent waits
 ``overlap_steps`` steps first; the send's flight ends with the first version of the round it was
-sent for, or a later one. The end of the run (waiting for the last rounds, loading the final
-global model) is :class:`~lightning_diloco.learner.end_of_run.EndOfRun`, mixed in.
+sent for, or a later one. At the end of the run (:meth:`IslandLearner.finish`) the leader's
+:class:`~lightning_diloco.learner.end_of_run.EndOfRun` waits for the last rounds and pulls the
+final global model, which every rank loads.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lightning_diloco.core.protocol import Beat
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
 from lightning_diloco.core.threads import torch_on_this_thread
 from lightning_diloco.learner.collective import Collective
-from lightning_diloco.learner.end_of_run import EndOfRun
+from lightning_diloco.learner.end_of_run import EndOfRun, final_wait
 from lightning_diloco.learner.flights import Apply, Flight, StartPlan, StepPlan
 from lightning_diloco.learner.fragment_sync import FragmentSync, fragments_from_state_dict, fragments_state_dict
 from lightning_diloco.learner.inbox import Arrival, Inbox
@@ -61,7 +62,7 @@ def _replaces_late(flight: Flight, r: int) -> bool:
     return flight.late() and merged_in is not None and r >= merged_in
 
 
-class IslandLearner(EndOfRun):
+class IslandLearner:
     def __init__(
         self,
         params: Sequence[torch.Tensor],
@@ -108,12 +109,14 @@ class IslandLearner(EndOfRun):
         self._seen_reconnects = 0
         self._realigned_at: int | None = None  # the inner step of the last realignment
         self.leader: LeaderSync | None = None
+        self.end: EndOfRun | None = None  # the leader's
         if self.is_leader:
             self.leader = LeaderSync(
                 link, island=island, uplink=self.uplink, feedback=config.codec.uplink_feedback, layout_hash=layout.hash,
-                workers=min(P, sched.overlap_steps + 2),
-                progress=lambda: (self.step, self._step_time, self.schedule_step), heartbeat_every=heartbeat_every,
+                workers=min(P, sched.overlap_steps + 2), progress=self._progress, heartbeat_every=heartbeat_every,
             )
+            self.end = EndOfRun(island=island, link=link, num_fragments=P, progress=self._progress,
+                                count_unmerged=self._count_unmerged)
 
     @property
     def versions(self) -> list[int]:
@@ -131,6 +134,14 @@ class IslandLearner(EndOfRun):
     def _count(self, name: str) -> None:
         with self._lock:
             self.counters[name] += 1
+
+    def _count_unmerged(self, n: int) -> None:
+        with self._lock:
+            self.counters["unmerged"] += n
+
+    def _progress(self) -> tuple[int, float, int]:
+        """(steps, step time, schedule step): what a heartbeat tells the synchronizer."""
+        return self.step, self._step_time, self.schedule_step
 
     # ---- joining ----------------------------------------------------------------------------
 
@@ -360,7 +371,36 @@ class IslandLearner(EndOfRun):
         finally:
             self.shards.restore(saved)
 
-    # ---- the end (finish: end_of_run.py) -------------------------------------------------------
+    # ---- the end ------------------------------------------------------------------------------
+
+    def finish(self, timeout: float | None = None) -> bool:
+        """Wait for the rounds still in flight, then load the current global model on every rank.
+
+        Waits at most ``timeout`` seconds (default :meth:`final_wait`: a few step times); a
+        contribution whose round has not closed by then is counted as ``unmerged`` and said in the
+        log. The global model replaces the local weights only if it holds this island's work (one
+        of its contributions was merged); otherwise the local weights stay and a warning says why
+        (end_of_run.py). Returns whether the global model was loaded.
+        """
+        plan = None
+        if self.is_leader:
+            plan, self.merged_any = self.end.plan(fragments=self.fragments, inbox=self.inbox, settled=self._settled,
+                                                  timeout=self.final_wait() if timeout is None else timeout,
+                                                  merged_any=self.merged_any)
+        for f in self.fragments:
+            f.flight = None
+        plan = self._share(plan)
+        if plan is None:
+            return False
+        for p, version in plan.items():
+            f = self.fragments[p]
+            f.base, f.version = self._share_fragment(p, f.base if self.is_leader else None), version
+            self.write_fragment(p, f.base)
+        return True
+
+    def final_wait(self) -> float:
+        """Seconds the end waits for its last rounds (end_of_run.py)."""
+        return final_wait(self.config.schedule.overlap_steps, self._step_time, self.push_wait)
 
     def stop(self) -> None:
         """Stop waiting for rounds: the island is stopping (SIGTERM). A wait in progress (for the

@@ -6,44 +6,27 @@ the run's step (round x H) no longer fit the int64 of every later Join, Heartbea
 and the checkpoint carried it into every restart. The rule: a number that sizes, orders or places
 anything is bounded by what the run itself makes plausible, not only by its sign.
 
-- Rounds: a send is admitted for a round at most one round (``lead_steps`` = H) past the later of
-  the run's clock and its island's own place (membership.py: a place advances no faster than a
-  rate, and only the island's own steps or a request for a round due on the clock move it). A
-  send for a round further ahead is taken for the latest admitted one: its work is kept, and it
-  cannot open a round the run has not reached. The fragment's next round is no floor: one island
-  that sent for it as soon as the last round closed opened and closed rounds alone, as fast as a
-  grace window allows, each an outer step of its contribution alone. Nor is the clock plus a
-  lead of 4H any longer: one island that sent for round 2**40 after every close had each send
-  taken for the round 4H ahead, which opened it, asked every honest island to skip to it, and so
-  moved the clock 4H each time (the clock reached 4,660 while the islands made 350 steps).
-  (A restarted synchronizer's islands join at the step of its latest round, so its next round
-  stays admitted.)
+- Pushes (their round, counters, sequence numbers and every other rule a push is refused by):
+  push_admission.py.
 - First contact: the first layout can be pinned by the operator (``--layout-hash``) instead of
   adopted from whoever joins first, as can the island count (``--num-islands``), and a seed
   (version 0, the first offer wins) must look like a model's weights: finite (codecs.py) and
   below ``MAX_SEED_ABS`` in magnitude (a first seed of 3e38 became the global model).
-- Counters (tokens, steps) and sequence numbers: requests.py; schedule steps and step times:
-  membership.py (a robust clock and a rate bound); wait times: server.py.
+- Schedule steps and step times: membership.py (a robust clock and a rate bound); wait times:
+  server.py.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from lightning_diloco.core.fragments import MAX_TENSORS
-from lightning_diloco.core.schedule import latest_round
-from lightning_diloco.synchronizer.membership import MAX_ISLANDS
+from lightning_diloco.synchronizer.membership import MAX_ISLANDS, IslandRunning
 
 MAX_WORLD_SIZE = 1 << 20  # processes per island: past this it is not a world size
 MAX_SEED_ABS = 1e6  # no model starts with a weight this large; a seed beyond it is not one
-
-
-def admitted_round(sent_for: int, *, clock_step: int, place: int, lead_steps: int, offset: int, sync_every: int) -> int:
-    """The round a send for ``sent_for`` is taken for: itself, or the latest round the run admits,
-    due by ``lead_steps`` past the later of the run's clock and the sending island's ``place``
-    (its place may lag its sends by a heartbeat; an island behind the clock is asked to catch up
-    to it, and its send for the round it was asked for is admitted)."""
-    return min(sent_for, max(0, latest_round(max(clock_step, place) + lead_steps, offset, sync_every)))
 
 
 def join_problem(island: int, world_size: int, num_islands: int = 0) -> str | None:
@@ -94,3 +77,23 @@ def layout_pin_problem(expected_hash: str | None, offered_hash: str) -> str | No
         return (f"the model's layout hash is {offered_hash}, but this synchronizer was started with --layout-hash "
                 f"{expected_hash}; join with the run's model (and its --num-fragments)")
     return None
+
+
+def pinned_num_islands(pinned: int | None, checkpointed: int, directory: Path | None) -> int:
+    """The run's island count: the operator's (``--num-islands``) or the checkpoint's (0: not yet known),
+    which must agree."""
+    if pinned is not None and not 1 <= pinned <= MAX_ISLANDS:
+        raise ValueError(f"--num-islands {pinned}: need 1 to {MAX_ISLANDS}")
+    if pinned and checkpointed and pinned != checkpointed:
+        raise ValueError(f"--num-islands {pinned}, but the run in {directory} has num_islands={checkpointed}; pass "
+                         f"--num-islands {checkpointed} (or none), or start a new run with a new --checkpoint-dir")
+    return pinned or checkpointed
+
+
+def running_message(running: IslandRunning) -> str:
+    """Why a join as an island that is running elsewhere is refused, and what to do."""
+    i = running.island
+    return (f"island {i} is already running: its session was heard from {running.silent:.1f} s ago (a running island "
+            f"heartbeats every second), and this join comes from another process. Give each island its own index "
+            f"(DILOCO_ISLAND); to restart island {i}, stop its running process: the restart is let in once the old one "
+            f"has been silent for {running.window:g} s (its client retries meanwhile)")

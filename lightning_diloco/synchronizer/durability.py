@@ -19,9 +19,12 @@ from pathlib import Path
 
 from lightning_diloco.core import checkpoints
 from lightning_diloco.core.checkpoints import DirectoryLock, describe_owner
+from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.synchronizer.admission import layout_pin_problem
+from lightning_diloco.synchronizer.rounds import FragmentRounds
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,24 @@ def resume(directory: Path | None, identity: dict, layout_hash: str | None) -> S
     log.info("resumed run %s from %s after %d outer steps (versions %s); a new run needs a new --checkpoint-dir",
              identity["run_id"] or "(unnamed)", directory, loaded.outer_steps, loaded.versions())
     return loaded
+
+
+def snapshot_of(layout: FragmentLayout, config: RunConfig, identity: dict, num_islands: int, left: list[int],
+                rounds: dict[int, FragmentRounds]) -> SynchronizerState:
+    """What a checkpoint saves of a running synchronizer, fragment by fragment: each is copied under
+    its own lock (fragments are independent, so a snapshot never stalls every round at once)."""
+    snapshot = SynchronizerState(config, layout, {})
+    snapshot.identity = dict(identity)
+    snapshot.num_islands = num_islands
+    snapshot.left = left
+    for p, fragment_rounds in rounds.items():
+        with fragment_rounds.cond:
+            frag = fragment_rounds.frag
+            if frag is not None:
+                snapshot.seed(p, frag.value)
+                snapshot.fragments[p].load_state_dict(frag.state_dict())
+                snapshot.memory[p] = fragment_rounds.memory()
+    return snapshot
 
 
 class Checkpointer:

@@ -1,6 +1,5 @@
 """What a client asks the synchronizer: a contribution's fields, and the refusal that answers a
-bad request. The checks here need no state but the run's layout hash; those that need the round
-(sequence numbers, the base version) are in rounds.py.
+bad request (what a push is refused by, and in what order: push_admission.py).
 """
 
 from __future__ import annotations
@@ -15,15 +14,6 @@ import torch
 from lightning_diloco.core.codecs import Payload, payload_size
 from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.reasons import Reason
-
-# A contribution weighs tokens**2 / steps: past these bounds no real island reports, and within
-# them the weight stays finite in float64 however a client fills the fields. Below MIN_TOKENS the
-# square underflows to 0 (tokens=1e-200: a weight of 0.0): a round of such entries, or of one and
-# an honest one (the weights are capped at a multiple of their lower median, 0), had no positive
-# weight and its close failed on every look, so the fragment never stepped again.
-MIN_TOKENS = 1e-6
-MAX_TOKENS = 1e15
-MAX_STEPS = 10**9
 
 
 class Refusal(Exception):
@@ -75,20 +65,6 @@ class Contribution:
     layout_hash: str
     session: str | None = None
     """The session its island's join issued; None from an in-process caller (trusted)."""
-
-
-def contribution_problem(c: Contribution, layout_hash: str) -> tuple[Reason, str] | None:
-    """Why the fields of ``c`` cannot be taken as they are, or None."""
-    if c.layout_hash != layout_hash:
-        return Reason.LAYOUT_MISMATCH, f"layout hash {c.layout_hash[:40]!r} is not the run's {layout_hash!r}; rejoin with the run's model"
-    if not (1 <= c.steps <= MAX_STEPS) or not (MIN_TOKENS <= c.tokens <= MAX_TOKENS) or c.tokens != c.tokens:
-        return Reason.BAD_COUNTERS, (f"counters tokens={c.tokens} steps={c.steps} are out of range "
-                                     f"({MIN_TOKENS:g} <= tokens <= {MAX_TOKENS:g}, 1 <= steps <= {MAX_STEPS})")
-    negative = [f"{name}={value}" for name, value in (("seq", c.seq), ("round", c.round), ("base_version", c.base_version))
-                if value < 0]
-    if negative:
-        return Reason.BAD_SEQUENCE, f"{', '.join(negative)}: the sequence number, round and base version must be >= 0"
-    return None
 
 
 def payload_digest(payload: Payload) -> bytes:

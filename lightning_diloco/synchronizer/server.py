@@ -14,7 +14,6 @@ the rest.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -33,6 +32,7 @@ from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.credentials import Caller, identify
 from lightning_diloco.synchronizer.deadlines import StreamDeadlines, payload_deadline
+from lightning_diloco.synchronizer.push_admission import declared_size_problem
 from lightning_diloco.synchronizer.requests import Contribution, Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -187,12 +187,6 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot {what}: "
                                       "it takes the run's token (the operator's; --token-file or $DILOCO_TOKEN)")
 
-    def _declared(self, declared: int, expected: int, what: str) -> None:
-        if declared != expected:
-            raise self.service.refuse(
-                Reason.BAD_PAYLOAD, f"{what} declares {declared} bytes but its codec and fragment need {expected}"
-            )
-
     def _payload(self, context, first, rest, island: int, expected: int, what: str) -> memoryview:
         """The payload after its header (a seed's or a push's), read in one of ``island``'s payload
         stream slots; a client that sends it too slowly is cancelled (deadlines.py)."""
@@ -246,8 +240,10 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.acting_as(caller, h.island)
         version = self.service.admit_seed(h.island, h.fragment, h.session)
         what = f"seed of fragment {h.fragment}"
-        expected = self.service.expected_payload_bytes(EXACT, h.fragment)
-        self._declared(h.payload_bytes, expected, what)
+        expected = self.service.seed_payload_bytes(h.fragment)
+        problem = declared_size_problem(what, h.payload_bytes, expected)
+        if problem:
+            raise self.service.refuse(Reason.BAD_PAYLOAD, problem)
         if version is not None:  # the first offer won: answered from the header, the payload never read
             return pb.SeedReply(seeded=False, version=version)
         payload = self._payload(context, first, request_iterator, h.island, expected, what)
@@ -262,12 +258,11 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         header = Contribution(island=h.island, fragment=h.fragment, round=h.round, base_version=h.base_version,
                               tokens=h.tokens, steps=h.steps, codec=h.codec, seq=h.seq, payload=b"",
                               layout_hash=h.layout_hash, session=h.session)
-        self.service.admit_push(header)  # session, fragment, counters, codec: before a byte of payload is read
-        what = f"push of fragment {h.fragment}"
-        expected = self.service.expected_payload_bytes(h.codec, h.fragment)
-        self._declared(h.payload_bytes, expected, what)
-        payload = self._payload(context, first, request_iterator, h.island, expected, what)
-        ack = self.service.push(dataclasses.replace(header, payload=payload))
+
+        def receive(expected: int) -> memoryview:  # asked once the header is admitted: not a byte is read before
+            return self._payload(context, first, request_iterator, h.island, expected, f"push of fragment {h.fragment}")
+
+        ack = self.service.push(header, declared_bytes=h.payload_bytes, receive=receive)  # one call per push
         return to_message(ack, pb.PushAck())
 
     @_handler

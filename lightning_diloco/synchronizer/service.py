@@ -2,11 +2,10 @@
 
 Transport-agnostic: the gRPC server and in-process callers drive the same object.
 
-- A push is validated, measured against its base and put into its fragment's round; it is
-  answered at once with a :class:`~lightning_diloco.core.protocol.PushAck` (which round, late
-  or not). A push that opens a round asks every other live island to send that fragment now.
-  Seeds and pushes are taken in by :class:`~lightning_diloco.synchronizer.intake.Intake`
-  (intake.py), mixed in here.
+- A push is admitted once, from its header (push_admission.py: every rule it can be refused
+  by, in order), then its payload is received and the push taken in, measured against its base
+  and put into its fragment's round: one call, :meth:`push`. Seeds and pushes are taken in by an
+  :class:`~lightning_diloco.synchronizer.intake.Intake` this service holds (intake.py).
 - Each fragment has one closer thread (:meth:`start`; closers.py) that closes its round when the
   quorum and grace rules say so, whether or not anyone is waiting; tests move a fake clock and
   call :meth:`poll` instead.
@@ -30,26 +29,35 @@ from pathlib import Path
 
 import torch
 
+from lightning_diloco.core.codecs import EXACT, Payload
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
-from lightning_diloco.core.protocol import Beat, JoinInfo, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.admission import join_problem, layout_pin_problem, num_islands_problem, tensor_count_problem
+from lightning_diloco.synchronizer.admission import (
+    join_problem,
+    layout_pin_problem,
+    num_islands_problem,
+    pinned_num_islands,
+    running_message,
+    tensor_count_problem,
+)
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume
+from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume, snapshot_of
 from lightning_diloco.synchronizer.intake import Intake
-from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, MAX_ISLANDS, IslandRunning, Membership, SessionError
-from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
+from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
+from lightning_diloco.synchronizer.push_admission import PushAdmission
+from lightning_diloco.synchronizer.requests import Contribution, Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
 log = logging.getLogger(__name__)
 
 
-class Synchronizer(Intake):
+class Synchronizer:
     def __init__(
         self,
         config: RunConfig,
@@ -99,8 +107,8 @@ class Synchronizer(Intake):
             loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
             restored = loaded if loaded is not None else state
             # the run's island count, fixed by the operator or the first island that says it (0: not yet)
-            self.num_islands = _pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0,
-                                                   self.checkpoint_dir)
+            self.num_islands = pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0,
+                                                  self.checkpoint_dir)
         except BaseException:
             self.release_checkpoint_dir()  # a refused start leaves the directory to the next try
             raise
@@ -118,6 +126,10 @@ class Synchronizer(Intake):
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
         self._started = False
+        self.admission = PushAdmission(fragment_rounds=self._rounds, check_session=self._check_session, seeded=self._seeded,
+                                       layout=lambda: self.state.layout, refuse=self.refuse,
+                                       block_size=self.config.codec.block_size)
+        self.intake: Intake | None = None  # once the run has a layout (_make_rounds)
         self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint_every, snapshot=self._snapshot_or_none,
                                          outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing)
         self.closers = Closers(self.rounds, self.membership, clock=self.clock, closing=self.closing,
@@ -157,12 +169,18 @@ class Synchronizer(Intake):
             self.directory_lock.release()
 
     def _make_rounds(self, layout: FragmentLayout) -> None:
+        """(Once the run's state, layout and schedule are settled.)"""
+        state = self.state
+        if self.intake is None:
+            self.intake = Intake(state=state, membership=self.membership, admission=self.admission, offsets=self.offsets,
+                                 sync_every=self.config.schedule.sync_every, clock=self.clock,
+                                 count_accepted=self._count_accepted, count_bytes_in=self._count_bytes_in)
         for p in range(layout.num_fragments):
             if self.owned(p) and p not in self.rounds:
                 rounds = FragmentRounds(p, layout.fragment_specs(p), self.config)
-                rounds.frag = self.state.fragments.get(p)
-                if p in self.state.memory:  # from a checkpoint
-                    rounds.restore(self.state.memory[p])
+                rounds.frag = state.fragments.get(p)
+                if p in state.memory:  # from a checkpoint
+                    rounds.restore(state.memory[p])
                 self.rounds[p] = rounds
         if self._started:
             self.closers.start()
@@ -229,7 +247,7 @@ class Synchronizer(Intake):
         except OverflowError as err:
             raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
         except IslandRunning as running:
-            raise self.refuse(Reason.ISLAND_RUNNING, _running_message(running)) from None
+            raise self.refuse(Reason.ISLAND_RUNNING, running_message(running)) from None
         return JoinInfo(config=self.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
                         session=session, incarnation=self.incarnation)
 
@@ -313,6 +331,43 @@ class Synchronizer(Intake):
         state = self.state
         owned = [p for p in range(self.config.schedule.num_fragments) if self.owned(p)]
         return {p: (state.fragments[p].version if state and p in state.fragments else -1) for p in owned}
+
+    # ---- seeds and pushes (intake.py) ----------------------------------------------------------
+
+    def admit_seed(self, island: int, fragment: int, session: str | None) -> int | None:
+        """A seed's header checks, before its payload is read; the fragment's version when it is
+        seeded already (the first offer won: the server answers so without reading the payload,
+        where 200 held seeds of a seeded fragment were each read in full, 1.7 GB, to be ignored),
+        else None."""
+        rounds = self._rounds(fragment)
+        self._check_session(island, session, "seed")
+        with rounds.cond:
+            return None if rounds.frag is None else rounds.frag.version
+
+    def seed_payload_bytes(self, fragment: int) -> int:
+        """Bytes a seed of ``fragment`` must have (fp32)."""
+        self._rounds(fragment)
+        return self.admission.payload_bytes(EXACT, fragment)
+
+    def seed(self, island: int, fragment: int, payload: Payload, session: str | None = None) -> bool:
+        """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored."""
+        rounds = self._rounds(fragment)
+        self._check_session(island, session, "seed")
+        return self.intake.seed(rounds, island, payload)
+
+    def push(self, c: Contribution, *, declared_bytes: int | None = None,
+             receive: Callable[[int], Payload] | None = None) -> PushAck:
+        """Put a contribution into its fragment's round; answered at once, merged when it closes.
+        A retry with the same sequence number gets the same answer and is never merged twice.
+
+        One call per push, one admission: the header is admitted (push_admission.py) before its
+        payload is looked at. ``receive(expected_bytes)``: the payload, asked for only once the
+        header is admitted (the server reads it from its stream then, so a stream from no session,
+        or for no fragment, holds no worker while its bytes trickle in); None: ``c.payload`` is
+        it. ``declared_bytes``: the payload size a stream's header declares, checked first."""
+        admitted = self.admission.admit(c, declared_bytes)
+        payload = c.payload if receive is None else receive(admitted.payload_bytes)
+        return self.intake.push(admitted, payload)
 
     # ---- fragments and pulling -------------------------------------------------------------
 
@@ -417,6 +472,14 @@ class Synchronizer(Intake):
         with self.lock:
             self.bytes_out += n
 
+    def _count_bytes_in(self, n: int) -> None:
+        with self.lock:
+            self.bytes_in += n
+
+    def _count_accepted(self, kind: str) -> None:
+        with self.lock:
+            self.accepted[kind] += 1
+
     # ---- durability and status ----------------------------------------------------------------
 
     def checkpoint(self) -> Path | None:
@@ -431,21 +494,10 @@ class Synchronizer(Intake):
         return snapshot
 
     def _snapshot_or_none(self) -> SynchronizerState | None:
-        state = self.state
-        if state is None:
+        if self.state is None:
             return None
-        snapshot = SynchronizerState(self.config, state.layout, {})
-        snapshot.identity = dict(self.identity)
-        snapshot.num_islands = self.num_islands
-        snapshot.left = self.membership.left_islands()
-        for p, rounds in self.rounds.items():
-            with rounds.cond:
-                frag = rounds.frag
-                if frag is not None:
-                    snapshot.seed(p, frag.value)
-                    snapshot.fragments[p].load_state_dict(frag.state_dict())
-                    snapshot.memory[p] = rounds.memory()
-        return snapshot
+        return snapshot_of(self.state.layout, self.config, self.identity, self.num_islands, self.membership.left_islands(),
+                           self.rounds)
 
     def status(self) -> SynchronizerStatus:
         now = self.clock()
@@ -467,20 +519,3 @@ class Synchronizer(Intake):
                 live_islands=sorted(live), islands=islands, rounds=rounds, accepted=dict(self.accepted),
                 refused=dict(self.refused), adjustments=list(self.adjustments),
             )
-
-
-def _pinned_num_islands(pinned: int | None, checkpointed: int, directory: Path | None) -> int:
-    if pinned is not None and not 1 <= pinned <= MAX_ISLANDS:
-        raise ValueError(f"--num-islands {pinned}: need 1 to {MAX_ISLANDS}")
-    if pinned and checkpointed and pinned != checkpointed:
-        raise ValueError(f"--num-islands {pinned}, but the run in {directory} has num_islands={checkpointed}; pass "
-                         f"--num-islands {checkpointed} (or none), or start a new run with a new --checkpoint-dir")
-    return pinned or checkpointed
-
-
-def _running_message(running: IslandRunning) -> str:
-    i = running.island
-    return (f"island {i} is already running: its session was heard from {running.silent:.1f} s ago (a running island "
-            f"heartbeats every second), and this join comes from another process. Give each island its own index "
-            f"(DILOCO_ISLAND); to restart island {i}, stop its running process: the restart is let in once the old one "
-            f"has been silent for {running.window:g} s (its client retries meanwhile)")

@@ -8,8 +8,8 @@ A sharded run goes on without a dead shard: a join succeeds when at least one sh
 shards that did not (or that stopped answering later) are *absent*, and calls for their fragments
 fail at once instead of waiting out the retries, until the shard's subscription reader finds it
 back and joins it (subscription.py). Its fragments train locally meanwhile. The sessions with the
-shards (joining, joining again, absence) are :class:`~lightning_diloco.transport.sessions.ShardSessions`,
-mixed in.
+shards (joining, joining again, absence) are a :class:`~lightning_diloco.transport.sessions.ShardSessions`
+the client holds.
 
 New global versions and the synchronizer's requests arrive through a subscription
 (subscription.py): one long-lived stream per shard, read on its own thread, reopened whenever it
@@ -77,7 +77,7 @@ def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
     return out
 
 
-class SynchronizerClient(ShardSessions):
+class SynchronizerClient:
     running_patience = RUNNING_PATIENCE
     """Seconds a join refused as ``island_running`` is retried (core/protocol.py)."""
 
@@ -114,8 +114,9 @@ class SynchronizerClient(ShardSessions):
             for a in self.addresses
         ]
         self.stubs = [stub(c) for c in self.channels]
-        ShardSessions.__init__(self, len(self.stubs))
         self._lock = threading.Lock()
+        self.shard_sessions = ShardSessions(self.stubs, self.addresses, timeout=timeout, metadata=self.metadata,
+                                            count=self._count)
         self.bytes_sent = self.bytes_received = 0
         self._subscriptions: list[Subscription] = []  # kept after close: every close joins them
         self._closed = threading.Event()
@@ -123,6 +124,11 @@ class SynchronizerClient(ShardSessions):
     @property
     def num_shards(self) -> int:
         return len(self.stubs)
+
+    @property
+    def sessions(self) -> list[str]:
+        """This island's session with each shard ("": absent, not joined or stopped answering)."""
+        return list(self.shard_sessions.sessions)
 
     def shard_of(self, fragment: int) -> int:
         return shard_of(fragment, self.num_shards)
@@ -150,14 +156,14 @@ class SynchronizerClient(ShardSessions):
         keep_trying_until = time.monotonic() + patience
         while True:
             self._check_open(what)
-            if shard is not None and self._join_request is None:  # absent too, but nothing was asked
+            if shard is not None and self.shard_sessions.request is None:  # absent too, but nothing was asked
                 raise SynchronizerError(None, Reason.NOT_JOINED, f"{what}: this client has not joined the run (or "
                                         "left it); call join first")
-            if shard is not None and self.absent(shard):
+            if shard is not None and self.shard_sessions.absent(shard):
                 raise SynchronizerError(grpc.StatusCode.UNAVAILABLE, Reason.UNREACHABLE,
                                         f"{what}: shard {shard} at {self.addresses[shard]} is not answering; this island "
                                         "trains its fragments locally and joins the shard again once it is back")
-            joins = self.joins[shard] if shard is not None else 0
+            joins = self.shard_sessions.joins[shard] if shard is not None else 0
             try:
                 return call()
             except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!": closed under the call
@@ -167,11 +173,11 @@ class SynchronizerClient(ShardSessions):
                 self._check_open(what)  # close() ends the calls in flight (CANCELLED): say why
                 code, details = err.code(), err.details() or ""
                 reason = Reason.parse(details)
-                if reason in REJOIN and self._join_request and shard is not None:
+                if reason in REJOIN and self.shard_sessions.request and shard is not None:
                     log.info("%s: %s (the synchronizer restarted, or this island joined again elsewhere); joining again",
                              what, reason)
                     try:
-                        self.rejoin(shard, joins)
+                        self.shard_sessions.rejoin(shard, joins)
                     except ValueError:  # the client closed under the join (closed channel)
                         self._check_open(what)
                         raise
@@ -188,8 +194,8 @@ class SynchronizerClient(ShardSessions):
                 if attempt >= self.max_retries:
                     left = keep_trying_until - time.monotonic()
                     if left <= 0:
-                        if shard is not None and self._join_request is not None:
-                            self._mark_absent(shard, joins)
+                        if shard is not None and self.shard_sessions.request is not None:
+                            self.shard_sessions.mark_absent(shard, joins)
                         hint = tls_mismatch_hint(self.addresses[shard or 0], self.uses_tls, details)
                         raise SynchronizerError(code, Reason.UNREACHABLE,
                                                 f"{what}: gave up after {attempt + 1} attempts: {details}{hint}") from None
@@ -244,13 +250,8 @@ class SynchronizerClient(ShardSessions):
             tensors=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in specs],
             num_islands=num_islands,
         )
-        def join_once() -> JoinInfo:
-            with self._join_lock:
-                return self._join_all(request)
-
-        info = self._until_not_running(island, lambda: self._call("join", join_once, patience=patience))
-        self._join_request = request
-        return info
+        return self._until_not_running(island, lambda: self._call("join", lambda: self.shard_sessions.join(request),
+                                                                 patience=patience))
 
     def _until_not_running(self, island: int, join: Callable[[], T]) -> T:
         give_up = time.monotonic() + self.running_patience
@@ -274,7 +275,7 @@ class SynchronizerClient(ShardSessions):
 
         def call():
             header = pb.FragmentHeader(fragment=fragment, island=island, codec=EXACT, payload_bytes=payload.numel(),
-                                       session=self.sessions[self.shard_of(fragment)])
+                                       session=self.shard_sessions.sessions[self.shard_of(fragment)])
             reply = self._stub(fragment).Seed(self._counted(chunk_messages(header, payload)), timeout=self.timeout, metadata=self.metadata)
             return reply.seeded, reply.version
 
@@ -302,7 +303,7 @@ class SynchronizerClient(ShardSessions):
             header = pb.PushHeader(
                 island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens, steps=steps,
                 codec=codec, seq=seq, layout_hash=layout_hash, payload_bytes=payload.numel(),
-                session=self.sessions[self.shard_of(fragment)],
+                session=self.shard_sessions.sessions[self.shard_of(fragment)],
             )
             ack = self._stub(fragment).Push(
                 self._counted(chunk_messages(header, payload)), timeout=self.timeout, metadata=self.metadata
@@ -317,13 +318,14 @@ class SynchronizerClient(ShardSessions):
         island's call: it carries the island and its session with the fragment's shard."""
         what = f"pull of fragment {fragment}"
         self._check_open(what)
-        if self._join_request is None:
+        joined = self.shard_sessions.request
+        if joined is None:
             raise SynchronizerError(None, Reason.NOT_JOINED, f"{what}: this client has not joined the run; call join first "
                                     "(the synchronizer answers pulls of joined islands only)")
 
         def call():  # built at each attempt: a rejoin between attempts brings a new session
-            request = pb.PullRequest(fragment=fragment, island=self._join_request.island,
-                                     session=self.sessions[self.shard_of(fragment)])
+            request = pb.PullRequest(fragment=fragment, island=joined.island,
+                                     session=self.shard_sessions.sessions[self.shard_of(fragment)])
             replies = self._stub(fragment).Pull(request, timeout=self.timeout, metadata=self.metadata)
             h, data = self._receive(replies, what)
             return h.version, get_codec(EXACT).decode(data, len(data) // 4)
@@ -338,7 +340,7 @@ class SynchronizerClient(ShardSessions):
         for shard, stub in enumerate(self.stubs):  # noqa: F402 - the shard's stub; the module's stub() is not used here
             def call(shard=shard, stub=stub):
                 request = pb.HeartbeatRequest(island=island, steps=steps, step_time=step_time, schedule_step=schedule_step,
-                                              session=self.sessions[shard])
+                                              session=self.shard_sessions.sessions[shard])
                 self._count(sent=request.ByteSize())
                 return stub.Heartbeat(request, timeout=self.timeout, metadata=self.metadata)
 
@@ -367,11 +369,17 @@ class SynchronizerClient(ShardSessions):
         threads; ``on_reconnect()`` when a stream that had worked is open again (contributions
         waiting in rounds may have been lost with a restarted synchronizer).
         """
-        subscription = Subscription(self, island, versions, on_request, on_version, on_reconnect)
+        subscription = Subscription(island, self.shard_sessions, open_stream=self._open_stream, closed=lambda: self.closed,
+                                    count_received=lambda n: self._count(received=n), backoff=self.backoff, rng=self.rng,
+                                    versions=versions, on_request=on_request, on_version=on_version, on_reconnect=on_reconnect)
         with self._lock:  # started under the lock, so a close at the same time finds it and joins it
             self._check_open("subscribe")  # its readers would retry the closed channels for ever, never joined
             self._subscriptions.append(subscription)
             return subscription.start()
+
+    def _open_stream(self, shard: int, request: pb.SubscribeRequest):
+        """A subscription's event stream from ``shard`` (transport/wire.py's events)."""
+        return self.stubs[shard].Subscribe(request, metadata=self.metadata)
 
     def leave(self, island: int) -> None:
         """Tell every joined shard that this island leaves the run (its training ended, or it is
@@ -384,9 +392,7 @@ class SynchronizerClient(ShardSessions):
         the synchronizer answers ``not_joined`` fails instead of joining again (which would put
         the island back into the run). :meth:`join` starts over."""
         self._check_open("leave")
-        with self._join_lock:  # no rejoin is under way, and none starts after this
-            self._join_request = None
-            sessions = list(self.sessions)
+        sessions = self.shard_sessions.leave()  # no rejoin is under way, and none starts after this
         with self._lock:
             subscriptions = list(self._subscriptions)
         for subscription in subscriptions:

@@ -12,9 +12,9 @@ Every join presents the session this client last had with the shard (none before
 a shard refuses a join as an island that another client is running as (``island_running``),
 and this is how it tells the running client joining again from a second process.
 
-:class:`ShardSessions` is a part of
-:class:`~lightning_diloco.transport.client.SynchronizerClient`, which mixes it in and calls
-through it: it uses the client's stubs, addresses, per-call timeout, metadata and byte counters.
+:class:`ShardSessions` is held by :class:`~lightning_diloco.transport.client.SynchronizerClient`,
+which gives it the shards' stubs and what each Join call needs; the subscription reads a shard's
+session from it as a :class:`ShardSession`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -40,24 +39,32 @@ log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardSession:
+    """The island's session with one shard, as of one moment."""
+
+    session: str
+    """What a call to the shard presents ("": absent, not joined or stopped answering)."""
+    joins: int
+    """Successful joins of the shard so far: which session a failing call was made with."""
+    incarnation: str
+    """Which process of the shard issued the session (a restart reissues version numbers)."""
+
+
 class ShardSessions:
-    """Per shard: this island's session, how many joins made it, and which process issued it."""
+    """Per shard: this island's session, how many joins made it, and which process issued it.
 
-    # the client's, set in its __init__
-    addresses: list[str]
-    stubs: list[pb_grpc.SynchronizerStub]
-    timeout: float
-    metadata: Sequence[tuple[str, str]]
-    _count: Callable[..., None]
+    ``stubs``, ``addresses``: the shards', in shard order; ``timeout`` and ``metadata``: what each
+    Join call is given; ``count(sent, received)``: the client's byte counters."""
 
-    if TYPE_CHECKING:  # the client's property, for the type checker only
-        @property
-        def num_shards(self) -> int: ...
-
-    def __init__(self, num_shards: int) -> None:
-        self._join_request: pb.JoinRequest | None = None  # the island's join, repeated by rejoin()
+    def __init__(self, stubs: Sequence[pb_grpc.SynchronizerStub], addresses: Sequence[str], *, timeout: float,
+                 metadata: Sequence[tuple[str, str]], count: Callable[[int, int], None]) -> None:
+        self.stubs, self.addresses = list(stubs), list(addresses)
+        self.timeout, self.metadata, self.count = timeout, metadata, count
+        self.request: pb.JoinRequest | None = None  # the island's join, repeated by rejoin(); None: not joined (or left)
         self._join_lock = threading.Lock()  # one join at a time: see rejoin()
         self._replies: dict[int, pb.JoinReply] = {}  # per shard, its last join's reply
+        num_shards = len(self.stubs)
         # per shard: successful joins so far (which session a failing call was made with), the
         # session ("": absent, not joined or stopped answering) and which process that was
         self.joins = [0] * num_shards
@@ -65,9 +72,31 @@ class ShardSessions:
         self.incarnations = [""] * num_shards
         self._last_sessions = [""] * num_shards  # per shard, kept while it is absent: presented at the next join
 
+    @property
+    def num_shards(self) -> int:
+        return len(self.stubs)
+
+    def of(self, shard: int) -> ShardSession:
+        return ShardSession(session=self.sessions[shard], joins=self.joins[shard], incarnation=self.incarnations[shard])
+
     def absent(self, shard: int) -> bool:
         """The shard is not joined (it did not answer the join, or stopped answering since)."""
         return not self.sessions[shard]
+
+    def join(self, request: pb.JoinRequest) -> JoinInfo:
+        """Join the shards that answer, as ``request`` says; raise when none does. On success the
+        request is the island's: :meth:`rejoin` repeats it."""
+        with self._join_lock:
+            info = self._join_all(request)
+            self.request = request
+            return info
+
+    def leave(self) -> list[str]:
+        """Forget the island's join (no rejoin is under way, and none starts after this); the
+        sessions it had, per shard, to leave with."""
+        with self._join_lock:
+            self.request = None
+            return list(self.sessions)
 
     def rejoin(self, shard: int, joins: int) -> None:
         """Join ``shard`` again after it forgot this island's session (it restarted, or the
@@ -80,13 +109,13 @@ class ShardSessions:
         joins; the others wait for it and return, since the count moved past what they saw.
         """
         with self._join_lock:
-            if self.joins[shard] != joins or self._join_request is None:
+            if self.joins[shard] != joins or self.request is None:
                 return
-            self._join_shard(shard, self._join_request)
+            self._join_shard(shard, self.request)
             self._check_shards()
             log.info("joined shard %d at %s again", shard, self.addresses[shard])
 
-    def _mark_absent(self, shard: int, joins: int) -> None:
+    def mark_absent(self, shard: int, joins: int) -> None:
         """Stop calling a shard that no longer answers, unless it was joined again meanwhile."""
         with self._join_lock:
             if self.joins[shard] == joins and self.sessions[shard]:
@@ -99,7 +128,7 @@ class ShardSessions:
         request = pb.JoinRequest(island=request.island, world_size=request.world_size, tensors=request.tensors,
                                  num_islands=request.num_islands, previous_session=self._last_sessions[shard])
         reply = self.stubs[shard].Join(request, timeout=self.timeout, metadata=self.metadata)
-        self._count(request.ByteSize(), reply.ByteSize())
+        self.count(request.ByteSize(), reply.ByteSize())
         self._replies[shard] = reply
         self.sessions[shard], self.incarnations[shard] = reply.session, reply.incarnation
         self._last_sessions[shard] = reply.session

@@ -2,27 +2,32 @@
 reopened whenever it breaks (rejoining first when the synchronizer restarted, or when the shard
 was absent and is back). Events are the
 synchronizer's round requests and new global versions, handed to the island's callbacks.
+
+A subscription reads the island's session with each shard from the client's
+:class:`~lightning_diloco.transport.sessions.ShardSessions` (:meth:`~ShardSessions.of`, and
+:meth:`~ShardSessions.rejoin` when a shard forgot it), and opens its streams through the one call
+the client gives it; it reads nothing else of the client.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 from lightning_diloco.core.readers import Readers
+from lightning_diloco.core.state import shard_of
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import REJOIN, Reason
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport.messages import from_message, version_update
+from lightning_diloco.transport.sessions import ShardSessions
 from lightning_diloco.transport.wire import NO_CHUNK
-
-if TYPE_CHECKING:
-    from lightning_diloco.transport.client import SynchronizerClient
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +35,27 @@ RESUBSCRIBE_BACKOFF = 1.0  # seconds, the longest wait before a broken subscript
 
 
 class Subscription:
-    """One island's event streams, one reader thread per shard; reopened whenever they break."""
+    """One island's event streams, one reader thread per shard; reopened whenever they break.
 
-    def __init__(self, client: SynchronizerClient, island: int, versions: Callable[[], dict[int, int]],
-                 on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],
-                 on_reconnect: Callable[[], None]) -> None:
-        self.client, self.island, self.versions = client, island, versions
+    ``sessions``: the island's sessions with the shards; ``open_stream(shard, request)``: a
+    Subscribe call's events (a gRPC call, cancellable); ``closed()``: the client is closed;
+    ``count_received(n)``: the client's byte counter; ``backoff`` and ``rng``: the client's retry
+    delays. ``versions()``, ``on_request``, ``on_version``, ``on_reconnect``: the island's
+    (:meth:`~lightning_diloco.transport.client.SynchronizerClient.subscribe`)."""
+
+    def __init__(self, island: int, sessions: ShardSessions, *, open_stream: Callable[[int, pb.SubscribeRequest], Any],
+                 closed: Callable[[], bool], count_received: Callable[[int], None], backoff: float, rng: random.Random,
+                 versions: Callable[[], dict[int, int]], on_request: Callable[[RoundRequest], None],
+                 on_version: Callable[[VersionUpdate], None], on_reconnect: Callable[[], None]) -> None:
+        self.island, self.sessions, self.open_stream, self.closed = island, sessions, open_stream, closed
+        self.count_received, self.backoff, self.rng = count_received, backoff, rng
+        self.versions = versions
         self.on_request, self.on_version, self.on_reconnect = on_request, on_version, on_reconnect
         self.readers = Readers(f"island {island}'s subscription")
         self._stop = self.readers.stopping
         self._lock = threading.Lock()
         self._calls: dict[int, grpc.Future] = {}
-        for shard in range(client.num_shards):
+        for shard in range(sessions.num_shards):
             self.readers.add(f"diloco-subscription-{island}-{shard}", self._read, shard)
 
     def start(self) -> Subscription:
@@ -69,18 +83,20 @@ class Subscription:
 
     def _read(self, shard: int) -> None:
         single_threaded_torch()  # it decodes fragments beside the training loop
-        client, attempt, opened_before, joins = self.client, 0, False, self.client.joins[shard]
-        incarnation = client.incarnations[shard]
-        while not self._stop.is_set() and not client.closed:
+        attempt, opened_before, num_shards = 0, False, self.sessions.num_shards
+        current = self.sessions.of(shard)
+        joins, incarnation = current.joins, current.incarnation
+        while not self._stop.is_set() and not self.closed():
             try:
-                held = {p: v for p, v in self.versions().items() if client.shard_of(p) == shard}
-                if client.incarnations[shard] != incarnation:
+                current = self.sessions.of(shard)
+                held = {p: v for p, v in self.versions().items() if shard_of(p, num_shards) == shard}
+                if current.incarnation != incarnation:
                     # a restarted synchronizer reissues the version numbers past its last checkpoint
                     # with other contents: what this island holds is no base for its deltas
-                    held, incarnation = {}, client.incarnations[shard]
-                joins = client.joins[shard]
-                request = pb.SubscribeRequest(island=self.island, versions=held, session=client.sessions[shard])
-                call = client.stubs[shard].Subscribe(request, metadata=client.metadata)
+                    held, incarnation = {}, current.incarnation
+                joins = current.joins
+                request = pb.SubscribeRequest(island=self.island, versions=held, session=current.session)
+                call = self.open_stream(shard, request)
                 with self._lock:
                     if self._stop.is_set():
                         call.cancel()
@@ -97,12 +113,12 @@ class Subscription:
                 code, details = err.code(), err.details() or ""
                 if Reason.parse(details) in REJOIN:
                     try:
-                        client.rejoin(shard, joins)  # also how an absent shard is joined once it is back
+                        self.sessions.rejoin(shard, joins)  # also how an absent shard is joined once it is back
                         continue
                     except grpc.RpcError:
                         pass
                     except ValueError:  # gRPC's "closed channel": the client closed while it joined
-                        if client.closed:
+                        if self.closed():
                             return
                         raise
                 elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
@@ -113,17 +129,17 @@ class Subscription:
                 log.exception("island %d: subscription to shard %d failed", self.island, shard)
             # at most a second between tries: an island whose stream is down gets no new versions,
             # so its contributions age while the synchronizer is back (a restart is seconds long)
-            delay = min(RESUBSCRIBE_BACKOFF, client.backoff * 2 ** min(attempt, 30)) * (0.5 + client.rng.random() / 2)
+            delay = min(RESUBSCRIBE_BACKOFF, self.backoff * 2 ** min(attempt, 30)) * (0.5 + self.rng.random() / 2)
             attempt += 1
             self._stop.wait(delay)
 
-    def _consume(self, call) -> bool:
+    def _consume(self, call: Iterator[Any]) -> bool:
         """Hand the stream's events to the callbacks until it ends, or until the readers stop (then
         the next event is handed to nobody); True if any arrived."""
         header, buffer, filled, any_event = None, None, 0, False
         for event in call:  # transport/wire.py's events: a chunk's data is a view of the received bytes
             any_event = True
-            self.client._count(received=event.size)
+            self.count_received(event.size)
             if event.request is not None:
                 if not self.readers.hand(self.on_request, from_message(event.request, RoundRequest)):
                     break

@@ -217,6 +217,43 @@ def test_oversized_or_short_payload_is_refused_before_it_is_merged(started):
     assert server.service.versions() == {0: 0, 1: 0}
 
 
+class _Calls:
+    """A service as the server sees it, recording each call made into it (by name)."""
+
+    def __init__(self, service) -> None:
+        self.service, self.names = service, []
+
+    def __getattr__(self, name):
+        value = getattr(self.service, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            self.names.append(name)
+            return value(*args, **kwargs)
+
+        return call
+
+
+def test_a_push_over_grpc_is_one_call_into_the_service_and_one_admission(started, monkeypatch):
+    """The header is admitted once, then the payload is read and handed over with the admission's
+    result (push_admission.py); Push used to call the service 3 times, and admit its header twice."""
+    config = run_config()
+    server, client = started(config)
+    _seeded(client, config)
+    admitted = []
+    admit = server.service.admission.admit
+    monkeypatch.setattr(server.service.admission, "admit", lambda *args: admitted.append(args) or admit(*args))
+    calls = _Calls(server.service)
+    monkeypatch.setattr(server.servicer, "service", calls)
+    ack = _push(client, config, 0, 0, torch.full((layout(config).fragment_numel(0),), 0.01))
+    assert not ack.duplicate and calls.names == ["push"] and len(admitted) == 1
+    with pytest.raises(SynchronizerError) as err:  # refused from the header: still one call, no payload read
+        _push(client, config, 0, 0, torch.zeros(3), seq=1)
+    assert err.value.reason == "bad_payload" and "declares 12 bytes" in str(err.value)
+    assert calls.names == ["push", "push"] and len(admitted) == 2
+
+
 @pytest.mark.parametrize("client_token", ["", "wrong"])
 def test_missing_or_wrong_token_is_refused(started, client_token):
     config = run_config()
@@ -515,13 +552,13 @@ def test_a_client_closed_while_it_joins_again_says_it_is_closed(started, monkeyp
     server, client = started(config)
     _seeded(client, config)
     server.service.join(0, 1, SPECS)  # the island joined elsewhere: this client's session is stale
-    rejoin = client.rejoin
+    rejoin = client.shard_sessions.rejoin
 
     def close_then_rejoin(shard, joins):
         client.close()
         rejoin(shard, joins)
 
-    monkeypatch.setattr(client, "rejoin", close_then_rejoin)
+    monkeypatch.setattr(client.shard_sessions, "rejoin", close_then_rejoin)
     with pytest.raises(SynchronizerError) as refused:
         client.heartbeat(0, 1, 0.1, 1)
     assert refused.value.reason == Reason.UNREACHABLE and "closed" in str(refused.value)
@@ -579,9 +616,9 @@ def test_a_second_process_as_a_running_island_is_refused_and_the_running_one_kee
             assert err.value.reason == Reason.ISLAND_RUNNING and "island 0 is already running" in str(err.value)
             assert "to restart island 0, stop its running process" in str(err.value)
             running.heartbeat(0, 2, 0.1)
-            assert running.joins == [1]  # not displaced: no rejoin was needed
-            running.rejoin(0, running.joins[0])  # its own client joining again (a shard back) is no second process
-            assert running.joins == [2]
+            assert running.shard_sessions.joins == [1]  # not displaced: no rejoin was needed
+            running.shard_sessions.rejoin(0, running.shard_sessions.joins[0])  # its own client joining again (a shard back) is no second process
+            assert running.shard_sessions.joins == [2]
         finally:
             running.close()
             second.close()
