@@ -71,7 +71,7 @@ def test_the_sbatch_script_forms_one_island_across_two_nodes(hosts_factory, clon
                            capture_output=True, text=True, timeout=120)
     assert token.returncode == 0, token.stdout + token.stderr
     sync_log = tmp_path / "synchronizer.log"
-    sync = hosts.start(SYNC_HOST, bash(block("synchronizer --host 0.0.0.0")), sync_log, cwd=clone, env=environment,
+    sync = hosts.start(SYNC_HOST, bash(block(".venv/bin/lightning-diloco synchronizer --host 0.0.0.0")), sync_log, cwd=clone, env=environment,
                        start_new_session=True)
     wait_for_text(sync_log, "synchronizer listening on", sync, timeout=120)
 

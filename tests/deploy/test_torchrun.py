@@ -30,7 +30,7 @@ def test_an_island_of_two_nodes_from_the_guide_trains_and_only_its_rank_0_talks_
                            capture_output=True, text=True, timeout=120)
     assert token.returncode == 0 and (clone / "run.token").read_text().strip(), token.stdout + token.stderr
     sync_log = tmp_path / "synchronizer.log"
-    sync = hosts.start(SYNC_HOST, bash(block("synchronizer --host 0.0.0.0")), sync_log, cwd=clone, env=environment,
+    sync = hosts.start(SYNC_HOST, bash(block(".venv/bin/lightning-diloco synchronizer --host 0.0.0.0")), sync_log, cwd=clone, env=environment,
                        start_new_session=True)
     wait_for_text(sync_log, "synchronizer listening on", sync, timeout=120)
 
