@@ -272,7 +272,7 @@ def train(recipe: Recipe, args: argparse.Namespace) -> int:
     import lightning_diloco
     from lightning_diloco.launch.progress import ProgressFile
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     strategy_name = os.environ["DILOCO_STRATEGY"]
     devices = int(os.environ.get("DILOCO_DEVICES", "1"))
     island = int(os.environ.get("DILOCO_ISLAND", "0"))

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--sync-time", type=float, default=0.005, help="seconds a round's close takes (default %(default)s)")
     g.add_argument("--ddp", action="store_true", help="DDP over the same rank shards instead (one model, every rank's batch)")
     args = resolve(recipe, parser.parse_args(argv))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     warnings.filterwarnings("ignore", message=".*self.log.*")  # the module logs for a Trainer; none here
     train_set, val_set = recipe.datasets(args)
     from torch.utils.data import DataLoader

@@ -25,6 +25,9 @@ class RoundView:
     """When the round's first contribution arrived."""
     quorum_at: float | None
     """When the round first had min_quorum contributors, or None."""
+    lead_steps: int = 0
+    """Steps the round's due step was ahead of the run's clock when it opened: an island ahead of
+    the others opened it, and they reach the step about this many step times later."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,14 @@ def decide(
         time_to_quorum=view.quorum_at - view.opened_at,
         sync_time=sync_time,
     )
+    # the window counts from the round's due step on the run's clock, not from an early send: on a
+    # quiet 2-core host one island ran about 12 steps ahead of the others, opened most rounds, and
+    # a window from its send closed before they reached the step (23-30% merged late, 2026-11-27).
+    # Never past the whole slack (gamma 1), so no lead holds a round longer than that.
+    if grace > 0 and view.lead_steps > 0:
+        whole = grace_window(gamma=1.0, slack_steps=slack_steps, step_time=step_time,
+                             time_to_quorum=view.quorum_at - view.opened_at, sync_time=sync_time)
+        grace = min(grace + view.lead_steps * step_time, whole)
     closes_at = view.quorum_at + grace
     if now >= closes_at:
         why = "grace window elapsed" if grace > 0 else "quorum reached, no grace slack"

@@ -84,7 +84,8 @@ class Intake:
             entry = Entry(island=c.island, seq=c.seq, sent_for=sent_for, base_version=c.base_version, outer_gradient=gradient,
                           tokens=c.tokens, steps=c.steps, norm=norm, digest=digest, session=c.session or "")
             # the latest round due on the live islands' clock
-            ack, opened = self.admission.into_round(rounds, entry, now, latest_round(clock, offset, H))
+            ack, opened = self.admission.into_round(rounds, entry, now, latest_round(clock, offset, H),
+                                                    lead_steps=due_step(sent_for, offset, H) - clock)
         self.membership.seen(c.island, now, schedule_step=due_step(sent_for, offset, H))
         self.count_accepted("duplicate" if ack.duplicate else "late" if ack.late else "on_time")
         if opened:  # the round is due: everyone else sends this fragment now, not at its own pace

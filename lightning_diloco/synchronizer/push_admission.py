@@ -130,12 +130,13 @@ class PushAdmission:
         except ValueError as err:
             raise self.refuse(Reason.NON_FINITE if isinstance(err, NonFiniteError) else Reason.BAD_PAYLOAD, str(err)) from None
 
-    def into_round(self, rounds: FragmentRounds, entry: Entry, now: float, clock_round: int) -> tuple[PushAck, bool]:
+    def into_round(self, rounds: FragmentRounds, entry: Entry, now: float, clock_round: int,
+                   lead_steps: int = 0) -> tuple[PushAck, bool]:
         """Steps 10-12, with ``rounds.cond`` held: the push's answer, and whether it opened its
         round (:meth:`~lightning_diloco.synchronizer.rounds.FragmentRounds.add`)."""
         self.seeded(rounds)
         try:
-            return rounds.add(entry, now, clock_round)
+            return rounds.add(entry, now, clock_round, lead_steps)
         except SequenceError as err:
             raise self.refuse(Reason.SEQUENCE_REUSED if err.reused else Reason.OLD_SEQUENCE, str(err)) from None
         except RoundFull as err:

@@ -144,6 +144,8 @@ class FragmentRounds:
         self.cond = threading.Condition()
         self.frag: FragmentState | None = None  # set once the fragment is seeded
         self.opened_at: float | None = None
+        self.opened_lead = 0
+        """Steps the round's due step was ahead of the run's clock when it opened."""
         self.quorum_at: float | None = None
         self.entries: dict[int, Entry] = {}  # island -> its one waiting entry
         self.settled: dict[int, _Settled] = {}  # island -> its last merged contribution
@@ -164,13 +166,16 @@ class FragmentRounds:
     def islands(self) -> set[int]:
         return set(self.entries)
 
-    def add(self, entry: Entry, now: float, clock_round: int = -1) -> tuple[PushAck, bool]:
+    def add(self, entry: Entry, now: float, clock_round: int = -1, lead_steps: int = 0) -> tuple[PushAck, bool]:
         """Put a validated contribution into the round it belongs to; returns the push's answer
         and whether this contribution made its round due (the other islands are asked to send).
 
         ``clock_round``: the round of this fragment that is due on the run's clock. A contribution
         sent for an earlier one is late even if no round closed since (e.g. retried across a
         synchronizer restart): only a send for a current round opens one.
+
+        ``lead_steps``: how far the round's due step is ahead of the run's clock now; kept when
+        this contribution opens the round, whose grace window then counts from the due step.
 
         Sequence numbers order one session's contributions: a rejoin (a new session) starts
         afresh, so a client that once held the island's session cannot lock its later sessions
@@ -208,6 +213,7 @@ class FragmentRounds:
             if entry.sent_for > frag.next_round:
                 frag.next_round = entry.sent_for  # nobody sent for the rounds in between
             self.opened_at, opened = now, True
+            self.opened_lead = max(0, lead_steps)
         if waiting is not None:  # its island's newer work (late or not, from this session or a newer one) replaces it
             self.totals.superseded += 1
         self.entries[island] = entry
@@ -237,7 +243,7 @@ class FragmentRounds:
         # were late for the next one in turn (76% of contributions merged a round late, 2026-11-27)
         on_time = frozenset(i for i, e in self.entries.items() if e.sent_for >= self.index)
         view = RoundView(contributors=frozenset(self.islands()), on_time=on_time, live=frozenset(live), opened_at=self.opened_at,
-                         quorum_at=self.quorum_at)
+                         quorum_at=self.quorum_at, lead_steps=self.opened_lead)
         sched = self.config.schedule
         slack = slack_steps(merge.grace_slack, overlap_steps=sched.overlap_steps, sync_every=sched.sync_every)
         return decide(view, now, min_quorum=quorum, gamma=merge.grace_gamma, slack_steps=slack, step_time=step_time,
@@ -280,6 +286,7 @@ class FragmentRounds:
         self.entries.clear()
         self.settled.update(settled)
         self.opened_at = self.quorum_at = None
+        self.opened_lead = 0
         frag.next_round = index + 1
         dropped = len(entries) - len(kept)
         merged = [entries[i] for i in kept]

@@ -87,7 +87,9 @@ def _eventful_run():
     plans = [IslandPlan(step_time=0.1, jitter=0.3, uplink_latency=0.05, downlink_latency=0.02),
              IslandPlan(step_time=0.13, start=0.4, jitter=0.3),
              IslandPlan(step_time=0.1, jitter=0.3, failures=((3.0, 1.5),))]
-    config = config_with({"sync_every": 8, "num_fragments": 2})
+    # the paper's grace window, so that some contributions are merged a round late (today's
+    # window, over the fragment's round, leaves none late here)
+    config = config_with({"sync_every": 8, "num_fragments": 2, "grace_slack": "overlap"})
     return Simulation(config, lambda i: Regression(i), plans, steps=64).run()
 
 

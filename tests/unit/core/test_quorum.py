@@ -78,3 +78,17 @@ def test_the_quorum_counts_at_most_the_islands_still_in_the_run(min_quorum, num_
 ])
 def test_the_grace_slack_is_the_round_for_overlapping_islands_and_none_for_waiting_ones(grace_slack, overlap_steps, expected):
     assert slack_steps(grace_slack, overlap_steps=overlap_steps, sync_every=24) == expected
+
+
+def test_a_round_opened_ahead_of_the_run_waits_from_its_due_step_but_never_past_the_slack():
+    """Opened by an island 3 steps ahead of the run's clock, the others reach the due step 3 step
+    times later: the window counts from there (gamma 0.5 of 2 steps, less the close, plus 3 steps),
+    capped at the whole slack. With gamma 0 the round still closes at quorum."""
+    settings = dict(SETTINGS, slack_steps=8)  # step 1 s: grace 0.5 * (8 - 0 - 0.1) = 3.95 s
+    ahead = RoundView(contributors=frozenset({0}), on_time=frozenset({0}), live=frozenset({0, 1}), opened_at=0.0,
+                      quorum_at=0.0, lead_steps=3)
+    wait = decide(ahead, 0.0, **dict(settings, min_quorum=1))
+    assert wait.deadline == pytest.approx(3.95 + 3.0)
+    far_ahead = RoundView(**{**ahead.__dict__, "lead_steps": 50})
+    assert decide(far_ahead, 0.0, **dict(settings, min_quorum=1)).deadline == pytest.approx(7.9)  # the whole slack
+    assert decide(ahead, 0.0, **dict(settings, min_quorum=1, gamma=0.0)).close

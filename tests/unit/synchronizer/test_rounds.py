@@ -96,14 +96,37 @@ def test_the_grace_window_closes_the_round_without_a_slow_island(grace_slack, wi
     fragment's round); step time 1 s."""
     config = run_config(min_quorum=1, gamma=0.5, overlap=2, grace_slack=grace_slack)
     sync, clock = _started(config, 2)
+    due = 3 * 4 + sync.offsets[0]
+    _place(sync, clock, due, (0, 1))  # round 3 of fragment 0 is due on the run's clock (H = 4)
     for i in (0, 1):
-        sync.heartbeat(i, 10, 1.0)
+        sync.heartbeat(i, due, 1.0, schedule_step=due)
     sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=3))
     clock.advance(window - 0.1)
     assert sync.poll() == []  # the slow island still has time
     clock.advance(0.1)
     [closed] = sync.poll()
     assert closed.islands == (0,) and "grace window elapsed" in closed.reason
+
+
+def test_a_round_opened_by_an_island_ahead_of_the_run_waits_for_the_others_to_reach_it():
+    """Island 0 is 2 steps ahead of the run's clock (step time 1 s) and opens round 3: the window
+    (0.5 of H = 4 step times, about 2 s) counts from when the others reach its due step, so
+    island 1, sending 3.5 s later, is on time (from the send, the window would have closed at
+    2 s); never past the whole slack (about 4 s)."""
+    config = run_config(min_quorum=1, gamma=0.5, overlap=2)
+    sync, clock = _started(config, 2)
+    due = 3 * 4 + sync.offsets[0]
+    _place(sync, clock, due - 2, (0, 1))
+    clock.advance(5.0)
+    sync.heartbeat(0, due, 1.0, schedule_step=due)
+    sync.heartbeat(1, due - 2, 1.0, schedule_step=due - 2)
+    assert sync.run_step() == due - 2
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=3))
+    clock.advance(3.5)
+    assert sync.poll() == []
+    sync.push(contribution(config, 1, 0, torch.full((_numel(config),), 0.02), round=3))
+    [closed] = sync.poll()
+    assert closed.islands == (0, 1) and closed.late == 0 and "every live island" in closed.reason
 
 
 def test_no_merge_below_quorum_and_status_says_so():
