@@ -7,8 +7,8 @@ ahead, 2**40), counters (honest, 1e15 tokens in one step, 10**6 steps), directio
 the honest one, 2**62; step time 1e-9, honest, 1e9) and rejoins. Budget: 5 cases of each of 5
 mixes of honest and hostile islands, 300 ticks (about 75 rounds) each, about 10 s in all; once with
 rounds closing at their first send, once with the library's grace window (half the fragment's
-round: over 20 seeds, one hostile of four moved the model 1.27x the honest-only distance at the
-median, 2.03x at worst, against 1.62x / 2.49x closing at the first send; benchmarks/RESULTS.md).
+round: over 20 seeds, one hostile of four moved the model 1.23x the honest-only distance at the
+median, 1.74x at worst, against 1.62x / 2.49x closing at the first send; benchmarks/RESULTS.md).
 
 Invariants, for every case:
 - the global model stays finite and bounded (before: 1,000-1e10 times the start distance);
