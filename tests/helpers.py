@@ -58,6 +58,16 @@ def contribution(config, island, fragment, delta, *, round=0, base_version=0, se
     )
 
 
+def with_peer_votes(sync, islands) -> None:
+    """Make ``sync`` a run past its first rounds: each of ``islands`` has a merged contribution on
+    record in every fragment's influence guard, so an entry alone in a round has another island's
+    vote to be bounded by and does not wait for a peer's (synchronizer/rounds.py). The votes are so
+    large that they bound nothing: the tests that use this are about something else."""
+    for rounds in sync.rounds.values():
+        for island in islands:
+            rounds.guard.record(island, 1e30, 1e30, 1)
+
+
 class FakeClock:
     """Monotonic seconds that move only when a test says so."""
 

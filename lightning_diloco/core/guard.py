@@ -269,6 +269,12 @@ class InfluenceGuard:
                 shares[i] = budget
         return dict(zip(islands, shares))
 
+    def knows_a_peer_of(self, island: int) -> bool:
+        """Whether a contribution of another island has been merged: its vote is the yardstick
+        that bounds this island's entry alone in a round. Without one, nothing bounds it but z x
+        the fragment's own norm."""
+        return bool(self.norms.votes(island))
+
     def record(self, island: int, norm: float, tokens: float, steps: int) -> None:
         """A merged contribution's raw values become its island's vote (clipped or not)."""
         self.norms.record(island, norm)
@@ -285,10 +291,19 @@ class InfluenceGuard:
             # peers still taking part: one paused or killed keeps its total while the others go on,
             # and bounding them by it stopped the model for as long as it was away
             others = [t for i, t in spent.items() if i != island and i in present]
-            peers = lower_median(others)
-            # one peer: nothing tells which of the two is honest, so neither may outdo the other
-            # (at 1.5x one hostile island of two drove the model from 10 to 199 from its target)
-            ratio = BUDGET_RATIO if len(others) >= 2 else 1.0
+            if len(others) >= 2:
+                # the median of every island taking part, this one's own included, sits between two
+                # honest islands' totals while fewer than half are hostile, however low or high the
+                # hostile ones keep theirs: of the others' alone, with two of them, the lower median
+                # was the smaller, and one hostile island of three whose entries the bounds had
+                # taken away held its honest peers' budgets at nothing for 9 rounds while the
+                # outer momentum carried the model off (2026-11-27, arena seed 11: 15.2 from the
+                # target, started at 10; the honest islands alone end at 1.7)
+                peers, ratio = lower_median([*others, spent.get(island, 0.0)]), BUDGET_RATIO
+            else:
+                # one peer: nothing tells which of the two is honest, so neither may outdo the other
+                # (at 1.5x one hostile island of two drove the model from 10 to 199 from its target)
+                peers, ratio = lower_median(others), 1.0
             out.append(None if peers is None else max(0.0, ratio * peers + step_reference - spent.get(island, 0.0)))
         return out
 

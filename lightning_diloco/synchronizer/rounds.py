@@ -36,6 +36,9 @@ from lightning_diloco.core.state import FragmentState
 
 log = logging.getLogger(__name__)
 
+PEER_WAIT_S = 10.0
+"""Seconds an entry alone in a fragment's round, before any other island's was merged, waits for
+another live island's while no island has said its step time (after that: H step times)."""
 MAX_WAITING = 1024  # entries one round holds (one per island): past this a new island's push is refused busy
 
 
@@ -234,6 +237,20 @@ class FragmentRounds:
         lowered while islands that left leave fewer than K in the run)."""
         if self.frag is None or self.opened_at is None:
             return Decision(False, f"round {self.index} not due yet")
+        if len(self.entries) == 1 and (live - set(self.entries)):
+            (only,) = self.entries
+            # an entry alone in a round before any other island's was merged has no peer to be
+            # bounded by but z x the fragment's own norm: a hostile island that sent first moved
+            # the model from 10 to 26 from its target before any honest send (arena seed 11,
+            # 2026-11-27). The others were asked to send now and do within a step; it waits for
+            # them up to the fragment's whole round (H step times; PEER_WAIT_S before any island
+            # said its step time), so a live island that never sends holds an honest one's first
+            # round no longer than that
+            wait = self.config.schedule.sync_every * step_time if step_time > 0 else PEER_WAIT_S
+            if not self.guard.knows_a_peer_of(only) and now < self.opened_at + wait:
+                self.quorum_at = None
+                return Decision(False, f"round {self.index}: island {only}'s contribution waits for another live "
+                                       "island's, which bounds it (none merged yet)", self.opened_at + wait)
         if self.quorum_at is None and len(self.entries) >= quorum:
             self.quorum_at = now  # reached by islands leaving, not by a contribution
         merge = self.config.merge

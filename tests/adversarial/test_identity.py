@@ -74,6 +74,8 @@ def test_island_ones_credential_cannot_act_as_island_zero(guarded):
             assert rpc_err.value.code() == grpc.StatusCode.UNAUTHENTICATED, rpc_err.value.details()
         assert server.service.live_islands() == {0}  # island 0 did not leave, even with its session shown
         attacker.join(1, 1, SPECS)  # as itself it is served
+        # with its step time said, its round waits 4 x 10 ms for island 0's entry, not 10 s (rounds.py)
+        attacker.heartbeat(1, 1, 0.01)
         assert not _push(attacker, config, 1, seq=1).late
         version = wait_for_version(attacker.pull, 0, 1, timeout=10)[0]
         honest.join(0, 1, SPECS)

@@ -7,13 +7,16 @@ ahead, 2**40), counters (honest, 1e15 tokens in one step, 10**6 steps), directio
 the honest one, 2**62; step time 1e-9, honest, 1e9) and rejoins. Budget: 5 cases of each of 5
 mixes of honest and hostile islands, 300 ticks (about 75 rounds) each, about 10 s in all; once with
 rounds closing at their first send, once with the library's grace window (half the fragment's
-round: over 20 seeds, one hostile of four moved the model 1.23x the honest-only distance at the
-median, 1.74x at worst, against 1.62x / 2.49x closing at the first send; benchmarks/RESULTS.md).
+round: over 20 seeds, one hostile of four moved the model 1.15x the honest-only distance at the
+median, 1.64x at worst, against 1.62x / 2.49x closing at the first send; one of three 1.31x /
+2.10x and 1.67x / 2.26x, where it reached 9.13x before the budgets' reference counted each
+island's own total and a fragment's first round waited for a second island; benchmarks/RESULTS.md).
 
 Invariants, for every case:
 - the global model stays finite and bounded (before: 1,000-1e10 times the start distance);
 - with one hostile island of four it stays within ``RATIO_1_OF_4`` x the honest-only distance of
-  the same seed (the issue's aim is 1.5x; measured over 20 seeds: median 1.62x, worst 2.49x);
+  the same seed (the issue's aim is 1.5x; measured over 20 seeds: median 1.62x, worst 2.49x), with
+  one of three within ``RATIO_1_OF_3`` x (worst over 20 seeds 2.26x);
 - the run's clock is never more than one round (H) ahead of the furthest honest island's own
   steps (before: 2,336-4,660 steps of clock for about 350 inner steps);
 - honest islands' contributions keep being merged, to the end of the run;
@@ -33,6 +36,7 @@ from tests.helpers import contribution
 
 TICKS = 300
 RATIO_1_OF_4 = 2.5
+RATIO_1_OF_3 = 3.0
 BOUNDED = 5.0  # x the start distance: far from the target, but not diverging
 
 
@@ -45,8 +49,9 @@ def test_no_hostile_mix_breaks_the_runs_invariants(honest, hostile, seed, grace_
     start, first_half = report.start_distance, dict(report.merged)
     report = arena.run(TICKS - TICKS // 2)
     assert math.isfinite(report.distance) and report.distance < BOUNDED * start, report
-    if (honest, hostile) == (3, 1):
-        assert report.distance <= RATIO_1_OF_4 * honest_distance(honest, seed, TICKS, grace_gamma=grace_gamma), report
+    bound = {(3, 1): RATIO_1_OF_4, (2, 1): RATIO_1_OF_3}.get((honest, hostile))
+    if bound is not None:
+        assert report.distance <= bound * honest_distance(honest, seed, TICKS, grace_gamma=grace_gamma), report
     assert report.clock_lead <= H, report
     assert all(report.merged[i] > first_half[i] for i in first_half), (first_half, report.merged)
     assert report.largest_round <= honest + hostile and report.largest_requests <= 1, report

@@ -88,3 +88,19 @@ def test_agreement_with_a_gradient_of_subnormal_values_is_measured_not_raised():
     honest = [torch.full((1000,), 0.01), torch.full((1000,), 0.02)]
     weights = agreeing([1.0, 2.0, 3.0], [*honest, torch.full((1000,), 1e-45)])
     assert weights[:2] == [1.0, 2.0] and all(math.isfinite(w) and w >= 0 for w in weights)
+
+
+def test_an_island_that_moved_the_model_least_cannot_hold_its_peers_budgets_at_nothing():
+    """One hostile island of three whose entries the bounds had taken away (nothing spent) was the
+    lower median of each honest island's two peers: their budgets stayed at nothing for 9 rounds
+    while the outer momentum carried the model off (the trust arena, seed 11). The reference is the
+    median of every island taking part, its own total included."""
+    guard = _guard()
+    for _ in range(6):
+        guard.record_round({0: 1.0, 1: 1.0, 2: 0.0})
+    honest, other_honest, hostile = guard.budgets([0, 1, 2], step_reference=0.5)
+    assert honest == other_honest == pytest.approx(1.5 * 6.0 + 0.5 - 6.0)  # half its total again, and a step
+    assert hostile == pytest.approx(1.5 * 6.0 + 0.5)  # never past 1.5x an honest island's
+    guard.record_round({0: 1.0, 1: 1.0, 2: 100.0})  # nor does a hostile total raise the others' reference
+    assert guard.budgets([2], step_reference=0.5) == [0.0]
+    assert guard.budgets([0], step_reference=0.5) == [pytest.approx(1.5 * 7.0 + 0.5 - 7.0)]

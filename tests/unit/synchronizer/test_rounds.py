@@ -10,17 +10,22 @@ from lightning_diloco.core.fragments import split_fragment
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.outer import OuterOptimizer
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
+from lightning_diloco.synchronizer.rounds import PEER_WAIT_S
 from lightning_diloco.synchronizer.service import Synchronizer
-from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, with_peer_votes
 
 
-def _started(config, islands, clock=None, **kwargs):
+def _started(config, islands, clock=None, *, peer_votes=False, **kwargs):
+    """``peer_votes``: a run past its first rounds (tests.helpers.with_peer_votes); without them
+    an island's entry alone in a round waits for another island's."""
     clock = clock or FakeClock()
     sync = Synchronizer(config, clock=clock, **kwargs)
     for i in range(islands):
         sync.join(i, 1, SPECS)
     for p, value in initial_fragments(config).items():
         sync.seed(0, p, get_codec("fp32").encode(value))
+    if peer_votes:
+        with_peer_votes(sync, range(islands))
     return sync, clock
 
 
@@ -44,7 +49,7 @@ def _numel(config, p=0):
 
 def test_a_round_closes_once_and_a_contribution_after_it_goes_into_the_next_round():
     config = run_config(min_quorum=1, gamma=0.0)
-    sync, clock = _started(config, 2)
+    sync, clock = _started(config, 2, peer_votes=True)
     _place(sync, clock, 5 * 4, [0, 1])
     first = sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=5, seq=1))
     assert (first.round, first.late) == (5, False) and sync.rounds[0].opened_at is not None  # it opened round 5
@@ -77,7 +82,7 @@ def test_one_outer_step_per_round_whatever_the_quorum_and_arrival_order():
 
 def test_the_grace_window_admits_an_island_inside_it():
     config = run_config(min_quorum=1, gamma=0.5, overlap=2)
-    sync, clock = _started(config, 2)
+    sync, clock = _started(config, 2, peer_votes=True)
     for i in (0, 1):
         sync.heartbeat(i, 10, 1.0)  # grace = 0.5 * (2 * 1.0 - 0 - sync) ~ 1 s
     sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=3))
@@ -95,7 +100,7 @@ def test_the_grace_window_closes_the_round_without_a_slow_island(grace_slack, wi
     """gamma 0.5 of tau = 2 step times (the paper's slack), or of H = 4 (the default: the
     fragment's round); step time 1 s."""
     config = run_config(min_quorum=1, gamma=0.5, overlap=2, grace_slack=grace_slack)
-    sync, clock = _started(config, 2)
+    sync, clock = _started(config, 2, peer_votes=True)
     due = 3 * 4 + sync.offsets[0]
     _place(sync, clock, due, (0, 1))  # round 3 of fragment 0 is due on the run's clock (H = 4)
     for i in (0, 1):
@@ -150,9 +155,49 @@ def test_an_island_whose_heartbeats_stopped_is_not_waited_for():
     assert "every live island" in closed.reason and sync.status().live_islands == [0]
 
 
+def test_an_entry_alone_in_a_fragments_first_round_waits_for_another_live_islands_entry():
+    """Before any other island's contribution is merged nothing bounds a lone entry but z x the
+    fragment's own norm: a hostile island that sent first moved the model from 10 to 26 from its
+    target before any honest send (the trust arena, seed 11). Its round now waits for a second
+    island's entry, which bounds it; an island alone in the run is not kept waiting."""
+    config = run_config(min_quorum=1, gamma=0.0, num_fragments=1)
+    sync, clock = _started(config, 2)
+    numel, start = _numel(config), sync.pull(0)[1]
+    honest = torch.full((numel,), 0.01)
+    sync.push(contribution(config, 1, 0, -1000.0 * honest, round=0))
+    assert sync.poll() == [] and sync.versions()[0] == 0
+    sync.push(contribution(config, 0, 0, honest, round=0))
+    [closed] = sync.poll()
+    assert closed.islands == (0, 1)
+    moved = float((sync.pull(0)[1] - start).norm())
+    assert moved <= 0.7 * 1.9 * 1.4 * float(honest.norm())  # lr x Nesterov's first step x the peer bound
+    # once a peer's contribution is on record, an entry alone in its round closes as before
+    sync.push(contribution(config, 1, 0, honest, round=1, base_version=1, seq=1))
+    assert [c.islands for c in sync.poll()] == [(1,)]
+    alone, _ = _started(config, 1)  # nobody else in the run: nothing to wait for
+    alone.push(contribution(config, 0, 0, honest, round=0))
+    assert [c.islands for c in alone.poll()] == [(0,)]
+
+
+@pytest.mark.parametrize("step_time", [0.5, 0.0])
+def test_a_live_island_that_never_sends_holds_a_first_round_no_longer_than_a_round(step_time):
+    """The wait for a peer is bounded: H step times, or PEER_WAIT_S before any step time is known."""
+    config = run_config(min_quorum=1, gamma=0.0, num_fragments=1)
+    sync, clock = _started(config, 2)
+    for island in (0, 1):
+        sync.heartbeat(island, 1, step_time)
+    sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=0))
+    wait = 4 * step_time if step_time else PEER_WAIT_S
+    clock.advance(0.9 * wait)
+    sync.heartbeat(1, 2, step_time)  # live, and silent
+    assert sync.poll() == []
+    clock.advance(0.2 * wait)
+    assert [c.islands for c in sync.poll()] == [(0,)]
+
+
 def test_a_late_contribution_is_measured_against_its_own_base_and_discounted_by_age():
     config = run_config(min_quorum=1, gamma=0.0, num_fragments=1, staleness_discount=1.0)
-    sync, clock = _started(config, 2)
+    sync, clock = _started(config, 2, peer_votes=True)
     numel = _numel(config)
     g = torch.Generator().manual_seed(7)
     d0, d1, d_late = (torch.randn(numel, generator=g) * 0.01 for _ in range(3))
@@ -199,7 +244,7 @@ def test_a_newer_send_for_the_same_round_supersedes_the_older_one():
 
 def test_a_non_contributor_receives_every_new_version_as_a_delta_against_what_it_holds():
     config = run_config(min_quorum=1, gamma=0.0, downlink="fp32")
-    sync, _ = _started(config, 2)
+    sync, _ = _started(config, 2, peer_votes=True)
     assert _available(sync, 1, {0: 0, 1: 0}) == []  # nothing new yet
     sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=0))
     sync.poll()
@@ -315,7 +360,7 @@ def test_a_failure_in_a_closed_rounds_bookkeeping_skips_none_of_the_rest_and_the
     """A failure after the step skipped everything after it (counters, credit, the withdrawal of
     the other islands' requests, the checkpoint due), or left them to a closer's look again."""
     config = run_config(min_quorum=1, gamma=0.0)
-    sync, clock = _started(config, 3)
+    sync, clock = _started(config, 3, peer_votes=True)
     _place(sync, clock, 4, [0, 1])
     _place(sync, clock, 6, [2])  # with island 0's push, two of three reach round 1 (due at 6): the run's clock
     sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=1, seq=1))  # island 1 is asked
@@ -399,7 +444,7 @@ def test_a_failure_while_closing_never_lets_the_retry_of_a_merged_push_merge_aga
     new work, merged a second time in the next round (its islands (0, 1), not (1,)). A close that
     fails before its step is tried again; either way the contribution is merged once."""
     config = run_config(min_quorum=1, gamma=0.0)
-    sync, _ = _started(config, 2)
+    sync, _ = _started(config, 2, peer_votes=True)
     push = contribution(config, 0, 0, torch.full((_numel(config),), 0.01), seq=1)
     sync.push(push)
     _fails_once(sync.rounds[0] if failing == "_settle" else sync.rounds[0].guard, failing)
@@ -422,7 +467,7 @@ def test_a_push_retried_with_the_session_of_a_rejoin_is_a_retry_not_new_work(clo
     waiting one replaced it (counted as superseded). New work of the new session is still taken,
     whatever its sequence number (sequence numbers order one session's pushes)."""
     config = run_config(min_quorum=1, gamma=0.0)
-    sync, _ = _started(config, 2)
+    sync, _ = _started(config, 2, peer_votes=True)
     first = sync.join(0, 1, SPECS).session
     delta = torch.full((_numel(config),), 0.01)
     push = dataclasses.replace(contribution(config, 0, 0, delta, seq=7), session=first)

@@ -16,7 +16,7 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.synchronizer.status_page import render, serve_status_page
-from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, with_peer_votes
 
 
 class Tables(HTMLParser):
@@ -54,6 +54,7 @@ def _synchronizer_with_history():
         sync.join(i, 1, SPECS)
     for p, value in initial_fragments(config).items():
         sync.seed(0, p, get_codec("fp32").encode(value))
+    with_peer_votes(sync, range(2))  # island 0 alone in its rounds: a run past its first ones
     numel = layout(config).fragment_numel(0)
     for r in range(2):
         sync.push(contribution(config, 0, 0, torch.full((numel,), 0.01), round=r, base_version=r, seq=r))
