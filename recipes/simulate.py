@@ -6,6 +6,7 @@ a run exactly; timing is a parameter, not noise.
     python -m recipes.simulate --preset cpu-tiny --seed 0                       # the main job's defaults
     python -m recipes.simulate --preset cpu-tiny --min-quorum 4 --overlap-steps 0   # synchronous DiLoCo
     python -m recipes.simulate --preset cpu-tiny --starts 0,3,6,9 --speeds 1,1,1,1.5
+    python -m recipes.simulate --preset cpu-tiny --setup 0                      # every island steps at once after its join
     python -m recipes.simulate --preset cpu-tiny --fail 1@20+5                  # island 1 dies at 20 s, back 5 s later
     python -m recipes.simulate --preset cpu-tiny --ddp                          # DDP over the same shards, same steps
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 import warnings
@@ -31,6 +33,7 @@ from lightning_diloco.core.settings import config_with, given_settings  # noqa: 
 from recipes.common import Recipe, build_parser, evaluate, evenly_spaced, resolve  # noqa: E402
 
 RECIPES = {"text_lm": "recipes.text_lm", "vision": "recipes.vision"}
+SETUP_SPREAD = 0.7  # seconds between the real main job's islands' first steps, at most (real_setups)
 
 
 def per_island(text: str | None, islands: int, name: str) -> list[float]:
@@ -43,6 +46,14 @@ def per_island(text: str | None, islands: int, name: str) -> list[float]:
     if len(values) != islands:
         raise SystemExit(f"--{name}={text}: give one value, or one per island ({islands})")
     return values
+
+
+def real_setups(islands: int, seed: int) -> list[float]:
+    """Each island's seconds from its join to its first step, spread as the real main job's: its
+    four islands joined within 0.7 s of each other and took their first steps within one 0.7 s
+    poll of the launcher (runs/main of a fresh clone, 2026-11-27). Which island sets up first
+    differs from run to run, so the draws follow the run's seed (the jitter's follow the island)."""
+    return [random.Random(f"setup-{seed}-{i}").uniform(0.0, SETUP_SPREAD) for i in range(islands)]
 
 
 def failures(text: str | None, islands: int) -> dict[int, list[tuple[float, float]]]:
@@ -129,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--step-time", default="0.09", help="seconds per inner step (the main job's, 800 in about 75 s) (default %(default)s)")
     g.add_argument("--speeds", help="step-time factors, e.g. 1,1,1,1.5")
     g.add_argument("--starts", help="seconds after the start at which each island joins")
+    g.add_argument("--setup", help="seconds from each island's join to its first step (default: drawn per island and seed "
+                                   f"from 0-{SETUP_SPREAD} s, as the real main job's first steps spread; 0: all at once)")
     g.add_argument("--uplink-latency", help="seconds a push takes to arrive")
     g.add_argument("--downlink-latency", help="seconds an ack, request or version takes to arrive")
     g.add_argument("--jitter", help="relative spread of each step's time (seeded draws), e.g. 0.2")
@@ -154,11 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.speeds and 0 <= args.slow_island < M:  # the recipe's own straggler flags mean the same here
             speeds[args.slow_island] = args.slowdown
         starts = per_island(args.starts, M, "starts") if args.starts else [i * args.stagger for i in range(M)]
+        setups = per_island(args.setup, M, "setup") if args.setup else real_setups(M, args.seed)
         up = per_island(args.uplink_latency, M, "uplink-latency")
         jitter = per_island(args.jitter, M, "jitter")
         down, fails = per_island(args.downlink_latency, M, "downlink-latency"), failures(args.fail, M)
-        plans = [IslandPlan(step_time=step_time[i] * speeds[i], start=starts[i], uplink_latency=up[i], downlink_latency=down[i],
-                            failures=tuple(fails.get(i, ())), jitter=jitter[i]) for i in range(M)]
+        plans = [IslandPlan(step_time=step_time[i] * speeds[i], start=starts[i], setup=setups[i], uplink_latency=up[i],
+                            downlink_latency=down[i], failures=tuple(fails.get(i, ())), jitter=jitter[i]) for i in range(M)]
         sim = Simulation(config_with(given_settings(args)), lambda i: RecipeLoop(recipe, args, train_set, [i]), plans,
                          args.steps, sync_time=args.sync_time)
         result = sim.run()
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                   "late_share": round(result.late_share, 3), "superseded": result.superseded,
                   "clipped_share": round(result.clipped / max(1, result.contributions), 3),
                   "skipped": result.skipped, "restarts": result.restarts,
-                  "virtual_s": round(result.virtual_s, 2)}
+                  "virtual_s": round(result.virtual_s, 2), "setups": [round(t, 3) for t in setups]}
     final = evaluate(model, val, torch.device("cpu"))
     print(json.dumps({"recipe": recipe.name, "preset": args.preset, "seed": args.seed, "ddp": args.ddp,
                       "settings": {k: v for k, v in given_settings(args).items()}, "final": final, **health,

@@ -8,11 +8,11 @@ step time, start, failures and link delays are parameters, and events at one tim
 order they were scheduled. One seed (the model's, the data's) and one plan reproduce a run
 bit for bit.
 
-Not simulated: compute contention between islands (each step takes its planned time), the
-wall-clock cost of a close (``sync_time``, a parameter), and a restarted process's start-up (part
-of a failure's downtime). A restarted island starts a fresh inner loop (``make_loop``: new
-optimizer, data from the start), as an island without a checkpoint does, and trains the steps it
-had left.
+Not simulated: compute contention between islands (each step takes its planned time) and the
+wall-clock cost of a close (``sync_time``, a parameter). A process's start-up is two parameters:
+before its join (``start``; for a restart, part of its downtime) and after it (``setup``). A
+restarted island starts a fresh inner loop (``make_loop``: new optimizer, data from the start),
+as an island without a checkpoint does, and trains the steps it had left.
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ class IslandPlan:
     """Seconds per inner step."""
     start: float = 0.0
     """Seconds after the run's start at which it joins."""
+    setup: float = 0.0
+    """Seconds from each join to its first step: a real island joins in its strategy's set-up,
+    then pulls the global model and starts its training loop and data. It is placed on the run's
+    clock at the join, so islands that join together but set up in different times step apart,
+    and the first to step stays ahead (nothing moves an island back: the clock follows the lower
+    median and only the islands behind it realign)."""
     uplink_latency: float = 0.0
     downlink_latency: float = 0.0
     bandwidth: float = math.inf
@@ -63,8 +69,8 @@ class IslandPlan:
             raise ValueError(f"step_time={self.step_time}: seconds per inner step must be a positive number")
         if not 0 <= self.jitter < 10:
             raise ValueError(f"jitter={self.jitter}: the step time's relative spread must be in [0, 10)")
-        if min(self.start, self.uplink_latency, self.downlink_latency) < 0 or not self.bandwidth > 0:
-            raise ValueError(f"start={self.start}, latencies ({self.uplink_latency}, {self.downlink_latency}) must be >= 0 "
+        if min(self.start, self.setup, self.uplink_latency, self.downlink_latency) < 0 or not self.bandwidth > 0:
+            raise ValueError(f"start={self.start}, setup={self.setup}, latencies ({self.uplink_latency}, {self.downlink_latency}) must be >= 0 "
                              f"and bandwidth={self.bandwidth} > 0")
         for at, down in self.failures:
             if at < 0 or down < 0:
@@ -222,13 +228,14 @@ class Simulation:
         self.islands[island] = sim_island
         if island == 0 and self.first_model is None:
             self.first_model = loop.model
-        self._schedule_step(island)
+        self._schedule_step(island, after=self.plans[island].setup)
         self._schedule_beat(island)
 
-    def _schedule_step(self, island: int) -> None:
+    def _schedule_step(self, island: int, after: float = 0.0) -> None:
+        """The island's next step ends a step time after ``after`` seconds from now."""
         incarnation, plan = self.incarnation[island], self.plans[island]
         factor = max(0.1, 1.0 + plan.jitter * self.step_draws[island].gauss(0.0, 1.0)) if plan.jitter else 1.0
-        self.queue.at(self.queue.now + plan.step_time * factor, lambda: self._step(island, incarnation))
+        self.queue.at(self.queue.now + after + plan.step_time * factor, lambda: self._step(island, incarnation))
 
     def _schedule_beat(self, island: int) -> None:
         incarnation = self.incarnation[island]

@@ -104,10 +104,32 @@ def test_one_seed_reproduces_a_run_exactly():
     assert first.late > 0, "jitter and a restart put some contributions a round late"
 
 
+@pytest.mark.parametrize(("grace_slack", "late_when_apart"), [("overlap", True), ("round", False)])
+def test_an_island_that_sets_up_faster_runs_ahead_and_opens_the_rounds(grace_slack, late_when_apart):
+    """Two islands join together; one takes its first step 1.5 s (15 steps) after the other. Both
+    start at the run's clock, so the first stays 15 steps ahead and opens every round. With the
+    paper's window (0.1 s) the other's sends miss them; over the fragment's round (0.8 s from the
+    send, 1.6 s from the due step: the lead rule) they make them. Islands set up alike: none late."""
+    config = config_with({"sync_every": 16, "num_fragments": 2, "grace_slack": grace_slack})
+
+    def run(setup: float):
+        plans = [IslandPlan(step_time=0.1), IslandPlan(step_time=0.1, setup=setup)]
+        return Simulation(config, lambda i: Regression(i), plans, steps=96).run()
+
+    together, apart = run(0.0), run(1.5)
+    assert together.late == 0
+    assert apart.virtual_s >= together.virtual_s + 1.5 - 1e-6, "the later island's steps start after its set-up"
+    if late_when_apart:
+        assert apart.late_share > 0.3, "the rounds closed before the second island's sends"
+    else:
+        assert apart.late == 0 and apart.per_outer_step > 1.5, "each round waited for the second island's send"
+
+
 @pytest.mark.parametrize(("plan", "message"), [
     (dict(step_time=0.0), "step_time=0.0"),
     (dict(failures=((-1.0, 2.0),)), "failure (-1.0, 2.0)"),
     (dict(jitter=-0.1), "jitter=-0.1"),
+    (dict(setup=-1.0), "setup=-1.0"),
 ])
 def test_bad_plans_are_refused_naming_the_value(plan, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -117,3 +139,14 @@ def test_bad_plans_are_refused_naming_the_value(plan, message):
 def test_a_quorum_above_the_islands_is_refused():
     with pytest.raises(ValueError, match="min_quorum=3 exceeds the 2 islands"):
         Simulation(config_with({"min_quorum": 3}), lambda i: Regression(i), [IslandPlan(), IslandPlan()], steps=8)
+
+
+def test_the_recipes_default_setups_spread_as_real_islands_and_follow_the_seed():
+    """recipes.simulate's islands set up in different times by default (the real main job's first
+    steps spread over up to 0.7 s), drawn per run seed: one seed repeats its start order."""
+    from recipes.simulate import SETUP_SPREAD, real_setups
+
+    first, other = real_setups(4, seed=0), real_setups(4, seed=1)
+    assert first == real_setups(4, seed=0) and first != other
+    assert all(0.0 <= t < SETUP_SPREAD for t in first + other)
+    assert max(first) - min(first) > 0.1, "islands that join together step apart"
