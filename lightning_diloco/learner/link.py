@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # the learner never imports gRPC itself
     import torch
 
-    from lightning_diloco.core.protocol import Beat, PushAck, RoundRequest, VersionUpdate
+    from lightning_diloco.core.protocol import Beat, Contribution, PushAck, RoundRequest, VersionUpdate
 
 
 @runtime_checkable
@@ -29,9 +29,10 @@ class SynchronizerLink(Protocol):
     def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
         """(version, fp32 value) of a fragment now."""
 
-    def push(self, *, island: int, fragment: int, round: int, base_version: int, tokens: float, steps: int,
-             codec: str, seq: int, payload: torch.Tensor, layout_hash: str) -> PushAck:
-        """Put a contribution into its round; refusals raise ``SynchronizerError`` with a Reason."""
+    def push(self, contribution: Contribution) -> PushAck:
+        """Put a contribution into its round, with this link's session with the fragment's
+        synchronizer (whatever ``contribution.session`` says); refusals raise
+        ``SynchronizerError`` with a Reason."""
 
     def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
                   on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],

@@ -28,17 +28,26 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
 
 from lightning_diloco.core.codecs import EXACT, get_codec
 from lightning_diloco.core.fragments import TensorSpec
-from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.protocol import (
+    Beat,
+    Contribution,
+    JoinInfo,
+    PushAck,
+    RoundRequest,
+    SynchronizerStatus,
+    VersionUpdate,
+)
 from lightning_diloco.core.readers import Readers
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import REJOIN, Reason, SynchronizerError
-from lightning_diloco.synchronizer.requests import Contribution, Refusal
+from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 
 log = logging.getLogger(__name__)
@@ -126,13 +135,11 @@ class LocalLink:
         """(version, fp32 value) of a fragment: a copy, the island's to change."""
         return self._call(f"pull of fragment {fragment}", lambda: self.service.pull(fragment))
 
-    def push(self, *, island: int, fragment: int, round: int, base_version: int, tokens: float, steps: int,
-             codec: str, seq: int, payload: torch.Tensor, layout_hash: str) -> PushAck:
-        """Put a contribution into its round (answered at once); a retry with the same ``seq`` is
-        never merged twice."""
-        return self._call(f"push of fragment {fragment}", lambda: self.service.push(Contribution(
-            island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens, steps=steps,
-            codec=codec, seq=seq, payload=payload, layout_hash=layout_hash, session=self.session)))
+    def push(self, contribution: Contribution) -> PushAck:
+        """Put a contribution into its round, with this link's session (answered at once); a retry
+        with the same ``seq`` is never merged twice."""
+        return self._call(f"push of fragment {contribution.fragment}",
+                          lambda: self.service.push(replace(contribution, session=self.session)))
 
     def leave(self, island: int) -> None:
         """Tell the synchronizer this island leaves the run, as the client's ``leave``: from here

@@ -32,7 +32,7 @@ import torch
 from lightning_diloco.core.codecs import EXACT, Payload
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
-from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.protocol import Beat, Contribution, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
@@ -51,7 +51,7 @@ from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume,
 from lightning_diloco.synchronizer.intake import Intake
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
 from lightning_diloco.synchronizer.push_admission import PushAdmission
-from lightning_diloco.synchronizer.requests import Contribution, Refusal, RefusalLog, layout_difference
+from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
 log = logging.getLogger(__name__)

@@ -30,12 +30,13 @@ from typing import TypeVar
 import grpc
 import torch
 
-from lightning_diloco.core.codecs import EXACT, get_codec
+from lightning_diloco.core.codecs import EXACT, get_codec, payload_size
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec
 from lightning_diloco.core.global_model import ShardModel
 from lightning_diloco.core.protocol import (
     RUNNING_PATIENCE,
     Beat,
+    Contribution,
     JoinInfo,
     PushAck,
     RoundRequest,
@@ -47,7 +48,7 @@ from lightning_diloco.reasons import REJOIN, Reason, SynchronizerError
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES
-from lightning_diloco.transport.messages import from_message
+from lightning_diloco.transport.messages import from_message, to_header
 from lightning_diloco.transport.sessions import RETRYABLE, ShardSessions
 from lightning_diloco.transport.subscription import Subscription
 from lightning_diloco.transport.tls_hint import tls_mismatch_hint
@@ -281,32 +282,19 @@ class SynchronizerClient:
 
         return self._call(f"seed of fragment {fragment}", call, self.shard_of(fragment))
 
-    def push(
-        self,
-        *,
-        island: int,
-        fragment: int,
-        round: int,
-        base_version: int,
-        tokens: float,
-        steps: int,
-        codec: str,
-        seq: int,
-        payload: torch.Tensor,
-        layout_hash: str,
-    ) -> PushAck:
-        """Send one contribution, sent for ``round``; answered once it is in a round.
+    def push(self, contribution: Contribution) -> PushAck:
+        """Send one contribution, sent for its round, with this island's session with the
+        fragment's shard; answered once it is in a round.
 
         Safe to call again with the same ``seq``: the synchronizer never merges it twice.
         """
+        fragment = contribution.fragment
+
         def call():
-            header = pb.PushHeader(
-                island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens, steps=steps,
-                codec=codec, seq=seq, layout_hash=layout_hash, payload_bytes=payload.numel(),
-                session=self.shard_sessions.sessions[self.shard_of(fragment)],
-            )
+            header = to_header(contribution, pb.PushHeader(), payload_bytes=payload_size(contribution.payload))
+            header.session = self.shard_sessions.sessions[self.shard_of(fragment)]  # at each attempt: a rejoin brings a new one
             ack = self._stub(fragment).Push(
-                self._counted(chunk_messages(header, payload)), timeout=self.timeout, metadata=self.metadata
+                self._counted(chunk_messages(header, contribution.payload)), timeout=self.timeout, metadata=self.metadata
             )
             self._count(received=ack.ByteSize())
             return from_message(ack, PushAck)

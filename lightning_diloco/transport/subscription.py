@@ -25,7 +25,7 @@ from lightning_diloco.core.state import shard_of
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import REJOIN, Reason
 from lightning_diloco.transport import synchronizer_pb2 as pb
-from lightning_diloco.transport.messages import from_message, version_update
+from lightning_diloco.transport.messages import from_header, from_message
 from lightning_diloco.transport.sessions import ShardSessions
 from lightning_diloco.transport.wire import NO_CHUNK
 
@@ -155,7 +155,7 @@ class Subscription:
             buffer[filled:end] = chunk.data
             filled = end
             if filled == len(buffer):
-                if not self.readers.hand(self.on_version, version_update(header, buffer)):
+                if not self.readers.hand(self.on_version, from_header(header, VersionUpdate, buffer)):
                     break
                 header, buffer = None, None
         return any_event

@@ -23,10 +23,10 @@ class ServiceLink(LocalLink):
             raise SynchronizerError(None, Reason.UNREACHABLE, f"{what}: synchronizer is down (test)")
         return super()._call(what, call)
 
-    def push(self, **fields):
+    def push(self, contribution):
         if self.gate is not None:
             self.gate.wait(10)
-        return super().push(**fields)
+        return super().push(contribution)
 
     def close(self):
         if self.gate is not None:

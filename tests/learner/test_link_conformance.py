@@ -14,7 +14,7 @@ import torch
 
 from lightning_diloco.core import readers
 from lightning_diloco.core.codecs import get_codec, payload_size
-from lightning_diloco.core.protocol import RUNNING_WINDOW, Beat, PushAck
+from lightning_diloco.core.protocol import RUNNING_WINDOW, Beat, Contribution, PushAck
 from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.reasons import Reason, SynchronizerError
 from lightning_diloco.synchronizer.local_link import LocalLink
@@ -55,8 +55,8 @@ def link(request):
 
 
 def _push(link, delta, *, seq, layout_hash=None):
-    return link.push(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=seq,
-                     payload=get_codec("fp32").encode(delta), layout_hash=layout_hash or layout(CONFIG).hash)
+    return link.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=seq,
+                     payload=get_codec("fp32").encode(delta), layout_hash=layout_hash or layout(CONFIG).hash))
 
 
 def test_every_link_answers_an_exchange_alike(link):
@@ -113,8 +113,8 @@ def test_every_link_refuses_a_bad_payload_with_the_servers_reason(link, payload,
     _joined_and_seeded(link)
     payload = payload(layout(CONFIG).fragment_numel(0))
     with pytest.raises(SynchronizerError) as refused:
-        link.push(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
-                  payload=payload, layout_hash=layout(CONFIG).hash)
+        link.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
+                  payload=payload, layout_hash=layout(CONFIG).hash))
     assert refused.value.reason == reason
     assert service.refused[reason.value] == 1 and service.versions()[0] == 0  # counted, nothing merged
 
