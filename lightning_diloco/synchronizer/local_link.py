@@ -214,9 +214,7 @@ class LocalSubscription:
     def stop(self) -> None:
         """Tell the reader to end (without waiting for it)."""
         self._stop.set()
-        membership = self.link.service.membership
-        with membership.lock:  # wake the reader where it waits for news
-            membership.changed.notify_all()
+        self.link.service.wake_subscriptions()  # where the reader waits for news
 
     def _active(self) -> bool:
         return not self._stop.is_set()

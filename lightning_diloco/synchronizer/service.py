@@ -155,8 +155,7 @@ class Synchronizer:
         for rounds in self.rounds.values():
             with rounds.cond:
                 rounds.cond.notify_all()
-        with self.membership.lock:
-            self.membership.changed.notify_all()
+        self.membership.wake()
         self.checkpointer.stop()
         self.closers.stop()
         if not keep_checkpoint_dir:
@@ -467,6 +466,11 @@ class Synchronizer:
         delivered = {p: int(versions.get(p, -1)) for p in self.rounds}
         return island_events(island, self.membership.subscribed(island), delivered, self.membership, self.rounds,
                              self._count_bytes_out, lambda: active() and not self.closing.is_set(), tick, self.clock)
+
+    def wake_subscriptions(self) -> None:
+        """Wake every subscription where it waits for news, so that one whose ``active()`` turned
+        False ends now rather than at its next tick (an in-process reader told to stop)."""
+        self.membership.wake()
 
     def _count_bytes_out(self, n: int) -> None:
         with self.lock:
