@@ -1,6 +1,7 @@
 """What an island needs from its synchronizer, as a protocol.
 
-:class:`~lightning_diloco.transport.client.SynchronizerClient` implements it over gRPC (a remote
+One implementation, :class:`~lightning_diloco.transport.island_link.IslandLink`, over two
+transports: :class:`~lightning_diloco.transport.client.SynchronizerClient` over gRPC (a remote
 synchronizer), :class:`~lightning_diloco.synchronizer.local_link.LocalLink` by direct calls (an
 embedded one; the island tests drive it with fault switches). One conformance test
 (tests/learner/test_link_conformance.py) runs the same exchange against each, so an island cannot

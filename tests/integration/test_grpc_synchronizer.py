@@ -464,7 +464,7 @@ def test_an_island_started_before_its_synchronizer_waits_and_joins(caplog):
         assert refused.value.reason == "unreachable"
         thread.start()
         began = time.monotonic()
-        with caplog.at_level("WARNING", logger="lightning_diloco.transport.client"):
+        with caplog.at_level("WARNING", logger="lightning_diloco.transport.island_link"):
             info = client.join(0, 1, SPECS, patience=30.0)
         assert info.config == config
         assert f"no synchronizer reachable at 127.0.0.1:{port} yet" in caplog.text  # says why it waits
@@ -586,7 +586,7 @@ def test_a_close_ends_a_call_backing_off_from_an_absent_synchronizer_at_once():
         except SynchronizerError as err:
             outcome["error"] = err
 
-    handler, logger = Waiting(), logging.getLogger("lightning_diloco.transport.client")
+    handler, logger = Waiting(), logging.getLogger("lightning_diloco.transport.island_link")
     logger.addHandler(handler)
     thread = threading.Thread(target=join, name="diloco-test-backing-off")
     try:
