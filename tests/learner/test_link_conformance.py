@@ -119,6 +119,19 @@ def test_every_link_refuses_a_bad_payload_with_the_servers_reason(link, payload,
     assert service.refused[reason.value] == 1 and service.versions()[0] == 0  # counted, nothing merged
 
 
+def test_every_link_refuses_an_islands_calls_before_it_joined(link):
+    """The in-process link trusted a link that never joined: its pull of a run seeded by another
+    island was answered, where the client's is refused. One link stack: refused alike."""
+    link, service = link
+    service.join(1, 1, SPECS)
+    for p, value in initial_fragments(CONFIG).items():
+        service.seed(1, p, get_codec("fp32").encode(value))
+    for call in (lambda: link.pull(0), lambda: link.heartbeat(0, 1, 0.1, 1), lambda: _push(link, torch.zeros(1), seq=1)):
+        with pytest.raises(SynchronizerError) as refused:
+            call()
+        assert refused.value.reason == Reason.NOT_JOINED and "call join first" in str(refused.value)
+
+
 def test_every_link_joins_again_when_its_island_joined_elsewhere(link):
     """Another join as the same island ends this link's session: its next call joins again and
     goes through, and its subscription is reopened (said through on_reconnect), as the client's."""
