@@ -22,7 +22,6 @@ one copies what is kept (core/codecs.py), so neither side sees the other's later
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -36,7 +35,6 @@ from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport.island_link import IslandLink
 from lightning_diloco.transport.shard_transport import JoinRequest, Refused, ShardJoin
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REOPEN_DELAY = 0.1  # seconds: the link's backoff, between a subscription's end and its reopening (never a busy loop)
@@ -69,8 +67,12 @@ class LocalShards:
         return refused_as_transport(lambda: self.service.push(contribution))
 
     def pull(self, shard: int, island: int, fragment: int, session: str) -> tuple[int, torch.Tensor]:
-        """A copy, the island's to change."""
-        return refused_as_transport(lambda: self.service.pull(fragment))
+        """A copy, the island's to change; for the island's session, as the server's Pull."""
+        def call() -> tuple[int, torch.Tensor]:
+            self.service.admit_pull(island, fragment, session)
+            return self.service.pull(fragment)
+
+        return refused_as_transport(call)
 
     def heartbeat(self, shard: int, island: int, steps: int, step_time: float, schedule_step: int, session: str) -> Beat:
         return refused_as_transport(lambda: self.service.heartbeat(island, steps, step_time, schedule_step, session=session))

@@ -158,9 +158,10 @@ class IslandLink:
         except ValueError:  # the link closed under the join (a closed channel)
             self._check_open(what)
             raise
-        except TimeoutError as err:
+        except TimeoutError as err:  # refused, as a join that could not be made in time
             self._check_open(what)  # or the close cancelled it
-            return Unanswered(None, "DEADLINE_EXCEEDED", str(err))
+            raise SynchronizerError(None, Reason.parse(str(err)), f"{what}: joining again refused "
+                                    f"(DEADLINE_EXCEEDED): {err}") from None
         except Unanswered as err:  # a synchronizer still starting: retried like the call
             self._check_open(what)
             return err
