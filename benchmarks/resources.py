@@ -48,6 +48,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.synchronizer.credentials import island_credential
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport.client import SynchronizerClient
@@ -148,8 +149,8 @@ def honest_calls(sync: Synchronizer, honest: SynchronizerClient, numel: int, seq
     """The honest island's heartbeat, Status, a push, and a new island's join, each given 5 s."""
     seq[0] += 1
     payload = get_codec("fp32").encode(torch.zeros(numel))
-    push = lambda: honest.push(island=0, fragment=0, round=0, base_version=0, tokens=1.0, steps=1, codec="fp32",  # noqa: E731
-                               seq=seq[0], payload=payload, layout_hash=sync.layout_hash)
+    push = lambda: honest.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=1.0, steps=1, codec="fp32",  # noqa: E731
+                               seq=seq[0], payload=payload, layout_hash=sync.layout_hash))
     # a new island's join on a connection of its own, as from another process (channels in one
     # process otherwise share their connections)
     newcomer = grpc.insecure_channel(sync.address, options=[("grpc.use_local_subchannel_pool", 1)])

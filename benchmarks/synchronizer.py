@@ -31,6 +31,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.synchronizer.main import keep_freed_memory
 from lightning_diloco.transport.client import SynchronizerClient
 
@@ -102,8 +103,8 @@ def run_case(learners: int, numel: int, rounds: int, codec_name: str) -> dict:
                 for r in range(rounds):
                     barrier.wait()
                     start = time.perf_counter()
-                    clients[i].push(island=i, fragment=0, round=r, base_version=r, tokens=1.0, steps=1, codec=codec_name,
-                                    seq=r, payload=payload, layout_hash=info.layout_hash)
+                    clients[i].push(Contribution(island=i, fragment=0, round=r, base_version=r, tokens=1.0, steps=1, codec=codec_name,
+                                    seq=r, payload=payload, layout_hash=info.layout_hash))
                     with arrived[i]:
                         if not arrived[i].wait_for(lambda: versions[i] > r, timeout=600):  # noqa: B023 - called within this iteration
                             raise TimeoutError(f"learner {i}: no version {r + 1} within 600 s")

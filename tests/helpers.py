@@ -13,7 +13,7 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import DENSE, EMBEDDING, TensorSpec, build_layout
-from lightning_diloco.synchronizer.requests import Contribution
+from lightning_diloco.core.protocol import Contribution
 
 SPECS = [
     TensorSpec(name="embed.weight", shape=(16, 4), dtype="float32", role=EMBEDDING),

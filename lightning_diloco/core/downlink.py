@@ -26,30 +26,19 @@ Memory per fragment beside the exact value: the current published value and the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from lightning_diloco.core.codecs import EXACT, Codec, get_codec
+from lightning_diloco.core.protocol import VersionUpdate
 
 WHOLE = -1
 """``base_version`` of a value sent whole (fp32)."""
 
 
-@dataclass(kw_only=True, frozen=True)
-class Downlink:
-    """One message to an island: ``version`` of the fragment as the change from ``base_version``
-    (the version the island holds, or the one just before in a chain), or whole when that is -1."""
-
-    version: int
-    base_version: int
-    codec: str
-    payload: torch.Tensor
-
-
-def whole(value: torch.Tensor, version: int) -> Downlink:
+def whole(fragment: int, value: torch.Tensor, version: int) -> VersionUpdate:
     """``value`` sent whole in fp32 (the payload shares its memory: never change it in place)."""
-    return Downlink(version=version, base_version=WHOLE, codec=EXACT, payload=get_codec(EXACT).encode(value))
+    return VersionUpdate(fragment=fragment, version=version, base_version=WHOLE, codec=EXACT,
+                         payload=get_codec(EXACT).encode(value))
 
 
 class PublishedChain:
@@ -83,17 +72,17 @@ class PublishedChain:
         for old in [v for v in self.steps if v <= self.first]:
             del self.steps[old]
 
-    def updates(self, have: int) -> list[Downlink]:
-        """What an island holding version ``have`` is sent to hold the current one: nothing when
-        it has it, the steps since in order, or the whole value (fp32)."""
+    def updates(self, fragment: int, have: int) -> list[VersionUpdate]:
+        """What an island holding version ``have`` of ``fragment`` (this chain's) is sent to hold
+        the current one: nothing when it has it, the steps since in order, or the whole value (fp32)."""
         if have == self.version:
             return []
         if not self.first <= have < self.version:  # too old, never issued, or from the future (a lost restart)
-            return [whole(self.value, self.version)]
-        chain = [Downlink(version=v, base_version=v - 1, codec=self.codec.name, payload=self.steps[v])
+            return [whole(fragment, self.value, self.version)]
+        chain = [VersionUpdate(fragment=fragment, version=v, base_version=v - 1, codec=self.codec.name, payload=self.steps[v])
                  for v in range(have + 1, self.version + 1)]
-        if sum(d.payload.numel() for d in chain) > 4 * self.value.numel():
-            return [whole(self.value, self.version)]  # cheaper whole
+        if sum(self.steps[v].numel() for v in range(have + 1, self.version + 1)) > 4 * self.value.numel():
+            return [whole(fragment, self.value, self.version)]  # cheaper whole
         return chain
 
     def state_dict(self) -> dict:

@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
+    from lightning_diloco.core.codecs import Payload
     from lightning_diloco.core.config import RunConfig
 
 
@@ -62,6 +61,32 @@ class Beat:
 
 
 @dataclass(kw_only=True, frozen=True)
+class Contribution:
+    """One push: an island's progress on a fragment since ``base_version``, encoded by ``codec``.
+
+    Built once by the island's leader (learner/leader.py) and passed along as it is: through the
+    link (either one), the wire (its fields but ``payload`` are the ``PushHeader``'s, converted by
+    name in transport/messages.py), the service, push admission and the intake, which makes the
+    round's entry of it (synchronizer/intake.py)."""
+
+    island: int
+    fragment: int
+    round: int
+    """The round it was sent for: schedule step // H at the send."""
+    base_version: int
+    tokens: float
+    steps: int
+    codec: str
+    seq: int
+    layout_hash: str
+    payload: Payload = b""
+    """Encoded by ``codec``; empty in a header read off the wire before its payload."""
+    session: str | None = None
+    """The session its island's join issued, added by the link; None from an in-process caller
+    that never joined through a link (trusted)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class PushAck:
     """What a push learns at once: where its contribution went."""
 
@@ -89,18 +114,25 @@ class RoundRequest:
 @dataclass(kw_only=True, frozen=True)
 class VersionUpdate:
     """A new global version of a fragment for one island: a delta against the version it last got
-    (``base_version``), or the full fp32 value when ``base_version`` is -1."""
+    (``base_version``), or the full fp32 value when ``base_version`` is -1. Made by the fragment's
+    state (what each version costs, encoded once for every island), completed per island by its
+    rounds, and passed as it is to the island's inbox (its fields but ``payload`` are the wire's
+    ``FragmentHeader``, converted by name)."""
 
     fragment: int
     version: int
     base_version: int
-    round: int
-    """The round that produced this version (-1: none known, e.g. the seed)."""
+    """The version the island holds (or the one just before, in a chain of steps); -1: sent whole."""
     codec: str
-    payload: torch.Tensor | bytes | bytearray
-    """Encoded by ``codec``: a uint8 tensor where it is made, the bytes off the wire."""
-    included: bool
-    """Whether a contribution of this island was merged since its ``base_version``."""
+    payload: Payload
+    """Encoded by ``codec``: a uint8 tensor where it is made (core/state.py, core/downlink.py),
+    the bytes off the wire."""
+    round: int = -1
+    """The round that produced this version (-1: none known, e.g. the seed); the synchronizer's
+    rounds fill it in for the island (synchronizer/rounds.py)."""
+    included: bool = False
+    """Whether a contribution of this island was merged since its ``base_version`` (filled in
+    per island, as ``round``)."""
 
 
 # ---- status ---------------------------------------------------------------------------------------

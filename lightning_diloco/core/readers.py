@@ -1,8 +1,7 @@
 """Reader threads that hand a subscription's events to an island's callbacks, and their close.
 
-Both links an island can hold read its events on threads of their own and call its callbacks
-there: the gRPC client's subscription (transport/subscription.py) and the in-process one
-(synchronizer/local_link.py). What a close of either promises, from whichever caller and however
+An island's link reads its events on threads of their own and calls its callbacks there
+(transport/subscription.py, over gRPC or in process). What a close promises, from whichever caller and however
 many at once:
 
 - once it has begun, a reader that gets an event hands it to nobody (one that was handing an

@@ -16,9 +16,10 @@ import torch
 from lightning_diloco.core import checkpoints
 from lightning_diloco.core.codecs import NonFiniteError, get_codec
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.downlink import Downlink, PublishedChain, whole
+from lightning_diloco.core.downlink import PublishedChain, whole
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment
 from lightning_diloco.core.outer import OuterOptimizer
+from lightning_diloco.core.protocol import VersionUpdate
 
 CHECKPOINT_FORMAT = 2
 
@@ -86,20 +87,22 @@ class FragmentState:
         self._deltas.clear()
         return self.version
 
-    def downlink(self, have: int) -> list[Downlink]:
-        """What an island holding version ``have`` is sent to hold the current version: nothing
-        when it has it, deltas (one, or a chain of steps for a lossy codec), or the whole value."""
+    def downlink(self, fragment: int, have: int) -> list[VersionUpdate]:
+        """What an island holding version ``have`` of this fragment (``fragment``) is sent to hold
+        the current version: nothing when it has it, deltas (one, or a chain of steps for a lossy
+        codec), or the whole value. Their ``round`` and ``included`` are the rounds' to fill in."""
         if self.published is not None:
-            return self.published.updates(have)
+            return self.published.updates(fragment, have)
         if have == self.version:
             return []
         base = self.history.get(have) if 0 <= have < self.version else None
         if base is None:
-            return [whole(self.value.clone(), self.version)]
+            return [whole(fragment, self.value.clone(), self.version)]
         delta = self._deltas.get(have)
         if delta is None:
             delta = self._deltas[have] = self.value - base
-        return [Downlink(version=self.version, base_version=have, codec=self.downlink_codec.name, payload=self.downlink_codec.encode(delta))]
+        return [VersionUpdate(fragment=fragment, version=self.version, base_version=have, codec=self.downlink_codec.name,
+                              payload=self.downlink_codec.encode(delta))]
 
     def published_value(self) -> torch.Tensor:
         """A copy of the current version as the islands hold it: what a pull gets."""

@@ -20,6 +20,7 @@ import torch
 from lightning_diloco.core.codecs import Codec
 from lightning_diloco.core.feedback import UplinkFeedback
 from lightning_diloco.core.outer import island_delta
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.learner.staging import HostCopy
@@ -79,11 +80,11 @@ class LeaderSync:
         return payload
 
     def _push(self, fragment, round, local, base, base_version, tokens, steps, seq):
-        payload = self.encode(fragment, local, base)
-        ack = self.link.push(
+        ack = self.link.push(Contribution(
             island=self.island, fragment=fragment, round=round, base_version=base_version, tokens=max(tokens, 1.0),
-            steps=max(steps, 1), codec=self.uplink.name, seq=seq, payload=payload, layout_hash=self.layout_hash,
-        )
+            steps=max(steps, 1), codec=self.uplink.name, seq=seq, layout_hash=self.layout_hash,
+            payload=self.encode(fragment, local, base),
+        ))
         with self.lock:
             self.reachable = True
             self.late += ack.late

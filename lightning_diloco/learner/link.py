@@ -1,6 +1,7 @@
 """What an island needs from its synchronizer, as a protocol.
 
-:class:`~lightning_diloco.transport.client.SynchronizerClient` implements it over gRPC (a remote
+One implementation, :class:`~lightning_diloco.transport.island_link.IslandLink`, over two
+transports: :class:`~lightning_diloco.transport.client.SynchronizerClient` over gRPC (a remote
 synchronizer), :class:`~lightning_diloco.synchronizer.local_link.LocalLink` by direct calls (an
 embedded one; the island tests drive it with fault switches). One conformance test
 (tests/learner/test_link_conformance.py) runs the same exchange against each, so an island cannot
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # the learner never imports gRPC itself
     import torch
 
-    from lightning_diloco.core.protocol import Beat, PushAck, RoundRequest, VersionUpdate
+    from lightning_diloco.core.protocol import Beat, Contribution, PushAck, RoundRequest, VersionUpdate
 
 
 @runtime_checkable
@@ -29,9 +30,10 @@ class SynchronizerLink(Protocol):
     def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
         """(version, fp32 value) of a fragment now."""
 
-    def push(self, *, island: int, fragment: int, round: int, base_version: int, tokens: float, steps: int,
-             codec: str, seq: int, payload: torch.Tensor, layout_hash: str) -> PushAck:
-        """Put a contribution into its round; refusals raise ``SynchronizerError`` with a Reason."""
+    def push(self, contribution: Contribution) -> PushAck:
+        """Put a contribution into its round, with this link's session with the fragment's
+        synchronizer (whatever ``contribution.session`` says); refusals raise
+        ``SynchronizerError`` with a Reason."""
 
     def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
                   on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],

@@ -23,13 +23,12 @@ import torch
 from lightning_diloco.core.codecs import EXACT, get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import build_layout, tensor_specs
-from lightning_diloco.core.protocol import Beat, PushAck
+from lightning_diloco.core.protocol import Beat, Contribution, PushAck
 from lightning_diloco.learner.inbox import Inbox
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.learner.leader import LeaderSync
 from lightning_diloco.learner.staging import HostCopy
 from lightning_diloco.simulate.events import EventQueue
-from lightning_diloco.synchronizer.requests import Contribution
 
 if TYPE_CHECKING:
     from lightning_diloco.synchronizer.service import Synchronizer
@@ -83,7 +82,7 @@ class SimLink:
     def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
         return self.service.pull(fragment)
 
-    def push(self, **_: Any) -> PushAck:
+    def push(self, contribution: Contribution) -> PushAck:
         raise AssertionError("a simulated island pushes through SimLeader, on the clock")
 
     def subscribe(self, island: int, versions: Callable[[], dict[int, int]], **_: Any) -> None:

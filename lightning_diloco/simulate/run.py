@@ -28,11 +28,11 @@ import torch
 
 from lightning_diloco.core.codecs import payload_size
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.protocol import PushAck, RoundRequest, VersionUpdate
+from lightning_diloco.core.protocol import Contribution, PushAck, RoundRequest, VersionUpdate
 from lightning_diloco.reasons import SynchronizerError
 from lightning_diloco.simulate.events import EventQueue
 from lightning_diloco.simulate.island import InnerLoop, SimIsland
-from lightning_diloco.synchronizer.requests import Contribution, Refusal
+from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 
 LIVENESS_TIMEOUT = 5.0  # seconds, as the launcher runs its synchronizer

@@ -60,8 +60,7 @@ class Intake:
             rounds.cond.notify_all()
         if seeded:
             log.info("fragment %d seeded by island %d", fragment, island)
-            with self.membership.lock:
-                self.membership.changed.notify_all()
+            self.membership.wake()
         return seeded
 
     def push(self, admitted: AdmittedPush, payload: Payload) -> PushAck:

@@ -270,6 +270,12 @@ class Membership:
                     del m.requests[fragment]
             self.changed.notify_all()
 
+    def wake(self) -> None:
+        """Wake every subscription where it waits for news: each looks again at whether it should
+        go on (a seed, a shutdown, a reader told to stop)."""
+        with self.lock:
+            self.changed.notify_all()
+
     def subscribed(self, island: int) -> int:
         """Make a new subscription of ``island`` the current one; returns its number."""
         with self.lock:

@@ -53,11 +53,11 @@ import torch
 from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec
 from lightning_diloco.core.config import CODECS
 from lightning_diloco.core.fragments import FragmentLayout
-from lightning_diloco.core.protocol import PushAck
+from lightning_diloco.core.protocol import Contribution, PushAck
 from lightning_diloco.core.schedule import latest_round
 from lightning_diloco.core.state import FragmentState
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.requests import Contribution, Refusal
+from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.rounds import Entry, FragmentRounds, RoundFull, SequenceError
 
 # A contribution weighs tokens**2 / steps: past these bounds no real island reports, and within

@@ -1,5 +1,6 @@
-"""What a client asks the synchronizer: a contribution's fields, and the refusal that answers a
-bad request (what a push is refused by, and in what order: push_admission.py).
+"""The refusal that answers a bad request (what a push is refused by, and in what order:
+push_admission.py), how refusals are said in the log, and what a retry's payload and an island's
+layout are compared by. A contribution itself is a core/protocol.py record.
 """
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 
 import torch
 
@@ -48,23 +48,6 @@ class RefusalLog:
                 return None
             self.said_at[reason] = now
             return self.left_out.pop(reason, 0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Contribution:
-    island: int
-    fragment: int
-    round: int
-    """The round it was sent for: schedule step // H at the send."""
-    base_version: int
-    tokens: float
-    steps: int
-    codec: str
-    seq: int
-    payload: Payload
-    layout_hash: str
-    session: str | None = None
-    """The session its island's join issued; None from an in-process caller (trusted)."""
 
 
 def payload_digest(payload: Payload) -> bytes:

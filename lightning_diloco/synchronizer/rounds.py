@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -355,13 +355,11 @@ class FragmentRounds:
         frag = self.frag
         merged = self.merged_in.get(island, -1)
         updates = []
-        for d in frag.downlink(have):
+        for d in frag.downlink(self.fragment, have):
             since = have if d.base_version < 0 else d.base_version
             current = d.version == frag.version
             produced_by = self.rounds_of.get(d.version, max(-1, self.index - 1) if current else -1)
-            updates.append(VersionUpdate(fragment=self.fragment, version=d.version, base_version=d.base_version,
-                                         round=produced_by, codec=d.codec, payload=d.payload,
-                                         included=since < merged <= d.version))
+            updates.append(replace(d, round=produced_by, included=since < merged <= d.version))
         return updates
 
     def memory(self) -> dict:

@@ -27,18 +27,18 @@ import grpc
 
 from lightning_diloco.core.codecs import EXACT, get_codec
 from lightning_diloco.core.fragments import TensorSpec
-from lightning_diloco.core.protocol import RoundRequest
+from lightning_diloco.core.protocol import Contribution, RoundRequest
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.credentials import Caller, identify
 from lightning_diloco.synchronizer.deadlines import StreamDeadlines, payload_deadline
 from lightning_diloco.synchronizer.push_admission import declared_size_problem
-from lightning_diloco.synchronizer.requests import Contribution, Refusal
+from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES
-from lightning_diloco.transport.messages import join_reply, to_message
+from lightning_diloco.transport.messages import from_header, join_reply, to_message
 from lightning_diloco.transport.wire import DownlinkMessages, add_servicer, assemble, chunk_messages
 
 log = logging.getLogger(__name__)
@@ -255,9 +255,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         first = next(request_iterator)
         h = first.header
         self.acting_as(caller, h.island)
-        header = Contribution(island=h.island, fragment=h.fragment, round=h.round, base_version=h.base_version,
-                              tokens=h.tokens, steps=h.steps, codec=h.codec, seq=h.seq, payload=b"",
-                              layout_hash=h.layout_hash, session=h.session)
+        header = from_header(h, Contribution)  # its payload is read once the header is admitted
 
         def receive(expected: int) -> memoryview:  # asked once the header is admitted: not a byte is read before
             return self._payload(context, first, request_iterator, h.island, expected, f"push of fragment {h.fragment}")

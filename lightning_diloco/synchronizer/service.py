@@ -32,7 +32,7 @@ import torch
 from lightning_diloco.core.codecs import EXACT, Payload
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
-from lightning_diloco.core.protocol import Beat, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
+from lightning_diloco.core.protocol import Beat, Contribution, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
@@ -51,7 +51,7 @@ from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume,
 from lightning_diloco.synchronizer.intake import Intake
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
 from lightning_diloco.synchronizer.push_admission import PushAdmission
-from lightning_diloco.synchronizer.requests import Contribution, Refusal, RefusalLog, layout_difference
+from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,7 @@ class Synchronizer:
         for rounds in self.rounds.values():
             with rounds.cond:
                 rounds.cond.notify_all()
-        with self.membership.lock:
-            self.membership.changed.notify_all()
+        self.membership.wake()
         self.checkpointer.stop()
         self.closers.stop()
         if not keep_checkpoint_dir:
@@ -467,6 +466,11 @@ class Synchronizer:
         delivered = {p: int(versions.get(p, -1)) for p in self.rounds}
         return island_events(island, self.membership.subscribed(island), delivered, self.membership, self.rounds,
                              self._count_bytes_out, lambda: active() and not self.closing.is_set(), tick, self.clock)
+
+    def wake_subscriptions(self) -> None:
+        """Wake every subscription where it waits for news, so that one whose ``active()`` turned
+        False ends now rather than at its next tick (an in-process reader told to stop)."""
+        self.membership.wake()
 
     def _count_bytes_out(self, n: int) -> None:
         with self.lock:

@@ -2,8 +2,11 @@
 
 One generic conversion instead of a hand-written copy per field: a field that exists on one side
 only raises here (and in tests/unit/transport/test_messages.py) rather than silently reading as 0.
-The join reply carries the run settings as JSON and a version travels as a header and chunks, so
-those two are converted by hand (join_reply, version_header).
+A record that carries a payload (a :class:`~lightning_diloco.core.protocol.Contribution`, a
+:class:`~lightning_diloco.core.protocol.VersionUpdate`) travels as a header message, every field
+but ``payload`` by name plus the payload's size, and the payload in chunks (wire.py):
+:func:`to_header` and :func:`from_header`. The join reply carries the run settings as JSON, so it
+is converted by hand (join_reply).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message
 
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.protocol import JoinInfo, VersionUpdate
+from lightning_diloco.core.protocol import JoinInfo
 from lightning_diloco.transport import synchronizer_pb2 as pb
 
 T = TypeVar("T")
@@ -46,14 +49,25 @@ def join_info(reply: pb.JoinReply) -> JoinInfo:
                     incarnation=reply.incarnation)
 
 
-def version_header(update: VersionUpdate, payload_bytes: int) -> pb.FragmentHeader:
-    return pb.FragmentHeader(fragment=update.fragment, version=update.version, base_version=update.base_version,
-                             codec=update.codec, payload_bytes=payload_bytes, round=update.round, included=update.included)
+def to_header(record: Any, message: M, payload_bytes: int) -> M:
+    """``message`` (a new, empty header: ``PushHeader``, ``FragmentHeader``) filled from every
+    field of ``record`` but its payload, and declaring ``payload_bytes``."""
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if f.name != PAYLOAD and value is not None:  # None: an optional field left unset
+            setattr(message, f.name, value)
+    message.payload_bytes = payload_bytes
+    return message
 
 
-def version_update(header: pb.FragmentHeader, payload: bytearray) -> VersionUpdate:
-    return VersionUpdate(fragment=header.fragment, version=header.version, base_version=header.base_version,
-                         round=header.round, codec=header.codec, payload=payload, included=header.included)
+def from_header(message: Message, cls: type[T], payload: Any = b"") -> T:
+    """A ``cls`` record read from a header message's fields of the same names, carrying ``payload``."""
+    values = {f.name: getattr(message, f.name) for f in dataclasses.fields(cls) if f.name != PAYLOAD}  # type: ignore[arg-type]  # cls is a dataclass
+    return cls(**values, payload=payload)  # type: ignore[call-arg]  # a record with a payload field
+
+
+PAYLOAD = "payload"
+"""The field of a record that travels in chunks after its header, never in it."""
 
 
 def _fill(message: Message, record: Any) -> Message:

@@ -12,9 +12,9 @@ Every join presents the session this client last had with the shard (none before
 a shard refuses a join as an island that another client is running as (``island_running``),
 and this is how it tells the running client joining again from a second process.
 
-:class:`ShardSessions` is held by :class:`~lightning_diloco.transport.client.SynchronizerClient`,
-which gives it the shards' stubs and what each Join call needs; the subscription reads a shard's
-session from it as a :class:`ShardSession`.
+:class:`ShardSessions` is held by an island's link (transport/island_link.py), which gives it
+the transport its joins go through; the subscription reads a shard's session from it as a
+:class:`ShardSession`.
 """
 
 from __future__ import annotations
@@ -22,21 +22,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
-
-import grpc
 
 from lightning_diloco.core.protocol import JoinInfo
 from lightning_diloco.reasons import Reason, SynchronizerError
-from lightning_diloco.transport import synchronizer_pb2 as pb
-from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
-from lightning_diloco.transport.messages import join_info
 from lightning_diloco.transport.shard_check import shard_mismatch
+from lightning_diloco.transport.shard_transport import JoinRequest, ShardJoin, ShardTransport, Unanswered
 
 log = logging.getLogger(__name__)
-
-# a synchronizer that is away, not refusing: a call is retried, a join goes on without the shard
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +45,14 @@ class ShardSession:
 
 class ShardSessions:
     """Per shard: this island's session, how many joins made it, and which process issued it.
+    ``transport``: how the shards are reached."""
 
-    ``stubs``, ``addresses``: the shards', in shard order; ``timeout`` and ``metadata``: what each
-    Join call is given; ``count(sent, received)``: the client's byte counters."""
-
-    def __init__(self, stubs: Sequence[pb_grpc.SynchronizerStub], addresses: Sequence[str], *, timeout: float,
-                 metadata: Sequence[tuple[str, str]], count: Callable[[int, int], None]) -> None:
-        self.stubs, self.addresses = list(stubs), list(addresses)
-        self.timeout, self.metadata, self.count = timeout, metadata, count
-        self.request: pb.JoinRequest | None = None  # the island's join, repeated by rejoin(); None: not joined (or left)
+    def __init__(self, transport: ShardTransport) -> None:
+        self.transport, self.addresses = transport, list(transport.addresses)
+        self.request: JoinRequest | None = None  # the island's join, repeated by rejoin(); None: not joined (or left)
         self._join_lock = threading.Lock()  # one join at a time: see rejoin()
-        self._replies: dict[int, pb.JoinReply] = {}  # per shard, its last join's reply
-        num_shards = len(self.stubs)
+        self._replies: dict[int, ShardJoin] = {}  # per shard, its last join's answer
+        num_shards = len(self.addresses)
         # per shard: successful joins so far (which session a failing call was made with), the
         # session ("": absent, not joined or stopped answering) and which process that was
         self.joins = [0] * num_shards
@@ -74,7 +62,7 @@ class ShardSessions:
 
     @property
     def num_shards(self) -> int:
-        return len(self.stubs)
+        return len(self.addresses)
 
     def of(self, shard: int) -> ShardSession:
         return ShardSession(session=self.sessions[shard], joins=self.joins[shard], incarnation=self.incarnations[shard])
@@ -83,7 +71,7 @@ class ShardSessions:
         """The shard is not joined (it did not answer the join, or stopped answering since)."""
         return not self.sessions[shard]
 
-    def join(self, request: pb.JoinRequest) -> JoinInfo:
+    def join(self, request: JoinRequest) -> JoinInfo:
         """Join the shards that answer, as ``request`` says; raise when none does. On success the
         request is the island's: :meth:`rejoin` repeats it."""
         with self._join_lock:
@@ -123,15 +111,12 @@ class ShardSessions:
                 log.warning("shard %d at %s stopped answering: its fragments train locally until it is back",
                             shard, self.addresses[shard])
 
-    def _join_shard(self, shard: int, request: pb.JoinRequest) -> pb.JoinReply:
+    def _join_shard(self, shard: int, request: JoinRequest) -> ShardJoin:
         """(With ``_join_lock`` held.)"""
-        request = pb.JoinRequest(island=request.island, world_size=request.world_size, tensors=request.tensors,
-                                 num_islands=request.num_islands, previous_session=self._last_sessions[shard])
-        reply = self.stubs[shard].Join(request, timeout=self.timeout, metadata=self.metadata)
-        self.count(request.ByteSize(), reply.ByteSize())
+        reply = self.transport.join(shard, request, self._last_sessions[shard])
         self._replies[shard] = reply
-        self.sessions[shard], self.incarnations[shard] = reply.session, reply.incarnation
-        self._last_sessions[shard] = reply.session
+        self.sessions[shard], self.incarnations[shard] = reply.info.session, reply.info.incarnation
+        self._last_sessions[shard] = reply.info.session
         self.joins[shard] += 1
         return reply
 
@@ -140,15 +125,13 @@ class ShardSessions:
         if mismatch:
             raise SynchronizerError(None, Reason.SHARD_MISMATCH, f"the {self.num_shards} addresses are not the shards of one run: {mismatch}")
 
-    def _join_all(self, request: pb.JoinRequest) -> JoinInfo:
+    def _join_all(self, request: JoinRequest) -> JoinInfo:
         """(With ``_join_lock`` held.) Join the shards that answer; raise when none does."""
-        unreachable: dict[int, grpc.RpcError] = {}
+        unreachable: dict[int, Exception] = {}
         for shard in range(self.num_shards):
             try:
                 self._join_shard(shard, request)
-            except grpc.RpcError as err:
-                if err.code() not in RETRYABLE + (grpc.StatusCode.DEADLINE_EXCEEDED,):
-                    raise
+            except (Unanswered, TimeoutError) as err:
                 unreachable[shard] = err
                 self.sessions[shard] = ""
         if len(unreachable) == self.num_shards:
@@ -158,9 +141,9 @@ class ShardSessions:
             log.warning("shard(s) %s (%s) not answering: joined the other %d; their fragments train locally until "
                         "they are back", sorted(unreachable), ", ".join(self.addresses[s] for s in sorted(unreachable)),
                         self.num_shards - len(unreachable))
-        replies = [self._replies[s] for s in range(self.num_shards) if s not in unreachable]
+        replies = [self._replies[s].info for s in range(self.num_shards) if s not in unreachable]
         versions: dict[int, int] = {}
         for r in replies:
             versions.update(r.versions)
         # one run seen from every joined shard: each shard's versions, the furthest clock
-        return dataclasses.replace(join_info(replies[0]), versions=versions, run_step=max(r.run_step for r in replies))
+        return dataclasses.replace(replies[0], versions=versions, run_step=max(r.run_step for r in replies))

@@ -8,7 +8,6 @@ Checked on every join, before any shard's session is used: the same run settings
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,8 +23,8 @@ def _flat(settings: dict, prefix: str = "") -> dict[str, object]:
 
 
 def shard_mismatch(addresses: Sequence[str], replies: Mapping[int, Any]) -> str | None:
-    """Why ``replies`` (JoinReply by address index; shards not joined are missing) are not one
-    run's shards, or None."""
+    """Why ``replies`` (each shard's :class:`~lightning_diloco.transport.shard_transport.ShardJoin`
+    by address index; shards not joined are missing) are not one run's shards, or None."""
     total = len(addresses)
     indices = sorted(replies)
     addresses, ordered = [addresses[i] for i in indices], [replies[i] for i in indices]
@@ -37,7 +36,7 @@ def shard_mismatch(addresses: Sequence[str], replies: Mapping[int, Any]) -> str 
         if reply.shard != index:
             return (f"the synchronizer at {address} is shard {reply.shard}, but it is address {index} of the list: give "
                     "the shards' addresses in shard order, each shard once (was one started with the wrong --shard?)")
-    settings = [_flat(json.loads(r.config_json)) for r in ordered]
+    settings = [_flat(r.info.config.to_dict()) for r in ordered]
     for key in sorted(set().union(*settings)):
         values = [s.get(key) for s in settings]
         if len(set(map(repr, values))) > 1:

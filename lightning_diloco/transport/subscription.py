@@ -1,12 +1,12 @@
 """An island's subscription: one long-lived event stream per shard, read on its own thread and
 reopened whenever it breaks (rejoining first when the synchronizer restarted, or when the shard
-was absent and is back). Events are the
-synchronizer's round requests and new global versions, handed to the island's callbacks.
+was absent and is back). Events are the synchronizer's round requests and new global versions,
+handed to the island's callbacks.
 
-A subscription reads the island's session with each shard from the client's
+A subscription reads the island's session with each shard from its link's
 :class:`~lightning_diloco.transport.sessions.ShardSessions` (:meth:`~ShardSessions.of`, and
-:meth:`~ShardSessions.rejoin` when a shard forgot it), and opens its streams through the one call
-the client gives it; it reads nothing else of the client.
+:meth:`~ShardSessions.rejoin` when a shard forgot it), and opens its streams through the link's
+transport (transport/shard_transport.py, either one); it reads nothing else of the link.
 """
 
 from __future__ import annotations
@@ -14,20 +14,15 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
-
-import grpc
+from collections.abc import Callable
 
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 from lightning_diloco.core.readers import Readers
 from lightning_diloco.core.state import shard_of
 from lightning_diloco.core.threads import single_threaded_torch
-from lightning_diloco.reasons import REJOIN, Reason
-from lightning_diloco.transport import synchronizer_pb2 as pb
-from lightning_diloco.transport.messages import from_message, version_update
+from lightning_diloco.reasons import REJOIN
 from lightning_diloco.transport.sessions import ShardSessions
-from lightning_diloco.transport.wire import NO_CHUNK
+from lightning_diloco.transport.shard_transport import EventStream, Refused, ShardTransport, Unanswered
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +32,23 @@ RESUBSCRIBE_BACKOFF = 1.0  # seconds, the longest wait before a broken subscript
 class Subscription:
     """One island's event streams, one reader thread per shard; reopened whenever they break.
 
-    ``sessions``: the island's sessions with the shards; ``open_stream(shard, request)``: a
-    Subscribe call's events (a gRPC call, cancellable); ``closed()``: the client is closed;
-    ``count_received(n)``: the client's byte counter; ``backoff`` and ``rng``: the client's retry
-    delays. ``versions()``, ``on_request``, ``on_version``, ``on_reconnect``: the island's
-    (:meth:`~lightning_diloco.transport.client.SynchronizerClient.subscribe`)."""
+    ``sessions``: the island's sessions with the shards; ``transport``: how their event streams
+    are opened (each cancellable); ``closed()``: the link is closed; ``backoff`` and ``rng``: the
+    link's retry delays. ``versions()``, ``on_request``, ``on_version``, ``on_reconnect``: the
+    island's (:meth:`~lightning_diloco.transport.island_link.IslandLink.subscribe`)."""
 
-    def __init__(self, island: int, sessions: ShardSessions, *, open_stream: Callable[[int, pb.SubscribeRequest], Any],
-                 closed: Callable[[], bool], count_received: Callable[[int], None], backoff: float, rng: random.Random,
-                 versions: Callable[[], dict[int, int]], on_request: Callable[[RoundRequest], None],
-                 on_version: Callable[[VersionUpdate], None], on_reconnect: Callable[[], None]) -> None:
-        self.island, self.sessions, self.open_stream, self.closed = island, sessions, open_stream, closed
-        self.count_received, self.backoff, self.rng = count_received, backoff, rng
+    def __init__(self, island: int, sessions: ShardSessions, *, transport: ShardTransport, closed: Callable[[], bool],
+                 backoff: float, rng: random.Random, versions: Callable[[], dict[int, int]],
+                 on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],
+                 on_reconnect: Callable[[], None]) -> None:
+        self.island, self.sessions, self.transport, self.closed = island, sessions, transport, closed
+        self.backoff, self.rng = backoff, rng
         self.versions = versions
         self.on_request, self.on_version, self.on_reconnect = on_request, on_version, on_reconnect
         self.readers = Readers(f"island {island}'s subscription")
         self._stop = self.readers.stopping
         self._lock = threading.Lock()
-        self._calls: dict[int, grpc.Future] = {}
+        self._calls: dict[int, EventStream] = {}
         for shard in range(sessions.num_shards):
             self.readers.add(f"diloco-subscription-{island}-{shard}", self._read, shard)
 
@@ -95,8 +89,7 @@ class Subscription:
                     # with other contents: what this island holds is no base for its deltas
                     held, incarnation = {}, current.incarnation
                 joins = current.joins
-                request = pb.SubscribeRequest(island=self.island, versions=held, session=current.session)
-                call = self.open_stream(shard, request)
+                call = self.transport.events(shard, self.island, held, current.session)
                 with self._lock:
                     if self._stop.is_set():
                         call.cancel()
@@ -107,22 +100,25 @@ class Subscription:
                 opened_before = True
                 if self._consume(call):
                     attempt = 0  # it worked for a while: back off from the start again
-            except grpc.RpcError as err:
+            except Refused as err:
                 if self._stop.is_set():
                     return
-                code, details = err.code(), err.details() or ""
-                if Reason.parse(details) in REJOIN:
+                if err.reason in REJOIN:
                     try:
                         self.sessions.rejoin(shard, joins)  # also how an absent shard is joined once it is back
                         continue
-                    except grpc.RpcError:
+                    except (Refused, Unanswered, TimeoutError):
                         pass
-                    except ValueError:  # gRPC's "closed channel": the client closed while it joined
+                    except ValueError:  # the transport closed while it joined (gRPC's "closed channel")
                         if self.closed():
                             return
                         raise
-                elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                    log.warning("island %d: subscription to shard %d refused (%s): %s", self.island, shard, code.name, details)
+                else:
+                    log.warning("island %d: subscription to shard %d refused (%s): %s", self.island, shard, err.label,
+                                err.details)
+            except (Unanswered, TimeoutError):  # away, or ended (a cancel, a restart): reopened
+                if self._stop.is_set():
+                    return
             except Exception:  # a callback failed: report it and keep the stream alive
                 if self._stop.is_set():  # or the client closed its channels under the call
                     return
@@ -133,29 +129,12 @@ class Subscription:
             attempt += 1
             self._stop.wait(delay)
 
-    def _consume(self, call: Iterator[Any]) -> bool:
+    def _consume(self, stream: EventStream) -> bool:
         """Hand the stream's events to the callbacks until it ends, or until the readers stop (then
         the next event is handed to nobody); True if any arrived."""
-        header, buffer, filled, any_event = None, None, 0, False
-        for event in call:  # transport/wire.py's events: a chunk's data is a view of the received bytes
+        any_event = False
+        for event in stream:
             any_event = True
-            self.count_received(event.size)
-            if event.request is not None:
-                if not self.readers.hand(self.on_request, from_message(event.request, RoundRequest)):
-                    break
-                continue
-            chunk = event.chunk or NO_CHUNK
-            if chunk.header is not None:
-                header, buffer, filled = chunk.header, bytearray(chunk.header.payload_bytes), 0
-            if header is None:
-                raise ValueError("a version chunk arrived without its header")
-            end = filled + len(chunk.data)
-            if end > len(buffer):
-                raise ValueError(f"version {header.version} of fragment {header.fragment} carries more bytes than declared")
-            buffer[filled:end] = chunk.data
-            filled = end
-            if filled == len(buffer):
-                if not self.readers.hand(self.on_version, version_update(header, buffer)):
-                    break
-                header, buffer = None, None
+            if not self.readers.hand(self.on_request if isinstance(event, RoundRequest) else self.on_version, event):
+                break
         return any_event

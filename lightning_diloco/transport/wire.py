@@ -27,11 +27,12 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError, Message
 
+from lightning_diloco.core.codecs import Payload, payload_size
 from lightning_diloco.core.protocol import VersionUpdate
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import CHUNK_BYTES
-from lightning_diloco.transport.messages import version_header
+from lightning_diloco.transport.messages import to_header
 
 _LEN = 2  # the wire type of bytes and embedded messages
 _SKIP = {0: None, 1: 8, 5: 4}  # wire type -> bytes to skip (None: a varint)
@@ -148,11 +149,11 @@ def serialize(message: Message | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def chunk_messages(header: Message, payload: torch.Tensor, *, event: bool = False,
+def chunk_messages(header: Message, payload: Payload, *, event: bool = False,
                    chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """``payload`` (a flat uint8 tensor) as serialized chunk messages, ``header`` on the first:
+    """``payload`` (a uint8 tensor, or bytes) as serialized chunk messages, ``header`` on the first:
     ``PushChunk`` / ``FragmentChunk``, or with ``event`` a ``SyncEvent`` carrying each chunk."""
-    view = memoryview(payload.reshape(-1).view(torch.uint8).numpy()) if payload.numel() else memoryview(b"")  # type: ignore[arg-type]  # a buffer; numpy says so for Python 3.12+ only
+    view = _bytes_view(payload)
     head = header.SerializeToString()
     for start in range(0, max(len(view), 1), chunk_bytes):
         data = view[start : start + chunk_bytes]
@@ -162,6 +163,13 @@ def chunk_messages(header: Message, payload: torch.Tensor, *, event: bool = Fals
         if event:
             parts.insert(0, _key(2, sum(len(p) for p in parts)))
         yield b"".join(parts)
+
+
+def _bytes_view(payload: Payload) -> memoryview:
+    """The payload's bytes in place, uncopied."""
+    if not isinstance(payload, torch.Tensor):
+        return memoryview(payload).cast("B")
+    return memoryview(payload.reshape(-1).view(torch.uint8).numpy()) if payload.numel() else memoryview(b"")  # type: ignore[arg-type]  # a buffer; numpy says so for Python 3.12+ only
 
 
 def assemble(first: Chunk, rest: Iterator[Chunk], expected: int, what: str) -> memoryview:
@@ -214,8 +222,8 @@ class DownlinkMessages:
                 return built.messages
         messages = None
         try:
-            payload = update.payload if isinstance(update.payload, torch.Tensor) else torch.frombuffer(update.payload, dtype=torch.uint8)
-            messages = tuple(chunk_messages(version_header(update, payload.numel()), payload, event=True))
+            header = to_header(update, pb.FragmentHeader(), payload_bytes=payload_size(update.payload))
+            messages = tuple(chunk_messages(header, update.payload, event=True))
         finally:
             if builder:  # on failure the waiting islands build their own
                 built.messages = messages

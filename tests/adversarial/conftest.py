@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -35,9 +36,9 @@ class Target:
         return pb_grpc.SynchronizerStub(self.channel)
 
     def push(self, client, island, fragment, delta, *, round=0, base_version=0, seq=0, tokens=100.0, steps=4, codec="int4"):
-        return client.push(island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens,
+        return client.push(Contribution(island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens,
                            steps=steps, codec=codec, seq=seq, payload=get_codec(codec).encode(delta),
-                           layout_hash=layout(self.config).hash)
+                           layout_hash=layout(self.config).hash))
 
     def settle(self, fragment: int, version: int) -> None:
         wait_for_version(self.honest.pull, fragment, version, timeout=10)

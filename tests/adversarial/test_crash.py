@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.transport.client import SynchronizerClient
 from tests.helpers import SPECS, initial_fragments, layout, run_config
 
@@ -76,10 +77,10 @@ def test_sigkill_under_load_loses_nothing_checkpointed_and_clients_carry_on(tmp_
                 try:
                     version, _ = client.pull(p)
                     seq += 1
-                    ack = client.push(island=i, fragment=p, round=max(version + 1, named), base_version=version,
+                    ack = client.push(Contribution(island=i, fragment=p, round=max(version + 1, named), base_version=version,
                                       tokens=100.0, steps=4, codec="fp32", seq=seq,
                                       payload=get_codec("fp32").encode(torch.full((numel[p],), 1e-3)),
-                                      layout_hash=layout(config).hash)
+                                      layout_hash=layout(config).hash))
                     named = ack.round + (0 if ack.late else 1)
                     acks[i] += 1
                 except Exception as err:  # noqa: BLE001 - counted; a push may meet the kill

@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.credentials import identify, island_credential
 from lightning_diloco.synchronizer.server import SynchronizerServer
@@ -42,8 +43,8 @@ def _push(client, config, island, seq, value=1e-3, round=0):
     numel = layout(config).fragment_numel(0)
     from lightning_diloco.core.codecs import get_codec
 
-    return client.push(island=island, fragment=0, round=round, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=seq,
-                       payload=get_codec("fp32").encode(torch.full((numel,), value)), layout_hash=layout(config).hash)
+    return client.push(Contribution(island=island, fragment=0, round=round, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=seq,
+                       payload=get_codec("fp32").encode(torch.full((numel,), value)), layout_hash=layout(config).hash))
 
 
 def test_a_credential_is_bound_to_its_island_and_cannot_be_forged():

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from lightning_diloco.core.fragments import TensorSpec
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.reasons import Reason, SynchronizerError
 from lightning_diloco.synchronizer import deadlines
 from lightning_diloco.synchronizer.metrics import serve_metrics
@@ -101,9 +102,9 @@ def test_trickling_seeds_from_one_island_take_only_its_slots(server_of):
         assert server.servicer.streams.held[(1, "payload")] == slots
         honest.heartbeat(0, 1, 0.1)
         honest.status()
-        ack = honest.push(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
+        ack = honest.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
                           payload=torch.zeros(layout(server.service.config).fragment_numel(0) * 4, dtype=torch.uint8),
-                          layout_hash=layout(server.service.config).hash)
+                          layout_hash=layout(server.service.config).hash))
         assert ack.round == 0
         with SynchronizerClient(server.address, max_retries=0, timeout=10) as newcomer:
             assert newcomer.join(5, 1, SPECS).layout_hash

@@ -13,6 +13,7 @@ import torch
 from google.protobuf.descriptor import FieldDescriptor as FD
 
 from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.server import SynchronizerServer
@@ -141,9 +142,9 @@ def _honest_round_trip(address, config, island: int) -> None:
         version, round = beat.versions[0], client.status().rounds[0].round
         _step_to(client, island, round)
         numel = layout(config).fragment_numel(0)
-        client.push(island=island, fragment=0, round=round, base_version=version, tokens=100.0, steps=4,
+        client.push(Contribution(island=island, fragment=0, round=round, base_version=version, tokens=100.0, steps=4,
                     codec="fp32", seq=1, payload=get_codec("fp32").encode(torch.full((numel,), 1e-3)),
-                    layout_hash=layout(config).hash)
+                    layout_hash=layout(config).hash))
         assert wait_for_version(client.pull, 0, version + 1, timeout=10)[0] > version
         status = client.status()
         assert 0 <= status.run_step < 2**40 and all(-1 <= r.round < 2**40 for r in status.rounds.values())

@@ -38,7 +38,7 @@ def test_a_close_while_a_call_backs_off_prints_no_traceback_from_a_grpc_thread(m
     raised: list[str] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(f"{args.thread.name}: {args.exc_value!r}"))
     before = set(threading.enumerate())
-    logger = logging.getLogger("lightning_diloco.transport.client")
+    logger = logging.getLogger("lightning_diloco.transport.island_link")
     for _ in range(8):
         client = SynchronizerClient(_absent_address(), max_retries=2, backoff=0.05, max_backoff=0.3)
         handler, outcome = _Waiting(), {}

@@ -19,6 +19,7 @@ from lightning_diloco.core.fragments import split_fragment
 from lightning_diloco.core.guard import agreeing, capped_weights
 from lightning_diloco.core.merge import contribution_weight, merge_outer_gradients
 from lightning_diloco.core.outer import OuterOptimizer
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
@@ -29,10 +30,10 @@ from tests.helpers import SPECS, initial_fragments, layout, run_config, wait_for
 
 
 def _push(client, config, island, fragment, delta, *, round=0, base_version=0, seq=0, codec="fp32", tokens=100.0, steps=4):
-    return client.push(
+    return client.push(Contribution(
         island=island, fragment=fragment, round=round, base_version=base_version, tokens=tokens, steps=steps, codec=codec,
         seq=seq, payload=get_codec(codec).encode(delta), layout_hash=layout(config).hash,
-    )
+    ))
 
 
 def _seeded(client, config, island=0):
@@ -175,8 +176,8 @@ def test_a_large_fragment_is_streamed_in_chunks(started):
     events = Events()
     events.subscribe(client, 0, {0: -1})  # holds nothing: gets the full value
     assert torch.equal(get_codec("fp32").decode(events.version(0, 0).payload, 3_000_000), value)
-    client.push(island=0, fragment=0, round=0, base_version=0, tokens=1.0, steps=1, codec="fp32", seq=0,
-                payload=get_codec("fp32").encode(torch.zeros(3_000_000)), layout_hash=server.service.state.layout.hash)
+    client.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=1.0, steps=1, codec="fp32", seq=0,
+                payload=get_codec("fp32").encode(torch.zeros(3_000_000)), layout_hash=server.service.state.layout.hash))
     assert len(events.version(0, 1).payload) == 12_000_000
     assert torch.equal(client.pull(0)[1], value)  # zero delta, zero momentum: unchanged
 
@@ -463,7 +464,7 @@ def test_an_island_started_before_its_synchronizer_waits_and_joins(caplog):
         assert refused.value.reason == "unreachable"
         thread.start()
         began = time.monotonic()
-        with caplog.at_level("WARNING", logger="lightning_diloco.transport.client"):
+        with caplog.at_level("WARNING", logger="lightning_diloco.transport.island_link"):
             info = client.join(0, 1, SPECS, patience=30.0)
         assert info.config == config
         assert f"no synchronizer reachable at 127.0.0.1:{port} yet" in caplog.text  # says why it waits
@@ -585,7 +586,7 @@ def test_a_close_ends_a_call_backing_off_from_an_absent_synchronizer_at_once():
         except SynchronizerError as err:
             outcome["error"] = err
 
-    handler, logger = Waiting(), logging.getLogger("lightning_diloco.transport.client")
+    handler, logger = Waiting(), logging.getLogger("lightning_diloco.transport.island_link")
     logger.addHandler(handler)
     thread = threading.Thread(target=join, name="diloco-test-backing-off")
     try:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.transport.client import SynchronizerClient
 from tests.helpers import SPECS, initial_fragments, layout, run_config, wait_for_version
 
@@ -61,8 +62,8 @@ def test_synchronizer_command_serves_status_metrics_and_checkpoints_on_sigterm(s
         for p, value in initial_fragments(config).items():
             client.seed(0, p, value)
         numel = layout(config).fragment_numel(0)
-        client.push(island=0, fragment=0, round=0, base_version=0, tokens=10.0, steps=2, codec="fp32", seq=0,
-                    payload=get_codec("fp32").encode(torch.zeros(numel)), layout_hash=info.layout_hash)
+        client.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=10.0, steps=2, codec="fp32", seq=0,
+                    payload=get_codec("fp32").encode(torch.zeros(numel)), layout_hash=info.layout_hash))
         assert wait_for_version(client.pull, 0, 1)[0] == 1  # its closer merged the round
 
     table = subprocess.run([*CLI, "status", address], capture_output=True, text=True, timeout=60)

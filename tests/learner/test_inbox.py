@@ -49,9 +49,8 @@ def test_a_chain_of_lossy_steps_taken_at_once_lands_on_the_published_value():
         value = value + 0.01 * torch.randn(1000, generator=g)
         chain.advance(value, v)
     inbox = Inbox([0], [1000], block_size=64)
-    for d in chain.updates(0):
-        inbox.on_version(VersionUpdate(fragment=0, version=d.version, base_version=d.base_version, round=d.version,
-                                       codec=d.codec, payload=d.payload, included=False))
+    for update in chain.updates(0, 0):
+        inbox.on_version(update)
     [a] = inbox.take(lambda a: True)
     assert (a.version, a.base_version) == (5, 0)
     eps = torch.finfo(torch.float32).eps * float(held.abs().max())

@@ -14,7 +14,7 @@ import torch
 
 from lightning_diloco.core import readers
 from lightning_diloco.core.codecs import get_codec, payload_size
-from lightning_diloco.core.protocol import RUNNING_WINDOW, Beat, PushAck
+from lightning_diloco.core.protocol import RUNNING_WINDOW, Beat, Contribution, PushAck
 from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.reasons import Reason, SynchronizerError
 from lightning_diloco.synchronizer.local_link import LocalLink
@@ -55,8 +55,8 @@ def link(request):
 
 
 def _push(link, delta, *, seq, layout_hash=None):
-    return link.push(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=seq,
-                     payload=get_codec("fp32").encode(delta), layout_hash=layout_hash or layout(CONFIG).hash)
+    return link.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=seq,
+                     payload=get_codec("fp32").encode(delta), layout_hash=layout_hash or layout(CONFIG).hash))
 
 
 def test_every_link_answers_an_exchange_alike(link):
@@ -113,10 +113,23 @@ def test_every_link_refuses_a_bad_payload_with_the_servers_reason(link, payload,
     _joined_and_seeded(link)
     payload = payload(layout(CONFIG).fragment_numel(0))
     with pytest.raises(SynchronizerError) as refused:
-        link.push(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
-                  payload=payload, layout_hash=layout(CONFIG).hash)
+        link.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
+                  payload=payload, layout_hash=layout(CONFIG).hash))
     assert refused.value.reason == reason
     assert service.refused[reason.value] == 1 and service.versions()[0] == 0  # counted, nothing merged
+
+
+def test_every_link_refuses_an_islands_calls_before_it_joined(link):
+    """The in-process link trusted a link that never joined: its pull of a run seeded by another
+    island was answered, where the client's is refused. One link stack: refused alike."""
+    link, service = link
+    service.join(1, 1, SPECS)
+    for p, value in initial_fragments(CONFIG).items():
+        service.seed(1, p, get_codec("fp32").encode(value))
+    for call in (lambda: link.pull(0), lambda: link.heartbeat(0, 1, 0.1, 1), lambda: _push(link, torch.zeros(1), seq=1)):
+        with pytest.raises(SynchronizerError) as refused:
+            call()
+        assert refused.value.reason == Reason.NOT_JOINED and "call join first" in str(refused.value)
 
 
 def test_every_link_joins_again_when_its_island_joined_elsewhere(link):

@@ -43,9 +43,9 @@ class RecordingLink:
     def __init__(self) -> None:
         self.pushed: list[torch.Tensor] = []
 
-    def push(self, **fields):
-        self.pushed.append(fields["payload"].clone())
-        return SimpleNamespace(late=False, round=fields["round"])
+    def push(self, contribution):
+        self.pushed.append(contribution.payload.clone())
+        return SimpleNamespace(late=False, round=contribution.round)
 
 
 def test_a_snapshot_is_a_host_copy_in_the_target_dtype_that_later_steps_do_not_change():

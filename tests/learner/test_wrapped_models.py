@@ -38,9 +38,10 @@ class RecordingLink(ServiceLink):
         super().__init__(service)
         self.sent: dict[int, torch.Tensor] = {}
 
-    def push(self, **fields):
-        self.sent[fields["fragment"]] = get_codec(fields["codec"]).decode(fields["payload"], fields["payload"].numel() // 4)
-        return super().push(**fields)
+    def push(self, contribution):
+        payload = contribution.payload
+        self.sent[contribution.fragment] = get_codec(contribution.codec).decode(payload, payload.numel() // 4)
+        return super().push(contribution)
 
 
 def test_a_bf16_islands_outer_gradient_is_formed_in_fp32_and_the_global_value_is_rounded_once_into_it():

@@ -50,7 +50,7 @@ def test_an_island_holds_the_published_value_which_stays_one_quantisation_step_f
     for v in range(1, VERSIONS + 1):
         step_input = values[v] - chain.value
         chain.advance(values[v], v)
-        [update] = chain.updates(v - 1)
+        [update] = chain.updates(0, v - 1)
         island = _apply(island, update)
         assert torch.equal(island, chain.value)  # one step at a time: bit for bit what the synchronizer holds
         error = (values[v] - chain.value).abs()
@@ -72,7 +72,7 @@ def test_int2_published_value_stays_near_the_global_without_drift():
     island, old_scheme, errors = values[0].clone(), values[0].clone(), []
     for v in range(1, VERSIONS + 1):
         chain.advance(values[v], v)
-        [update] = chain.updates(v - 1)
+        [update] = chain.updates(0, v - 1)
         island = _apply(island, update)
         assert torch.equal(island, chain.value)
         errors.append(float((values[v] - island).norm()))
@@ -90,7 +90,7 @@ def test_an_island_several_versions_behind_gets_the_steps_since_in_order_and_lan
     for v in range(1, 8):
         held[v - 1] = chain.value
         chain.advance(values[v], v)
-    updates = chain.updates(4)
+    updates = chain.updates(0, 4)
     assert [(u.version, u.base_version, u.codec) for u in updates] == [(5, 4, "int4"), (6, 5, "int4"), (7, 6, "int4")]
     island = held[4]
     for u in updates:
@@ -99,7 +99,7 @@ def test_an_island_several_versions_behind_gets_the_steps_since_in_order_and_lan
     # summed first, then added (the inbox's order when the island takes them at once): fp32 rounding apart
     summed = sum(get_codec("int4").decode(u.payload, NUMEL) for u in updates)
     assert torch.allclose(held[4] + summed, chain.value, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(chain.value.abs().max()))
-    assert chain.updates(7) == []
+    assert chain.updates(0, 7) == []
 
 
 def test_a_version_no_longer_kept_or_a_chain_dearer_than_the_whole_value_is_sent_whole():
@@ -110,8 +110,8 @@ def test_a_version_no_longer_kept_or_a_chain_dearer_than_the_whole_value_is_sent
         int4.advance(values[v], v)
         bf16.advance(values[v], v)
     for chain, have in [(int4, 3), (int4, 0), (int4, 9), (int4, -1), (bf16, 4)]:  # bf16: 3 steps of 2 B > 4 B
-        [update] = chain.updates(have)
+        [update] = chain.updates(0, have)
         assert (update.version, update.base_version, update.codec) == (7, -1, "fp32"), have
         assert torch.equal(get_codec("fp32").decode(update.payload, NUMEL), chain.value)  # the published value, not the global
     assert not torch.equal(int4.value, values[7])
-    assert [u.base_version for u in bf16.updates(5)] == [5, 6]  # 2 steps of 2 B: no more than whole
+    assert [u.base_version for u in bf16.updates(0, 5)] == [5, 6]  # 2 steps of 2 B: no more than whole

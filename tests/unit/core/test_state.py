@@ -38,11 +38,11 @@ def test_versions_count_outer_steps_and_an_island_holding_one_of_the_last_s_gets
     assert state.versions() == {0: 5, 1: 5, 2: 5} and state.outer_steps == 15
     frag = state.fragments[0]
     assert sorted(frag.history) == [3, 4, 5] and frag.published is None  # fp32: the exact versions, no second copy
-    assert _bases(frag.downlink(4)) == [(5, 4, "fp32")] and frag.downlink(5) == []
-    [delta] = frag.downlink(3)
+    assert _bases(frag.downlink(0, 4)) == [(5, 4, "fp32")] and frag.downlink(0, 5) == []
+    [delta] = frag.downlink(0, 3)
     assert torch.allclose(frag.history[3] + get_codec("fp32").decode(delta.payload, frag.value.numel()), frag.value,
                           rtol=1e-6, atol=1e-6)  # exact but for fp32 rounding
-    assert _bases(frag.downlink(2)) == _bases(frag.downlink(6)) == [(5, -1, "fp32")]
+    assert _bases(frag.downlink(0, 2)) == _bases(frag.downlink(0, 6)) == [(5, -1, "fp32")]
     assert torch.equal(frag.published_value(), frag.value)
 
 
@@ -51,8 +51,8 @@ def test_a_lossy_downlink_keeps_the_current_version_and_the_steps_from_the_last_
     _advance(state, 5)
     frag = state.fragments[0]
     assert sorted(frag.history) == [5] and sorted(frag.published.steps) == [4, 5]
-    assert _bases(frag.downlink(3)) == [(4, 3, "int4"), (5, 4, "int4")]
-    assert _bases(frag.downlink(2)) == [(5, -1, "fp32")]
+    assert _bases(frag.downlink(0, 3)) == [(4, 3, "int4"), (5, 4, "int4")]
+    assert _bases(frag.downlink(0, 2)) == [(5, -1, "fp32")]
     assert torch.equal(frag.published_value(), frag.published.value)
     assert 0 < float((frag.published_value() - frag.value).abs().max()) < 0.5  # lossy, within a step of it
 
@@ -91,8 +91,8 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path, downlink):
         # the chains go on: an island holding an older version is sent the same steps
         assert torch.equal(frag.published_value(), other.published_value())
         for have in range(5):
-            assert [(u.base_version, u.payload.tolist()) for u in frag.downlink(have)] == \
-                   [(u.base_version, u.payload.tolist()) for u in other.downlink(have)]
+            assert [(u.base_version, u.payload.tolist()) for u in frag.downlink(0, have)] == \
+                   [(u.base_version, u.payload.tolist()) for u in other.downlink(0, have)]
     # and they keep evolving identically
     _advance(state, 2, seed=9)
     _advance(loaded, 2, seed=9)
@@ -110,12 +110,12 @@ def test_a_checkpoint_written_before_published_chains_loads_and_islands_get_whol
     frag = loaded.fragments[0]
     assert frag.version == 3 and torch.equal(frag.value, state.fragments[0].value)
     # nobody is known to hold what it would build on: the value the chain starts from goes out whole
-    assert _bases(frag.downlink(2)) == [(3, -1, "fp32")]
+    assert _bases(frag.downlink(0, 2)) == [(3, -1, "fp32")]
     assert torch.equal(frag.published_value(), frag.value)
     _advance(loaded, 1)
-    assert _bases(frag.downlink(3)) == _bases(frag.downlink(2)) == [(4, -1, "fp32")]
+    assert _bases(frag.downlink(0, 3)) == _bases(frag.downlink(0, 2)) == [(4, -1, "fp32")]
     _advance(loaded, 1)
-    assert _bases(frag.downlink(4)) == [(5, 4, "int4")]  # chains from the first value sent whole on
+    assert _bases(frag.downlink(0, 4)) == [(5, 4, "int4")]  # chains from the first value sent whole on
 
 
 def test_checkpoint_loads_with_weights_only_and_has_a_readable_summary(tmp_path):

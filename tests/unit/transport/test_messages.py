@@ -9,6 +9,7 @@ import pytest
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.protocol import (
     Beat,
+    Contribution,
     IslandStatus,
     JoinInfo,
     LastClose,
@@ -19,7 +20,7 @@ from lightning_diloco.core.protocol import (
     VersionUpdate,
 )
 from lightning_diloco.transport import synchronizer_pb2 as pb
-from lightning_diloco.transport.messages import from_message, join_info, join_reply, to_message, version_header, version_update
+from lightning_diloco.transport.messages import from_header, from_message, join_info, join_reply, to_header, to_message
 
 
 def _status(**changes) -> SynchronizerStatus:
@@ -70,12 +71,33 @@ def test_json_has_text_keys_and_plain_values():
     assert data["islands"][0]["merged_s_ago"] == 1.5 and data["rounds"][0]["last"]["contributors"] == 2
 
 
-def test_records_converted_by_hand_come_back_unchanged():
+def test_the_join_reply_converted_by_hand_comes_back_unchanged():
     info = JoinInfo(config=RunConfig(), layout_hash="abc", versions={0: 3, 2: -1}, run_step=48, session="s1",
                     incarnation="i1")
     reply = pb.JoinReply.FromString(join_reply(info, shard=1, num_shards=2).SerializeToString())
     assert join_info(reply) == info and (reply.shard, reply.num_shards) == (1, 2)
-    update = VersionUpdate(fragment=2, version=5, base_version=4, round=7, codec="bf16", payload=bytearray(b"xy"),
-                           included=True)
-    header = pb.FragmentHeader.FromString(version_header(update, payload_bytes=2).SerializeToString())
-    assert version_update(header, bytearray(b"xy")) == update and header.payload_bytes == 2
+
+
+PUSH = Contribution(island=3, fragment=2, round=7, base_version=4, tokens=250.5, steps=6, codec="int4", seq=9,
+                    layout_hash="h1", payload=bytearray(b"xyz"), session="s1")
+UPDATE = VersionUpdate(fragment=2, version=5, base_version=4, round=7, codec="bf16", payload=bytearray(b"xy"), included=True)
+
+
+@pytest.mark.parametrize("record, header", [(PUSH, pb.PushHeader), (UPDATE, pb.FragmentHeader)], ids=["push", "version"])
+def test_a_record_with_a_payload_comes_back_from_its_header_and_chunks_unchanged(record, header):
+    message = header.FromString(to_header(record, header(), payload_bytes=3).SerializeToString())
+    assert message.payload_bytes == 3
+    assert from_header(message, type(record), record.payload) == record
+
+
+@pytest.mark.parametrize("record, header, seed_only", [
+    (Contribution, pb.PushHeader, set()), (VersionUpdate, pb.FragmentHeader, {"island", "session"}),
+])
+def test_a_header_has_its_records_fields_but_the_payload_and_declares_the_payloads_size(record, header, seed_only):
+    fields = {f.name for f in dataclasses.fields(record)} - {"payload"}
+    assert fields | {"payload_bytes"} | seed_only == set(header.DESCRIPTOR.fields_by_name)
+
+
+def test_an_in_process_push_without_a_session_leaves_the_headers_unset():
+    message = to_header(dataclasses.replace(PUSH, session=None), pb.PushHeader(), payload_bytes=3)
+    assert message.session == "" and message.seq == 9
