@@ -12,7 +12,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(900)  # a hang guard: about 3 minutes on a loaded 2-core machine
-def test_the_smoke_run_goes_through_every_part_and_saves_each_figure(tmp_path, capsys):
+def test_the_smoke_run_goes_through_every_part_and_saves_each_figure(tmp_path, capsys, monkeypatch):
+    # part (b) SIGKILLs an island: whatever it held in the temporary directory then stays (once, a
+    # Python tempfile of its, tmp_m97jeyb), so its processes get one of this test's own
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     gpu.main(["--smoke", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "gpu.json").read_text())
     assert saved["device"] == "cpu" and saved["smoke"] is True
