@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_diloco.core.codecs import EXACT, Codec, get_codec
+from lightning_diloco.core.codecs import EXACT, Codec, get_codec, payload_size
 from lightning_diloco.core.protocol import VersionUpdate
 
 WHOLE = -1
@@ -81,7 +81,7 @@ class PublishedChain:
             return [whole(fragment, self.value, self.version)]
         chain = [VersionUpdate(fragment=fragment, version=v, base_version=v - 1, codec=self.codec.name, payload=self.steps[v])
                  for v in range(have + 1, self.version + 1)]
-        if sum(self.steps[v].numel() for v in range(have + 1, self.version + 1)) > 4 * self.value.numel():
+        if sum(payload_size(u.payload) for u in chain) > 4 * self.value.numel():
             return [whole(fragment, self.value, self.version)]  # cheaper whole
         return chain
 
