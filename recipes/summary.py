@@ -51,17 +51,21 @@ def run_health(status: SynchronizerStatus, results: list[dict]) -> dict:
     """The rounds' health (``lightning_diloco.launch.report.rounds_health``: outer steps per
     fragment per H, contributions per step, shares late, scaled down and superseded, the clock
     against the islands' steps) and what the islands saw of it: the share of due sends skipped
-    (the fragment was still in flight) and the time their training loops waited on the network,
-    against their run time."""
+    (the fragment was still in flight), the time their training loops waited on the network (for
+    rounds to close: synchronous DiLoCo only) and the time they spent in the sync hook altogether
+    (that wait, and the hook's own copies and applies), each against their run time."""
     d = [r["diloco"] for r in results]
     sent, skipped = sum(x.get("diloco/syncs_sent", 0) for x in d), sum(x.get("diloco/syncs_skipped", 0) for x in d)
-    waited = sum(x.get("diloco/blocked_s", 0) for x in d)
+    waited = sum(x.get("diloco/network_wait_s", 0) for x in d)
+    hook = sum(x.get("diloco/blocked_s", 0) for x in d)
     run_time = sum(r["finished_at"] for r in results)
     return {
         **rounds_health(status),
         "skipped": skipped / (sent + skipped) if sent + skipped else None,
         "wait_s": waited,
         "wait": waited / run_time if run_time else None,
+        "hook_s": hook,
+        "hook": hook / run_time if run_time else None,
     }
 
 

@@ -68,7 +68,8 @@ def rounds_health(status: SynchronizerStatus) -> dict[str, float | None]:
 
 def format_rounds(h: dict) -> str:
     """:func:`rounds_health` as one line; with the islands' side too where ``h`` has it (the
-    recipes add the share of due sends skipped and the training loops' wait)."""
+    recipes add the share of due sends skipped, the training loops' wait on the network and their
+    time in the sync hook)."""
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x * 100:.0f}%"
 
@@ -82,7 +83,9 @@ def format_rounds(h: dict) -> str:
         line += f", {pct(h['skipped'])} of due sends skipped"
     line += f", clock {num(h['clock_per_island_step'])}x the islands' steps"
     if "wait_s" in h:
-        line += f", training loops waited {h['wait_s']:.1f} s ({pct(h['wait'])} of their run time)"
+        line += f", training loops waited on the network {h['wait_s']:.1f} s ({pct(h['wait'])} of their run time)"
+    if "hook_s" in h:
+        line += f" and spent {h['hook_s']:.1f} s ({pct(h['hook'])}) in the sync hook"
     if h.get("not_merged"):
         line += f"; {h['not_merged']} contribution(s) not merged by the end (their rounds never closed)"
     return line

@@ -99,7 +99,8 @@ class IslandLearner:
         self.merged_any = False  # a contribution of this island is in the global model
         self._lock = threading.Lock()  # counters: written by the training thread, read by metrics() from any
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.blocked_s = 0.0
+        self.blocked_s = 0.0  # seconds in the sync hook: its own copies and applies, and any wait below
+        self.network_wait_s = 0.0  # of them, waiting for rounds to close (synchronous DiLoCo, tau = 0, only)
         self.staleness = 0
         self._step_time = 0.0
         self._last_step_at: float | None = None
@@ -226,7 +227,9 @@ class IslandLearner:
             self._send(p, r)
         applies = plan.apply
         if self.config.schedule.overlap_steps == 0 and plan.send:  # synchronous DiLoCo waits for its rounds
+            waited_from = time.perf_counter()
             applies = applies + self._share(self._await_rounds([p for p, _ in plan.send]) if self.is_leader else None)
+            self.network_wait_s += time.perf_counter() - waited_from
         for a in applies:
             self._apply(a)
         self._last_step_at = time.perf_counter()
@@ -453,6 +456,7 @@ class IslandLearner:
             "diloco/bytes_up": float(bytes_up),
             "diloco/bytes_down": float(self.inbox.bytes_received if self.inbox else 0),
             "diloco/blocked_s": self.blocked_s,
+            "diloco/network_wait_s": self.network_wait_s,
             "diloco/staleness": float(self.staleness),
             "diloco/in_flight": float(len(self.in_flight)),
             "diloco/min_version": float(min(self.versions)),

@@ -448,3 +448,18 @@ def test_synchronous_diloco_applies_a_fragment_once_when_a_version_came_before_i
             break
     _step(second, params1)
     assert second.counters["applied"] == 1 and second.versions == [service.status().versions[0]] and second.versions[0] >= 2
+
+
+def test_only_a_synchronous_island_counts_time_waiting_on_the_network(islands):
+    """The recipes report the training loops' wait on the network apart from the sync hook's own
+    work: an island that overlaps (tau >= 1) never waits for a round, one at tau = 0 waits for each
+    of its sends' rounds, and that wait is part of its time in the hook."""
+    waits = {}
+    for tau in (0, 1):
+        learner, _, params, _ = islands(_config(P=1, H=2, tau=tau))
+        for _ in range(8):
+            _step(learner, params)
+        m = learner.metrics()
+        waits[tau] = m["diloco/network_wait_s"]
+        assert 0 <= m["diloco/network_wait_s"] <= m["diloco/blocked_s"], m
+    assert waits[1] == 0.0 and waits[0] > 0.0, waits
