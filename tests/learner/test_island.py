@@ -13,7 +13,7 @@ from lightning_diloco.core.fragments import build_layout, flatten_fragment
 from lightning_diloco.learner.inbox import Arrival
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.synchronizer.service import Synchronizer
-from tests.helpers import SPECS
+from tests.helpers import SPECS, with_peer_votes
 from tests.learner.service_link import ServiceLink
 
 # a bound on waiting for an event that comes (a round closing, a version arriving): only a hang
@@ -36,7 +36,8 @@ def islands():
     made, services = [], []
 
     def make(config, island=0, service=None, seed=0):
-        if service is None:
+        fresh = service is None
+        if fresh:
             service = Synchronizer(config).start()
             services.append(service)
         g = torch.Generator().manual_seed(seed)
@@ -44,6 +45,8 @@ def islands():
         layout = build_layout(SPECS, config.schedule.num_fragments)
         link = ServiceLink(service)
         info = link.join(island, 1, SPECS)
+        if fresh:  # a run past its first rounds (the join made them): a lone entry does not wait up
+            with_peer_votes(service, range(4))  # to 10 s for a peer's; nothing here is about the first round
         learner = IslandLearner(params, layout, config, island=island, link=link, heartbeat_every=60)
         made.append(learner)
         learner.start(run_step=info.run_step)

@@ -22,7 +22,7 @@ from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, 
 from lightning_diloco.core.fragments import build_layout, flatten_fragment
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.synchronizer.service import Synchronizer
-from tests.helpers import SPECS
+from tests.helpers import SPECS, with_peer_votes
 from tests.learner.models import loader, regression_data, trainer, wrapped_regressor
 from tests.learner.service_link import ServiceLink
 
@@ -60,6 +60,7 @@ def test_a_bf16_islands_outer_gradient_is_formed_in_fp32_and_the_global_value_is
                                link=ServiceLink(service), heartbeat_every=60)  # an fp32 island seeds the global model
         learners.append(seeder)
         seeder.link.join(0, 1, SPECS)
+        with_peer_votes(service, range(2))  # island 1's entry alone in its round does not wait 10 s for a peer's
         seeder.start()
         params = [torch.zeros(s.shape, dtype=torch.bfloat16) for s in SPECS]
         link = RecordingLink(service)

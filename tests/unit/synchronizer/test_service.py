@@ -14,7 +14,7 @@ from lightning_diloco.core.merge import contribution_weight, merge_outer_gradien
 from lightning_diloco.synchronizer.closers import CLOSER_TICK, IDLE_WAIT, retry_wait
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
-from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, wait_for_version
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, wait_for_version, with_peer_votes
 
 
 def _started(config, islands, **kwargs):
@@ -254,6 +254,7 @@ def test_a_closer_that_keeps_failing_backs_off_however_many_pushes_notify_it():
     Its looks are now no more than its back-off waits allow in the time the pushes took."""
     config = run_config(num_fragments=1, min_quorum=1)
     sync = _started(config, 3, clock=time.monotonic)
+    with_peer_votes(sync, range(3))  # island 0's entry alone in its round does not wait for a peer's
     looks, failed = [], threading.Event()
 
     def failing_apply(outer_gradient):
