@@ -17,7 +17,7 @@ def test_lower_median_ignores_non_finite_values_and_takes_the_lower_middle():
 
 
 def test_the_first_round_is_bounded_by_the_fragments_own_size():
-    b = _guard().bound(norm=1e20, tokens=100.0, steps=4, others=[], fragment_norm=3.0, numel=4)
+    b = _guard().bound(norm=1e20, tokens=100.0, steps=4, others={}, fragment_norm=3.0, numel=4)
     assert b.clipped and 1e20 * b.scale == pytest.approx(10.0 * 3.0)
 
 
@@ -25,7 +25,7 @@ def test_an_honest_contribution_is_left_alone():
     guard = _guard()
     for r in range(5):
         guard.record(0, 1.0 + 0.1 * r, 100.0, 4)
-    b = guard.bound(norm=1.3, tokens=100.0, steps=4, others=[(1.1, 25.0)], fragment_norm=50.0, numel=100)
+    b = guard.bound(norm=1.3, tokens=100.0, steps=4, others={0: (1.1, 25.0)}, fragment_norm=50.0, numel=100, island=1)
     assert b.scale == 1.0 and (b.tokens, b.steps) == (100.0, 4)
 
 
@@ -35,24 +35,42 @@ def test_a_patient_island_cannot_ratchet_the_bound_up():
     norm = honest
     for _ in range(200):  # the attacker pushes the most it may, round after round
         guard.record(0, honest, 100.0, 4)
-        b = guard.bound(norm=1e12, tokens=100.0, steps=4, others=[(honest, 25.0)], fragment_norm=50.0, numel=100)
+        b = guard.bound(norm=1e12, tokens=100.0, steps=4, others={0: (honest, 25.0)}, fragment_norm=50.0, numel=100,
+                        island=1)
         norm = 1e12 * b.scale
         guard.record(1, 1e12, 100.0, 4)  # its raw values become its vote
-    # the peers' yardstick (the honest island's votes and entry), in a round of two too
+    # the peers' yardstick (the honest island's entry in the round), in a round of two too
     assert norm == pytest.approx(1.4 * honest)
+
+
+def test_two_honest_islands_are_measured_against_each_others_entry_not_a_lagging_vote():
+    """A fragment's first round comes after a few warm-up steps, its outer gradients a small
+    fraction of a whole round's. The peer's vote from it lagged behind, and the lower median of a
+    vote and an entry is the smaller: two honest islands' second rounds were scaled to 5% of their
+    length (a 2-island run, 2026-11-27). Each island's own entry in the round is its value now."""
+    guard = _guard()
+    guard.record(0, 0.022, 3 * 256.0, 3)  # the first round: 3 steps into the warm-up
+    guard.record(1, 0.022, 3 * 256.0, 3)
+    for island, peer in ((0, 1), (1, 0)):
+        b = guard.bound(norm=0.58, tokens=24 * 256.0, steps=24, others={peer: (0.57, 256.0)},
+                        fragment_norm=5.0, numel=100, island=island)
+        assert b.scale == 1.0, b
+    # alone in its round, an island is still measured against its peer's vote
+    b = guard.bound(norm=0.58, tokens=24 * 256.0, steps=24, others={}, fragment_norm=5.0, numel=100, island=0)
+    assert 0.58 * b.scale == pytest.approx(1.4 * 0.022)
 
 
 def test_absurd_counters_count_as_a_sane_multiple_of_the_runs():
     guard = _guard()
     guard.record(0, 1.0, 24 * 1024.0, 24)
-    b = guard.bound(norm=1.0, tokens=1e15, steps=10**9, others=[(1.0, 1024.0)], fragment_norm=50.0, numel=100)
+    b = guard.bound(norm=1.0, tokens=1e15, steps=10**9, others={0: (1.0, 1024.0)}, fragment_norm=50.0, numel=100, island=1)
     assert b.steps == 4 * 24 and b.tokens == pytest.approx(4 * 24 * 4 * 1024.0)
     assert math.isfinite(b.tokens)
 
 
 def test_a_reference_pushed_to_zero_stays_above_a_floor_of_the_fragments_norm():
     guard = _guard()
-    b = guard.bound(norm=1.0, tokens=100.0, steps=4, others=[(0.0, 25.0)], fragment_norm=50.0, numel=100)
+    b = guard.bound(norm=1.0, tokens=100.0, steps=4, others={0: (0.0, 25.0)}, fragment_norm=50.0, numel=100, island=1)
     assert b.scale * 1.0 == pytest.approx(1e-3 * 50.0)  # slowed, never stopped
 
 
