@@ -9,7 +9,7 @@ value, and a lower median sits at or below the honest ones, so the bound cannot 
 by a patient client. (Until 2026-11-27 an island in the round counted twice, its vote and its
 entry, and the lower median of two islands' took the smaller: the vote, which lags. Two honest
 islands' second rounds, after a first of a few warm-up steps, were scaled to 5% of their length,
-and 29% of their contributions in all; a simulated 2-island run lost 1.4 points of its gap to DDP to it.)
+29% of their contributions in all: 1.4 points of a simulated 2-island run's gap to DDP.)
 
 - norm: an outer gradient longer than ``z`` x the reference is scaled down to that length
   (bounded, not refused: what it says is kept, only its size is limited). Before any history
