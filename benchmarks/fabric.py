@@ -4,7 +4,8 @@
 
 Quality: a tiny Llama (built from a config) on the Shakespeare works (byte tokens, the recipes'
 data), trained by the same Fabric loop either as 2 one-process islands
-(``DecoupledDiLoCoFabricStrategy``, the CPU recipes' run settings: ``presets.small_model()``)
+(``DecoupledDiLoCoFabricStrategy``, the library's defaults at P = 8: ``presets.small_model()``,
+as measured in benchmarks/RESULTS.md; the text recipes have used ``small_text_model()`` since)
 against one synchronizer, or as Fabric's DDP of 2 ranks: equal tokens (each island or rank takes
 ``--steps`` batches of its half of the data). The figure is the eval loss on the held-out works
 of the synchronizer's global model (``load_global_model``) against DDP's model, per seed.

@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_diloco.core.config import RunConfig  # noqa: E402
-from lightning_diloco.core.presets import small_model  # noqa: E402
+from lightning_diloco.core.presets import small_text_model  # noqa: E402
 from recipes import fabric_arms  # noqa: E402
 
 MODULE = "recipes.litgpt_pretrain"
@@ -101,7 +101,7 @@ def build_model(n_layer: int, n_embd: int, seed: int) -> LitGPTLoss:
 
 
 def run_config() -> RunConfig:
-    return small_model(8)  # the text recipes' CPU settings; the 2-layer model has 17 tensors
+    return small_text_model(8)  # the text recipes' CPU settings; the 2-layer model has 17 tensors
 
 
 def summarize(args: argparse.Namespace, untrained: float, ddp: dict, islands: dict, params: int) -> dict:

@@ -21,20 +21,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_diloco.core.presets import large_model, small_model  # noqa: E402
+from lightning_diloco.core.presets import large_model, small_text_model  # noqa: E402
 from recipes.common import Preset, Recipe, Reference, cosine_with_warmup  # noqa: E402
 from recipes.common import main as run_recipe
 
 TINY = dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=192, seq=64, tokenizer="byte")
 PRESETS = {
     # P = 8 fragments: the model has 21 tensors
-    "cpu-tiny": Preset(model=TINY, batch=16, steps=800, lr=3e-3, run_config=small_model(8), reference=Reference(4, 1.7532, 0.0065)),
+    "cpu-tiny": Preset(model=TINY, batch=16, steps=800, lr=3e-3, run_config=small_text_model(8), reference=Reference(4, 1.7532, 0.0065)),
     "cpu-tiny-moe": Preset(model={**TINY, "arch": "mixtral", "intermediate": 96, "experts": 4, "experts_per_token": 2},
-                           batch=16, steps=800, lr=3e-3, run_config=small_model(8), reference=Reference(4, 1.7331, 0.0064)),
+                           batch=16, steps=800, lr=3e-3, run_config=small_text_model(8), reference=Reference(4, 1.7331, 0.0064)),
     # 6.5x cpu-tiny's parameters (0.85M) at twice its steps: what a 2-core machine trains in minutes,
     # to see which way the gap to DDP moves with size (benchmarks/RESULTS.md)
     "cpu-small": Preset(model={**TINY, "hidden": 128, "layers": 4, "intermediate": 384},
-                        batch=16, steps=1600, lr=3e-3, run_config=small_model(8), reference=Reference(4, 1.5477, 0.0072)),
+                        batch=16, steps=1600, lr=3e-3, run_config=small_text_model(8), reference=Reference(4, 1.5477, 0.0072)),
     # GPU sizes: unchanged code, bigger configs. About 125M and 1.1B parameters (dense), 1.3B (MoE).
     "gpu-125m": Preset(model=dict(arch="llama", hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048,
                                   seq=1024, tokenizer="bpe", vocab=16384), batch=16, steps=20_000, lr=6e-4,
