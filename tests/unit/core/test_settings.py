@@ -112,14 +112,6 @@ def test_a_preset_is_its_changed_settings_and_they_survive_the_command_line(pres
     assert changed_settings(presets.paper()) == {"apply": "overwrite"}
 
 
-def test_the_small_text_model_preset_is_plain_averaging_with_rebase_and_the_vision_one_keeps_the_defaults():
-    # the text recipes' CPU settings differ from the ViT's by the outer step and the apply only
-    # (measured per model: benchmarks/RESULTS.md)
-    assert changed_settings(presets.small_text_model(8)) == {"num_fragments": 8, "outer_lr": 1.0, "outer_momentum": 0.0,
-                                                             "apply": "rebase"}
-    assert changed_settings(presets.small_model(8)) == {"num_fragments": 8}
-
-
 def test_the_low_bandwidth_preset_is_int2_both_ways_with_a_smaller_outer_step_where_the_base_has_momentum():
     assert changed_settings(presets.low_bandwidth()) == {"uplink_codec": "int2", "downlink_codec": "int2", "block_size": 128,
                                                          "outer_lr": 0.5}
