@@ -8,8 +8,8 @@ is still waiting in a round).
 - ``overwrite`` (paper): the global fragment replaces the local one; the island's progress since
   ``reference`` is dropped (what was sent is in the global model or in a round).
 - ``mix`` (Streaming DiLoCo): alpha * local + (1 - alpha) * global.
-- ``rebase``: global + (local - reference): the progress not yet merged is kept on top of the new
-  global value.
+- ``rebase``: global + keep * (local - reference): the progress not yet merged (a share ``keep`` of
+  it, kappa) is kept on top of the new global value.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lightning_diloco.core.config import APPLY_MODES
 
 
 def apply_global(mode: str, local: torch.Tensor | None, new_global: torch.Tensor, reference: torch.Tensor | None = None,
-                 *, alpha: float = 0.5) -> torch.Tensor:
+                 *, alpha: float = 0.5, keep: float = 1.0) -> torch.Tensor:
     """The island's new local fragment. ``local`` may be consumed, and the result can share memory
     with ``local`` or ``new_global``: copy it before changing it. ``local`` may be None where
     :func:`reads_local` says the mode does not need it."""
@@ -31,7 +31,8 @@ def apply_global(mode: str, local: torch.Tensor | None, new_global: torch.Tensor
         return local.mul_(alpha).add_(new_global, alpha=1.0 - alpha)
     if mode == "rebase":
         assert reference is not None, "rebase needs the reference the local progress is measured from"
-        return local.sub_(reference).add_(new_global)
+        local = local.sub_(reference)
+        return (local if keep == 1.0 else local.mul_(keep)).add_(new_global)
     raise ValueError(f"apply mode {mode!r} is not one of {', '.join(APPLY_MODES)}")
 
 

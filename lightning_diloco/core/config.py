@@ -58,6 +58,12 @@ class ScheduleConfig:
     docs/algorithm.md#applying-a-global-fragment); ``presets.paper()`` keeps the paper's rule."""
     mix_alpha: float = 0.5
     """alpha for ``apply='mix'``, in [0, 1): the weight kept by the local fragment."""
+    rebase_keep: float = 1.0
+    """kappa for ``apply='rebase'``, in [0, 1]: the share of the island's progress since its send
+    kept on top of the global fragment of that send's round, theta <- Theta_new + kappa * (theta -
+    theta_at_send). 1 keeps it all (rebase); 0 keeps none (the value ``overwrite`` gives); 1/M is
+    the eager update's share (Kale et al., arXiv 2502.12996). Progress on top of a version that
+    is not its round's (its send still waits in a round) is always kept whole."""
 
     def __post_init__(self) -> None:
         _check(self.num_fragments >= 1, f"num_fragments={self.num_fragments} must be >= 1; use 1 for classic DiLoCo")
@@ -74,6 +80,7 @@ class ScheduleConfig:
         )
         _check_choice("apply", self.apply, APPLY_MODES)
         _check(0.0 <= self.mix_alpha < 1.0, f"mix_alpha={self.mix_alpha} must be in [0, 1)")
+        _check(0.0 <= self.rebase_keep <= 1.0, f"rebase_keep={self.rebase_keep} must be in [0, 1]: the share of the progress kept")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -353,8 +353,10 @@ class IslandLearner:
         f = self.fragments[p]
         if a.base_version >= 0:  # a delta from the version this island holds: onto each rank's own part
             value = f.base + value
-        reference = f.flight.snapshot if (a.ends_flight and f.flight.snapshot is not None) else f.base
-        self.shards.apply(p, sched.apply, value, reference, alpha=sched.mix_alpha)
+        ends_send = a.ends_flight and f.flight.snapshot is not None
+        reference = f.flight.snapshot if ends_send else f.base
+        # kappa applies to the progress since a merged send; progress on an older version is all unmerged
+        self.shards.apply(p, sched.apply, value, reference, alpha=sched.mix_alpha, keep=sched.rebase_keep if ends_send else 1.0)
         self.staleness = f.applied(value, a.version, sched.apply, a.ends_flight)
         self.merged_any = self.merged_any or a.included
         self._count("applied" if a.ends_flight else "received")

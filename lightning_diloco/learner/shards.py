@@ -94,7 +94,8 @@ class IslandShards:
         assert start == flat.numel(), f"{flat.numel()=} != {start=}"
 
     @torch.no_grad()
-    def apply(self, p: int, mode: str, new_global: torch.Tensor, reference: torch.Tensor | None, *, alpha: float) -> None:
+    def apply(self, p: int, mode: str, new_global: torch.Tensor, reference: torch.Tensor | None, *, alpha: float,
+              keep: float = 1.0) -> None:
         """Take the global fragment ``new_global`` into this rank's part of fragment ``p`` with apply
         ``mode`` (:func:`~lightning_diloco.core.apply.apply_global`; ``reference`` as there; all
         flat fp32 host tensors of this rank's part), tensor by tensor where the parameters live."""
@@ -108,7 +109,7 @@ class IslandShards:
             end = start + local.numel()
             current = local.to(self.staging.dtype) if reads_local(mode) else None  # fp32 parameters: themselves
             out = apply_global(mode, current, new_global[start:end].view(local.shape),
-                               None if reference is None else reference[start:end].view(local.shape), alpha=alpha)
+                               None if reference is None else reference[start:end].view(local.shape), alpha=alpha, keep=keep)
             if out is not local:
                 local.copy_(out)
             start = end

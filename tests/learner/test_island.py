@@ -21,9 +21,9 @@ from tests.learner.service_link import ServiceLink
 WAIT_S = 120
 
 
-def _config(P=2, H=4, tau=1, apply="overwrite", alpha=0.5, lr=1.0, momentum=0.0, quorum=1):
+def _config(P=2, H=4, tau=1, apply="overwrite", alpha=0.5, lr=1.0, momentum=0.0, quorum=1, keep=1.0):
     return RunConfig(
-        schedule=ScheduleConfig(num_fragments=P, sync_every=H, overlap_steps=tau, apply=apply, mix_alpha=alpha),
+        schedule=ScheduleConfig(num_fragments=P, sync_every=H, overlap_steps=tau, apply=apply, mix_alpha=alpha, rebase_keep=keep),
         merge=MergeConfig(grace_gamma=0.0, min_quorum=quorum),
         outer=OuterConfig(lr=lr, momentum=momentum),
         codec=CodecConfig(uplink="fp32", downlink="fp32"),
@@ -118,8 +118,9 @@ def test_mix_blends_local_and_global(islands):
     assert torch.allclose(flatten_fragment(params), 0.25 * local + 0.75 * global_value, atol=1e-6)
 
 
-def test_rebase_keeps_the_progress_made_since_the_snapshot(islands):
-    config = _config(P=1, H=4, tau=2, apply="rebase", lr=0.5)
+@pytest.mark.parametrize("keep", [1.0, 0.25, 0.0])
+def test_rebase_keeps_its_share_of_the_progress_made_since_the_snapshot(islands, keep):
+    config = _config(P=1, H=4, tau=2, apply="rebase", lr=0.5, keep=keep)
     learner, link, params, service = islands(config)
     for _ in range(4):
         _step(learner, params)  # sent after step 4
@@ -127,7 +128,7 @@ def test_rebase_keeps_the_progress_made_since_the_snapshot(islands):
     for _ in range(2):
         _step(learner, params)  # applied after step 6
     global_value = service.pull(0)[1]
-    assert torch.allclose(flatten_fragment(params), global_value + 0.02, atol=1e-6)
+    assert torch.allclose(flatten_fragment(params), global_value + keep * 0.02, atol=1e-6)
     assert learner.fragments[0].steps == 2  # the two steps since the snapshot still count
 
 
