@@ -148,6 +148,11 @@ class OuterConfig:
     """Outer momentum in [0, 1) (paper 0.9)."""
     nesterov: bool = True
     """Nesterov momentum (paper). Ignored when momentum is 0."""
+    delayed_nesterov: bool = False
+    """Delayed Nesterov (Liu et al., arXiv 2401.09135): a round merging k of the N islands taking
+    part moves the fragment by lr * k/N of its outer gradient, and the momentum is updated and
+    applied once per N contributions, from their average. Equal to the Nesterov step when every
+    round holds every island. Ignored when momentum is 0."""
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.lr) and self.lr > 0, f"outer lr={self.lr} must be a positive finite number")

@@ -50,7 +50,7 @@ class FragmentState:
         self.published = None if self.downlink_codec.lossless else PublishedChain(self.value, version, self.downlink_codec, self.depth)
         self._deltas: dict[int, torch.Tensor] = {}  # fp32 downlink: base version -> current value - base, once per version
 
-    def apply(self, outer_gradient: torch.Tensor) -> int | None:
+    def apply(self, outer_gradient: torch.Tensor, share: float = 1.0) -> int | None:
         """One outer step; publishes and returns the new version. Keeps what the last S versions
         (the ``history`` setting, whatever the number of islands: keeping one per member
         measured 2 GB after 2,000 made-up joins) need to be sent the new one as deltas: the exact
@@ -60,11 +60,11 @@ class FragmentState:
         A step that would make the value or the momentum non-finite, or that a lossy downlink
         cannot carry (a value near fp32's largest), is not taken: the state stays exactly as it
         was and None is returned. Any other error in the step also leaves the state as it was.
+        ``share``: the part of the islands taking part that the step merged (the outer optimizer's).
         """
-        momentum = self.outer.momentum_buffer
-        saved = (self.value.clone(), None if momentum is None else momentum.clone())
+        saved = (self.value.clone(), self.outer.state_dict())
         try:
-            self.outer.step(outer_gradient)
+            self.outer.step(outer_gradient, share)
             momentum = self.outer.momentum_buffer
             if not (all_finite(self.value) and (momentum is None or all_finite(momentum))):
                 raise NonFiniteError("the outer step is not finite")
@@ -75,7 +75,7 @@ class FragmentState:
             # any error, not only a step that is not finite, leaves the state as it was: the
             # round's closer looks again after an error and must not step twice (closers.py)
             self.value.copy_(saved[0])
-            self.outer.momentum_buffer = saved[1]
+            self.outer.load_state_dict(saved[1])
             if isinstance(err, NonFiniteError):
                 return None
             raise
@@ -112,7 +112,7 @@ class FragmentState:
         return {
             "version": self.version,
             "history": dict(self.history),
-            "momentum": self.outer.momentum_buffer,
+            **self.outer.state_dict(),  # the momentum, and the delayed form's gathered part
             "next_round": self.next_round,
             "published": None if self.published is None else self.published.state_dict(),
         }
@@ -124,7 +124,7 @@ class FragmentState:
         self.version = version
         self.history = {v: t.clone() for v, t in history.items() if self.published is None or v == version}
         self.value.copy_(history[version])
-        self.outer.momentum_buffer = state["momentum"]
+        self.outer.load_state_dict(state)
         self.next_round = int(state.get("next_round", -1))
         self._deltas.clear()
         if self.published is not None:  # none saved before chains existed: islands are sent whole values once

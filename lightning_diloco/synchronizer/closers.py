@@ -104,16 +104,16 @@ class Closers:
         live = self.membership.live(now)
         decision = rounds.decide(now, live, self.membership.step_time(live), self.sync_time, self.quorum())
         if decision.close:
-            self._close(rounds, decision.reason, now)
+            self._close(rounds, decision.reason, now, taking_part=len(live | rounds.islands()))
             return 0.0
         if decision.deadline is None:  # not open, or short of quorum: waits for a push
             return IDLE_WAIT
         # in the grace window an island's death may close the round early: look at liveness often
         return min(max(0.0, decision.deadline - now), CLOSER_TICK)
 
-    def _close(self, rounds: FragmentRounds, reason: str, now: float) -> None:
+    def _close(self, rounds: FragmentRounds, reason: str, now: float, taking_part: int) -> None:
         started = time.perf_counter()
-        closed = rounds.close(now, reason)
+        closed = rounds.close(now, reason, taking_part=taking_part)
         elapsed = time.perf_counter() - started
         self.sync_time = elapsed if not self.sync_time else 0.8 * self.sync_time + 0.2 * elapsed
         if closed.dropped:

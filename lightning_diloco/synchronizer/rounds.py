@@ -266,8 +266,9 @@ class FragmentRounds:
         return decide(view, now, min_quorum=quorum, gamma=merge.grace_gamma, slack_steps=slack, step_time=step_time,
                       sync_time=sync_time)
 
-    def close(self, now: float, reason: str) -> ClosedRound:
-        """Merge every entry into one outer step and publish the new version.
+    def close(self, now: float, reason: str, taking_part: int | None = None) -> ClosedRound:
+        """Merge every entry into one outer step and publish the new version. ``taking_part``: the
+        islands live or in the round (the delayed Nesterov step's N; None: the round's own).
 
         Each entry is first bounded (core/guard.py: :meth:`InfluenceGuard.bound_round`). Should
         the step still not be finite, the entry with the longest outer gradient is left out and
@@ -294,7 +295,8 @@ class FragmentRounds:
             merge_outer_gradients([split_fragment(gradients[i], self.specs) for i in kept],
                                   [weights[i] for i in kept], [s.role for s in self.specs], self.config.merge.method,
                                   out=split_fragment(step, self.specs))
-            version = frag.apply(step)
+            merged_islands = {entries[i].island for i in kept}
+            version = frag.apply(step, share=min(1.0, len(merged_islands) / max(taking_part or 0, len(merged_islands))))
             if version is None:
                 kept.remove(max(kept, key=lambda i: entries[i].norm))
         grace = max(0.0, now - self.quorum_at) if self.quorum_at is not None else 0.0
