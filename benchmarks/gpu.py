@@ -37,6 +37,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -447,8 +448,10 @@ def run_parts(args, size: dict, figures: Figures, budget: Budget, tmp: Path) -> 
     results = figures.results
     blocked = ""
     if any(name in NEEDS_STACK for name in args.parts):
-        pre = results["preflight"] = preflight(args, budget, tmp)
+        started = time.monotonic()
+        pre = preflight(args, budget, tmp)
         results["versions"] = pre["versions"]
+        results["preflight"] = {"problems": pre["problems"], "seconds": round(time.monotonic() - started, 1)}
         figures.save()
         say("versions: " + ", ".join(f"{k} {v}" for k, v in pre["versions"].items()))
         if pre["problems"]:
@@ -532,12 +535,14 @@ def main(argv: list[str] | None = None) -> dict:
                            budget_s=args.budget_s, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     say(f"GPU check on {device} (torch {torch.__version__}){' at toy size' if args.smoke else ''}, parts {' '.join(args.parts)}, "
         f"budget {args.budget_s:.0f} s" + (f"; stopped {left} process(es) an earlier check left running" if left else ""))
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # a SIGTERM stops the children as SIGINT does
+    in_main = threading.current_thread() is threading.main_thread()  # only there can a signal handler be set
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None  # SIGTERM stops the children as SIGINT does
     try:
         with tempfile.TemporaryDirectory(prefix="diloco-gpu-") as tmp:
             run_parts(args, size, figures, budget, Path(tmp))
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
         figures.save()
     results = figures.results
     unfinished = [name for name in PARTS if name in results and ("error" in results[name] or "skipped" in results[name])]
