@@ -225,10 +225,10 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.service.admit_join(len(request.tensors))
         try:
             specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
-            # unset: a client of an older version, which never presents one (not checked, as in-process)
-            previous = request.previous_session if request.HasField("previous_session") else None
+            # unset is "": no session to present, as a new process (a join that left it out, once
+            # taken for an older client's and not checked, took a live island's slot: issue 48)
             reply = self.service.join(request.island, request.world_size, specs, num_islands=request.num_islands,
-                                      previous_session=previous)
+                                      previous_session=request.previous_session)
         except ValueError as err:  # a malformed spec, e.g. an unknown role
             raise self.service.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         return join_reply(reply, shard=self.service.shard, num_shards=self.service.num_shards)

@@ -210,9 +210,10 @@ class Synchronizer:
 
         ``num_islands``: the run's island count as the island was started with (0: not said);
         the first that says it fixes the run's, and another is refused naming both.
-        ``previous_session``: the session this client last had with this synchronizer ("": none);
-        None: not said (an in-process caller, or a client of an older version), not checked. A
-        join as an island another client is running as is refused (membership.py)."""
+        ``previous_session``: the session this client last had with this synchronizer ("": none,
+        also what a remote join that leaves it out is taken as); None: an in-process caller (the
+        embedded synchronizer's own island), not checked. A join as an island another client is
+        running as is refused (membership.py)."""
         problem = join_problem(island, world_size, num_islands)
         if problem:
             raise self.refuse(Reason.BAD_ISLAND, problem)

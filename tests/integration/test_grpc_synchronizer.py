@@ -690,20 +690,3 @@ def test_an_island_of_another_num_islands_stops_saying_both_values():
                 trainer(strategy, max_steps=2).fit(TinyRegressor(), loader(regression_data()))
     assert "(num_islands_mismatch)" in str(err.value)
     assert "island 1 was started with num_islands=3, but the run has num_islands=2" in str(err.value)
-
-
-def test_a_join_presenting_no_session_is_from_an_older_client_and_is_not_checked():
-    """Older clients never present a session: they join as before (a second process of theirs is
-    not detected); a client that presents one, even none yet (""), is checked."""
-    specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in SPECS]
-    with SynchronizerServer(Synchronizer(run_config())) as server, SynchronizerClient(server.address) as running:
-        running.join(0, 1, SPECS)
-        channel = grpc.insecure_channel(server.address)
-        try:
-            stub = pb_grpc.SynchronizerStub(channel)
-            with pytest.raises(grpc.RpcError) as err:
-                stub.Join(pb.JoinRequest(island=0, world_size=1, tensors=specs, previous_session=""), timeout=30)
-            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "island_running" in err.value.details()
-            assert stub.Join(pb.JoinRequest(island=0, world_size=1, tensors=specs), timeout=30).session
-        finally:
-            channel.close()
