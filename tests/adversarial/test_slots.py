@@ -11,6 +11,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.protocol import Contribution
+from lightning_diloco.synchronizer.credentials import island_credential
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -83,5 +84,43 @@ def test_a_join_without_a_previous_session_cannot_take_a_live_islands_slot(token
         for client in (honest, restarted):
             if client is not None:
                 client.close()
+        channel.close()
+        server.stop(grace=0)
+
+
+def test_one_islands_count_cannot_lock_the_others_out(tmp_path):
+    """Island 3 says 10000 first, island 0 says 1: neither count is the run's. The run's is the
+    one a quorum of its islands says (3 of 4 here), kept across a restart, and refuses only the
+    islands that said another."""
+    config = run_config(num_fragments=2, min_quorum=1)
+
+    def served():
+        return SynchronizerServer(Synchronizer(config, checkpoint_dir=tmp_path), token=TOKEN).start()
+
+    def join(stub, island: int, count: int):
+        md = [("authorization", f"Bearer {island_credential(TOKEN, island)}")]  # each with its own credential
+        return _raw_join(stub, md, island, num_islands=count, previous_session="")
+
+    server = served()
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = pb_grpc.SynchronizerStub(channel)
+        join(stub, 3, 10000)  # the squat: first to say a count
+        join(stub, 0, 1)  # and one that would leave only itself in the run
+        for island in (1, 2):  # the islands started with 4 are all let in
+            join(stub, island, 4)
+        assert server.service.num_islands == 0  # 2 of 4 say 4: no quorum yet, and no count refuses anyone
+        channel.close()
+        server.stop(grace=0)
+        server = served()  # a restart keeps the count the quorum agreed on (none yet: not the squat)
+        channel = grpc.insecure_channel(server.address)
+        stub = pb_grpc.SynchronizerStub(channel)
+        for island in range(4):
+            join(stub, island, 4)
+        assert server.service.num_islands == 4
+        with pytest.raises(grpc.RpcError) as err:  # now the squatter's own join is what is refused
+            join(stub, 3, 10000)
+        assert err.value.details().startswith("num_islands_mismatch"), err.value.details()
+    finally:
         channel.close()
         server.stop(grace=0)

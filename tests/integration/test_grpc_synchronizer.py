@@ -626,7 +626,7 @@ def test_a_second_process_as_a_running_island_is_refused_and_the_running_one_kee
 
 
 def test_an_island_started_with_another_num_islands_is_refused_naming_both_over_grpc():
-    with SynchronizerServer(Synchronizer(run_config())) as server:
+    with SynchronizerServer(Synchronizer(run_config(), num_islands=2)) as server:
         with SynchronizerClient(server.address) as first, SynchronizerClient(server.address) as other:
             first.join(0, 1, SPECS, num_islands=2)
             with pytest.raises(SynchronizerError) as err:
@@ -682,7 +682,7 @@ def test_an_island_of_another_num_islands_stops_saying_both_values():
     from lightning_diloco.learner.island_membership import RefusedByRun
     from tests.learner.models import TinyRegressor, loader, regression_data, trainer
 
-    with SynchronizerServer(Synchronizer(run_config(num_fragments=2))) as server:
+    with SynchronizerServer(Synchronizer(run_config(num_fragments=2), num_islands=2)) as server:
         with SynchronizerClient(server.address) as first:
             first.join(0, 1, tensor_specs(TinyRegressor()), num_islands=2)
             strategy = DecoupledDiLoCoStrategy(synchronizer=server.address, island=1, num_islands=3, join_wait=5)
