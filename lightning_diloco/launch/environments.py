@@ -29,7 +29,8 @@ def synchronizer_command(options: RunOptions, workdir: Path, port: int) -> list[
     """The started synchronizer's command line; writes the run settings it reads to ``workdir``."""
     cmd = [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--port", str(port),
            "--checkpoint-dir", str(workdir / "synchronizer"), "--checkpoint-every", str(options.checkpoint_every),
-           "--liveness-timeout", str(options.liveness_timeout)]
+           "--liveness-timeout", str(options.liveness_timeout),
+           "--num-islands", str(options.islands)]  # the run's count is the operator's, as the islands are told it
     if options.run_config is not None:
         config = workdir / "run-config.json"
         config.write_text(json.dumps(options.run_config.to_dict(), indent=2))

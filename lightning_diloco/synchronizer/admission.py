@@ -9,15 +9,20 @@ anything is bounded by what the run itself makes plausible, not only by its sign
 - Pushes (their round, counters, sequence numbers and every other rule a push is refused by):
   push_admission.py.
 - First contact: the first layout can be pinned by the operator (``--layout-hash``) instead of
-  adopted from whoever joins first, as can the island count (``--num-islands``), and a seed
-  (version 0, the first offer wins) must look like a model's weights: finite (codecs.py) and
-  below ``MAX_SEED_ABS`` in magnitude (a first seed of 3e38 became the global model).
+  adopted from whoever joins first, and a seed (version 0, the first offer wins) must look like a
+  model's weights: finite (codecs.py) and below ``MAX_SEED_ABS`` in magnitude (a first seed of
+  3e38 became the global model).
+- The island count is the operator's (``--num-islands``) or, without it, the one a quorum of
+  the run's islands was started with (:func:`count_agreed`), never one island's: the first
+  island to say a count used to fix it for the run and its checkpoint (island 3 joining first
+  with 10000 got islands 0-2, started with 4, refused; island 0 saying 1 locked out 1-3).
 - Schedule steps and step times: membership.py (a robust clock and a rate bound); wait times:
   server.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -43,13 +48,23 @@ def num_islands_problem(island: int, offered: int, run: int) -> str | None:
     not known; an older client sends none). Islands started with 2 and 3 were both accepted, and
     each took 1/num_islands of the data by its own count: their data shards overlapped."""
     if offered and run and offered != run:
-        return (f"island {island} was started with num_islands={offered}, but the run has num_islands={run} (its first "
-                f"island's, or the synchronizer's --num-islands); start every island of a run with the same num_islands "
+        return (f"island {island} was started with num_islands={offered}, but the run has num_islands={run} (the count "
+                f"a quorum of its islands was started with, or the synchronizer's --num-islands); start every island of a run with the same num_islands "
                 f"(DILOCO_NUM_ISLANDS), or start a new run (a new synchronizer) for {offered} islands")
     if run and island >= run:
         return (f"island {island} is not one of the run's num_islands={run} islands (0..{run - 1}); give it an index "
                 f"below {run} (DILOCO_ISLAND)")
     return None
+
+
+def count_agreed(stated: Mapping[int, int], count: int) -> bool:
+    """Whether a quorum of the run's islands says ``count``: of the islands ``stated`` holds the
+    count of (island -> the num_islands it was started with), more than half of the ``count``
+    islands 0..count-1, and at least two, were started with it. One island, or a minority, never
+    fixes the count (so a one-island run never does: it has no one to overlap with); once fixed,
+    an island started with another count is refused, so no two counts can both be the run's."""
+    votes = sum(1 for island, said in stated.items() if said == count and island < count)
+    return votes >= max(2, count // 2 + 1)
 
 
 def seed_problem(fragment: int, value: torch.Tensor) -> str | None:

@@ -47,7 +47,7 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout-hash", help="the run's model layout (its hash, as Status and the islands' logs show it): "
                         "a first island with another model is refused instead of adopted")
     parser.add_argument("--num-islands", type=int, help="the run's island count: an island started with another "
-                        "num_islands is refused (default: the first island's)")
+                        "num_islands is refused (default: the count a quorum of the islands is started with)")
     parser.add_argument("--liveness-timeout", type=float, default=LIVENESS_TIMEOUT, help="seconds of silence before an island is not waited for (default %(default)s)")
     add_token_arguments(parser, "shared secret islands must present")
     parser.add_argument("--tls-cert", help="PEM certificate file: serve TLS")

@@ -19,7 +19,9 @@ as any island: its later calls from the old session are answered as from an isla
 One process per island: a join as an island whose session was heard from within the last
 ``running_window`` seconds is refused (:class:`IslandRunning`) unless it comes from the client
 that holds that session (it presents it: a rejoin after the synchronizer forgot it, or after the
-shard was away). Two processes started with one index used to take the session from each other
+shard was away). A remote join that presents none is a new process, checked like any other (one
+taken for an older client's and let through took a live island's slot, and its heartbeats kept
+the island's own rejoin refused: 0 of 60 sends applied). Two processes started with one index used to take the session from each other
 on every call (``wrong_session`` both ways) and both trained as the same island. A crashed
 island's restart is let in once its old session has been silent that long.
 
@@ -110,8 +112,8 @@ class Membership:
         """Register (or re-register) an island starting at schedule step ``at_step`` (the run's
         step it is told); returns its new session. The old one ends.
 
-        ``previous_session``: the session the joining client last had ("": none, a new process);
-        None: not said (an in-process caller, or a client of an older version), not checked.
+        ``previous_session``: the session the joining client last had ("": none, a new process,
+        or a remote join that did not say); None: an in-process caller, not checked.
         IslandRunning when another client's session of the island is still heard from."""
         with self.lock:
             self._forget_silent(now)

@@ -9,7 +9,11 @@ read or copied; each stream that can last holds one of its island's few slots of
 (:class:`IslandStreams`: subscriptions, payload streams, pulls); a payload must arrive, and a
 pull's reply be read, within a deadline after which the stream is cancelled (deadlines.py); and
 calls that can hold a worker for long (subscriptions, pulls) leave ``RESERVE`` workers free for
-the rest.
+the rest, and subscriptions, which last as long as their island is connected, leave
+``PULL_RESERVE`` of the long-call workers to pulls and exports, each ended by its deadline
+(:class:`LongCalls`): without a token anyone may join as many islands, and 260 unread
+subscriptions of made-up islands took every long-call worker, so an honest island's pull was
+refused ``busy``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ log = logging.getLogger(__name__)
 
 MAX_DETAILS = 1000  # characters of a refusal's message sent back: it may quote client input
 RESERVE = 8  # workers kept free of long calls (subscriptions, pulls) for everything else
+PULL_RESERVE = 16  # long-call workers subscriptions never take: pulls (2 per island) and exports find one
 SUBSCRIPTIONS_PER_ISLAND = 2  # open streams of one island: its current one and the one it replaces
 PULLS_PER_ISLAND = 2  # an island pulls one fragment at a time (joining, ending); the second: a retry's overlap
 EXPORTS_AT_ONCE = 2  # the operator's export reads one fragment at a time; the second: a retry's overlap
@@ -130,21 +135,51 @@ class IslandStreams:
         return release
 
 
+class LongCalls:
+    """The workers calls that hold one for long may take, in two budgets: subscriptions all but
+    ``reserved`` of them, pulls and exports any free one. So no number of open subscriptions,
+    whoever holds them, gets a pull refused busy; what pulls hold ends by their deadlines."""
+
+    def __init__(self, workers: int, reserved: int) -> None:
+        self.workers, self.reserved = workers, reserved
+        self.lock = threading.Lock()
+        self.in_use = self.subscriptions = 0
+
+    def take(self, subscription: bool) -> Callable[[], None] | None:
+        """A worker, or None when its budget is spent; returns its release."""
+        with self.lock:
+            if self.in_use >= self.workers or (subscription and self.subscriptions >= self.workers - self.reserved):
+                return None
+            self.in_use += 1
+            self.subscriptions += subscription
+
+        def release() -> None:
+            with self.lock:
+                self.in_use -= 1
+                self.subscriptions -= subscription
+
+        return release
+
+
 class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     def __init__(self, service: Synchronizer, token: str | None = None, max_workers: int = 256) -> None:
         self.service, self.token = service, token
         # a call that holds its worker for long takes a slot; when none is left it is refused
         # at once, so Status, joins and pushes always find a worker
-        self.long_calls = threading.BoundedSemaphore(max(1, max_workers - RESERVE))
+        workers = max(1, max_workers - RESERVE)
+        self.long_calls = LongCalls(workers, reserved=min(PULL_RESERVE, workers // 2))
         self.streams = IslandStreams(service)
         self.deadlines = StreamDeadlines()
         self.downlink = DownlinkMessages()
 
     def _long_call(self, what: str):
-        if not self.long_calls.acquire(blocking=False):
-            raise self.service.refuse(Reason.BUSY, f"every worker for long calls is taken; the {what} is refused, retry later "
+        release = self.long_calls.take(subscription=what == "subscription")
+        if release is None:
+            share = (f"subscriptions may take (all but {self.long_calls.reserved}, kept for pulls)"
+                     if what == "subscription" else "long calls")
+            raise self.service.refuse(Reason.BUSY, f"every worker {share} is taken; the {what} is refused, retry later "
                                       "(or start the synchronizer with more --max-workers)")
-        return self.long_calls.release
+        return release
 
     def _island_long_call(self, island: int, kind: str, slots: int):
         """One of ``island``'s slots of ``kind``, then a long-call slot: its own first, so one
@@ -225,10 +260,10 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.service.admit_join(len(request.tensors))
         try:
             specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
-            # unset: a client of an older version, which never presents one (not checked, as in-process)
-            previous = request.previous_session if request.HasField("previous_session") else None
+            # unset is "": no session to present, as a new process (a join that left it out, once
+            # taken for an older client's and not checked, took a live island's slot: issue 48)
             reply = self.service.join(request.island, request.world_size, specs, num_islands=request.num_islands,
-                                      previous_session=previous)
+                                      previous_session=request.previous_session)
         except ValueError as err:  # a malformed spec, e.g. an unknown role
             raise self.service.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         return join_reply(reply, shard=self.service.shard, num_shards=self.service.num_shards)

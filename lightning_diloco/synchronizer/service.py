@@ -38,6 +38,7 @@ from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.admission import (
+    count_agreed,
     join_problem,
     layout_pin_problem,
     num_islands_problem,
@@ -79,7 +80,8 @@ class Synchronizer:
         shard, is refused naming both. None: the checkpoint's (or, starting afresh, a new one).
         ``layout_hash``: the run's layout, pinned: a first joiner (or a checkpoint) with another
         is refused instead of adopted. None: the first joiner's is adopted. ``num_islands``: the
-        run's island count, pinned the same way (None: the first island's that says one).
+        run's island count, pinned the same way (None: the count a quorum of the islands says,
+        admission.py's :func:`count_agreed`; no one island's).
 
         ``liveness_timeout``: seconds without a heartbeat (or any request) after which an island
         is no longer waited for. ``state``: start from this state (e.g. restored from an island's
@@ -106,7 +108,7 @@ class Synchronizer:
         try:
             loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
             restored = loaded if loaded is not None else state
-            # the run's island count, fixed by the operator or the first island that says it (0: not yet)
+            # the run's island count, fixed by the operator or a quorum of the islands (0: not yet)
             self.num_islands = pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0,
                                                   self.checkpoint_dir)
         except BaseException:
@@ -122,6 +124,7 @@ class Synchronizer:
         if self.directory_lock is not None:  # now with the run's id, for the message of a second one
             self.directory_lock.record(self.identity)
         self.layout_hash = layout_hash
+        self.stated_counts: dict[int, int] = {}  # island -> the num_islands it was started with, while the run's is not known
         sched = self.config.schedule
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
         self.rounds: dict[int, FragmentRounds] = {}
@@ -209,10 +212,12 @@ class Synchronizer:
         """Register an island; returns the run settings, layout hash, versions, run step and session.
 
         ``num_islands``: the run's island count as the island was started with (0: not said);
-        the first that says it fixes the run's, and another is refused naming both.
-        ``previous_session``: the session this client last had with this synchronizer ("": none);
-        None: not said (an in-process caller, or a client of an older version), not checked. A
-        join as an island another client is running as is refused (membership.py)."""
+        once the operator or a quorum of the islands fixed the run's (admission.py), another is
+        refused naming both; before that, none is.
+        ``previous_session``: the session this client last had with this synchronizer ("": none,
+        also what a remote join that leaves it out is taken as); None: an in-process caller (the
+        embedded synchronizer's own island), not checked. A join as an island another client is
+        running as is refused (membership.py)."""
         problem = join_problem(island, world_size, num_islands)
         if problem:
             raise self.refuse(Reason.BAD_ISLAND, problem)
@@ -236,9 +241,6 @@ class Synchronizer:
                 log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
             elif self.state.layout.hash != layout.hash:
                 raise self.refuse(Reason.LAYOUT_MISMATCH, layout_difference(self.state.layout, layout))
-            if num_islands and not self.num_islands:
-                self.num_islands = num_islands
-                log.info("the run has num_islands=%d, as its first island (%d) was started with", num_islands, island)
         now = self.clock()
         run_step = self.run_step(now)
         try:
@@ -247,8 +249,21 @@ class Synchronizer:
             raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
         except IslandRunning as running:
             raise self.refuse(Reason.ISLAND_RUNNING, running_message(running)) from None
+        if num_islands:
+            self._count_stated(island, num_islands)
         return JoinInfo(config=self.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
                         session=session, incarnation=self.incarnation)
+
+    def _count_stated(self, island: int, num_islands: int) -> None:
+        """A joined island said the count it was started with: the run's, once a quorum says it."""
+        with self.lock:
+            if self.num_islands:
+                return
+            self.stated_counts[island] = num_islands
+            if count_agreed(self.stated_counts, num_islands):
+                self.num_islands = num_islands
+                self.stated_counts.clear()
+                log.info("the run has num_islands=%d: a quorum of its islands was started with it", num_islands)
 
     def _fit_fragments(self, tensors: int) -> None:
         """The first island's model has fewer tensors than fragments asked for (tensors are never

@@ -6,10 +6,16 @@ merge, outer step), driven tick by tick on a fake clock so one seed reproduces a
 Honest islands train toward a common target (a fixed fraction of the way each step, with noise,
 as local training toward a shared minimum would), send their fragment when their schedule says,
 apply the new global version one step later, heartbeat every second and realign to the round
-requests the synchronizer hands them, as the learner does. Hostile islands hold their own
-credential and nothing more: each tick one may push (for any round, with any counters, any
-direction and size), heartbeat (any place, any step time), rejoin, or stay quiet, as a seeded
-random generator chooses.
+requests the synchronizer hands them, as the learner does; each holds the session its join
+was given and presents it, joining again (presenting its last one, as the client does) when a
+call is refused for its session. Every island joins as a remote one does (``previous_session``
+said) and says the run's island count. Hostile islands hold their own credential and nothing
+more: each tick one may push (for any round, with any counters, any direction and size),
+heartbeat (any place, any step time), rejoin, or stay quiet, as a seeded random generator
+chooses. Two moves need no credential of theirs: a join that leaves the session out (taken as
+none, "") as an honest island's index, the slot hijack of a run without a token (issue 48), and
+a squat of the island count (joining first, and again later, saying 1, 10000 or another wrong
+count); the islands join in a random order, hostile ones first as often as not.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
+from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments
@@ -60,6 +67,7 @@ class Honest:
     realigned_at: int | None = None
     seq: int = 0
     last_delta: torch.Tensor | None = None
+    session: str = ""
 
 
 @dataclass
@@ -75,6 +83,8 @@ class Report:
     """Entries in the largest round that waited."""
     largest_requests: int
     refused: dict[str, int] = field(default_factory=dict)
+    honest_joins_refused: int = 0
+    """Joins (first or again) of honest islands the synchronizer refused: a taken slot, a squatted count."""
 
 
 class Arena:
@@ -87,16 +97,28 @@ class Arena:
         start = initial_fragments(self.config)[0]
         self.numel = start.numel()
         self.target = start + 10.0 * torch.nn.functional.normalize(torch.randn(self.numel, generator=self.g), dim=0)
-        self.honest = []
-        for i in range(honest):
-            self.sync.join(i, 1, SPECS)
-            self.honest.append(Honest(i, 2 if i in slow else 1, start.clone(), start.clone(), 0))
-        self.sync.seed(0, 0, get_codec("fp32").encode(start))
+        self.num_islands = honest + hostile
+        self.honest = [Honest(i, 2 if i in slow else 1, start.clone(), start.clone(), 0) for i in range(honest)]
         self.hostile = list(range(honest, honest + hostile))
-        self.sessions = {i: self.sync.join(i, 1, SPECS).session for i in self.hostile}
+        self.sessions: dict[int, str] = {}
         self.hostile_seq = {i: 0 for i in self.hostile}
         self.tick_index = 0
-        self.clock_lead = self.largest_round = self.largest_requests = 0
+        self.clock_lead = self.largest_round = self.largest_requests = self.honest_joins_refused = 0
+        order = [("honest", h) for h in self.honest] + [("hostile", i) for i in self.hostile]
+        self.rng.shuffle(order)
+        for kind, who in order:
+            if kind == "honest":
+                self._honest_join(who)
+            else:
+                self._hostile_join(who, self.rng.choice(self._squat_counts(who)))
+        self.sync.seed(0, 0, get_codec("fp32").encode(start))
+
+    def _honest_join(self, h: Honest) -> None:
+        """As the client joins: the session it last had ("" the first time) and the run's count."""
+        try:
+            h.session = self.sync.join(h.island, 1, SPECS, num_islands=self.num_islands, previous_session=h.session).session
+        except Refusal:
+            self.honest_joins_refused += 1
 
     # ---- honest islands, as the learner behaves -----------------------------------------------
 
@@ -119,14 +141,27 @@ class Arena:
         if wanted > h.sent_round and h.apply_at is None:
             h.last_delta = h.local - h.base
             h.seq += 1
-            try:
-                self.sync.push(contribution(self.config, h.island, 0, h.last_delta, round=wanted, base_version=h.version,
-                                            seq=h.seq, tokens=TOKENS_PER_STEP * H, steps=H))
-            except Refusal:
-                pass
+            push = contribution(self.config, h.island, 0, h.last_delta, round=wanted, base_version=h.version, seq=h.seq,
+                                tokens=TOKENS_PER_STEP * H, steps=H)
+            self._honest_call(h, lambda: self.sync.push(replace(push, session=h.session)))
             h.sent_round, h.apply_at = wanted, h.steps + 1
         if self.tick_index % HEARTBEAT_EVERY == 0:
-            self.sync.heartbeat(h.island, h.steps, TICK_S * h.every, schedule_step=h.schedule_step)
+            self._honest_call(h, lambda: self.sync.heartbeat(h.island, h.steps, TICK_S * h.every,
+                                                             schedule_step=h.schedule_step, session=h.session))
+
+    def _honest_call(self, h: Honest, call) -> None:
+        """A call of the island's; refused for its session (its slot was taken), it joins again
+        and sends once more, as the client does."""
+        try:
+            call()
+        except Refusal as refusal:
+            if refusal.reason not in (Reason.WRONG_SESSION, Reason.NOT_JOINED):
+                return  # a refused push (late, superseded, ...) is the round's business
+            self._honest_join(h)
+            try:
+                call()
+            except Refusal:
+                pass
 
     # ---- hostile islands: a random choice each tick --------------------------------------------
 
@@ -151,8 +186,27 @@ class Arena:
             return mean - radius * scale * torch.nn.functional.normalize(mean, dim=0)
         return mean
 
+    def _squat_counts(self, island: int) -> tuple[int, ...]:
+        """Counts a hostile island may say: the run's, and wrong ones it can say (one above its index at least)."""
+        return (self.num_islands, 10_000, island + 1, max(island + 1, self.num_islands - 1), self.num_islands + 1)
+
+    def _hostile_join(self, island: int, count: int, *, as_island: int | None = None) -> None:
+        """A join saying ``count``: as itself presenting its own last session, or (``as_island``) as
+        an honest island's index leaving the session out (a remote join's unset is "")."""
+        try:
+            if as_island is None:
+                self.sessions[island] = self.sync.join(island, 1, SPECS, num_islands=count,
+                                                       previous_session=self.sessions.get(island, "")).session
+            else:
+                self.sync.join(as_island, 1, SPECS, num_islands=count, previous_session="")
+        except Refusal:
+            pass
+
     def _hostile_tick(self, island: int) -> None:
-        action = self.rng.choice(("push", "push", "heartbeat", "quiet", "quiet", "rejoin"))
+        action = self.rng.choice(("push", "push", "heartbeat", "quiet", "quiet", "rejoin", "hijack", "squat"))
+        if island not in self.sessions:  # its first join was refused (a count it may not say): as itself again
+            self._hostile_join(island, self.num_islands)
+            return
         try:
             if action == "push":
                 self._hostile_push(island)
@@ -162,7 +216,11 @@ class Arena:
                 self.sync.heartbeat(island, self.rng.choice((0, 10**12)), step_time, schedule_step=place,
                                     session=self.sessions[island])
             elif action == "rejoin" and self.rng.random() < 0.05:
-                self.sessions[island] = self.sync.join(island, 1, SPECS).session
+                self._hostile_join(island, self.num_islands)
+            elif action == "hijack":
+                self._hostile_join(island, self.num_islands, as_island=self.rng.choice(self.honest).island)
+            elif action == "squat" and self.rng.random() < 0.2:
+                self._hostile_join(island, self.rng.choice(self._squat_counts(island)))
         except Refusal:
             pass
 
@@ -201,7 +259,8 @@ class Arena:
                       versions=self.sync.versions()[0],
                       merged={h.island: status.islands[h.island].accepted for h in self.honest},
                       clock_lead=self.clock_lead, largest_round=self.largest_round,
-                      largest_requests=self.largest_requests, refused=dict(status.refused))
+                      largest_requests=self.largest_requests, refused=dict(status.refused),
+                      honest_joins_refused=self.honest_joins_refused)
 
     def _observe(self) -> None:
         furthest_own = max(h.steps for h in self.honest)
@@ -234,12 +293,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="0: rounds close at their first send; 0.5: the library's window (default %(default)s)")
     args = p.parse_args(argv)
     for honest, hostile in MIXES:
-        ratios = {seed: Arena(honest, hostile, seed, grace_gamma=args.grace_gamma).run(args.ticks).distance
-                  / honest_distance(honest, seed, args.ticks, grace_gamma=args.grace_gamma) for seed in range(args.seeds)}
+        reports = {seed: Arena(honest, hostile, seed, grace_gamma=args.grace_gamma).run(args.ticks) for seed in range(args.seeds)}
+        ratios = {seed: r.distance / honest_distance(honest, seed, args.ticks, grace_gamma=args.grace_gamma)
+                  for seed, r in reports.items()}
         ordered = sorted(ratios.values())
         worst = max(ratios, key=ratios.__getitem__)
+        locked_out = sum(r.honest_joins_refused > 0 for r in reports.values())
         print(f"{honest} honest + {hostile} hostile: model distance / honest-only, median {ordered[len(ordered) // 2]:.2f}x, "
-              f"worst {ratios[worst]:.2f}x (seed {worst})")
+              f"worst {ratios[worst]:.2f}x (seed {worst}); runs with an honest join refused: {locked_out}")
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,8 @@ over seeded random adversaries (arena.py) rather than against a list of attacks.
 Each case draws, tick by tick, the hostile islands' rounds (their own, the fragment's next, a few
 ahead, 2**40), counters (honest, 1e15 tokens in one step, 10**6 steps), direction (sign flip,
 "away" inside the honest spread, noise, ALIE, min-max) and size (1x to 100x), heartbeats (place 0,
-the honest one, 2**62; step time 1e-9, honest, 1e9) and rejoins. Budget: 5 cases of each of 5
+the honest one, 2**62; step time 1e-9, honest, 1e9), rejoins, joins as an honest island with no
+session and joins saying a wrong island count. Budget: 5 cases of each of 5
 mixes of honest and hostile islands, 300 ticks (about 75 rounds) each, about 10 s in all; once with
 rounds closing at their first send, once with the library's grace window (half the fragment's
 round: over 20 seeds, one hostile of four moved the model 1.15x the honest-only distance at the
@@ -20,7 +21,10 @@ Invariants, for every case:
 - the run's clock is never more than one round (H) ahead of the furthest honest island's own
   steps (before: 2,336-4,660 steps of clock for about 350 inner steps);
 - honest islands' contributions keep being merged, to the end of the run;
-- a round holds at most one entry per island, an island at most one pending request per fragment.
+- a round holds at most one entry per island, an island at most one pending request per fragment;
+- no honest island's join is refused: hostile islands that join first with a wrong count, or as
+  an honest island's index with no session (arena.py), lock no one out (before issue 48's
+  quorum rule the first island's count was the run's).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ def test_no_hostile_mix_breaks_the_runs_invariants(honest, hostile, seed, grace_
     assert report.clock_lead <= H, report
     assert all(report.merged[i] > first_half[i] for i in first_half), (first_half, report.merged)
     assert report.largest_round <= honest + hostile and report.largest_requests <= 1, report
+    assert report.honest_joins_refused == 0, report  # no slot taken, no count squatted
 
 
 def test_the_round_lead_attack_moves_neither_the_clock_nor_the_model():

@@ -67,6 +67,32 @@ def test_one_islands_subscriptions_cannot_take_the_slots_of_the_others(target):
         attacker.close()
 
 
+def test_other_islands_unread_subscriptions_cannot_get_an_honest_pull_refused_busy(target):
+    """No token: anyone may join as any number of islands, each with its 2 subscription slots.
+    Unread subscriptions of enough made-up islands used to take every long-call worker (260 at
+    the default 256 workers), and the honest island's pull was refused busy."""
+    stub = target.stub()
+    specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in SPECS]
+    calls = []
+    try:
+        for i in range(1, 21):  # 20 subscriptions: more than the 16 long-call workers of this server
+            session = stub.Join(pb.JoinRequest(island=i, world_size=1, tensors=specs, previous_session=""), timeout=5).session
+            calls.append(stub.Subscribe(pb.SubscribeRequest(island=i, session=session), timeout=60))
+        for c in calls:  # each has been answered (served, or refused busy) before the honest pull
+            try:
+                next(c)
+            except grpc.RpcError:
+                pass
+        assert any(c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in calls)  # the subscriptions' share is full
+        for fragment in (0, 1):  # the honest island pulls, twice over, and is served each time
+            for _ in range(2):
+                assert target.honest.pull(fragment)[0] == 0
+        target.answers_status_promptly()
+    finally:
+        for c in calls:
+            c.cancel()
+
+
 def test_version_history_is_bounded_by_the_setting_not_by_islands_that_joined(target):
     stub = target.stub()
     specs = [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype, role=s.role) for s in SPECS]

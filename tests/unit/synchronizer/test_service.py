@@ -283,10 +283,15 @@ def test_a_closer_that_keeps_failing_backs_off_however_many_pushes_notify_it():
 
 def test_an_island_started_with_another_num_islands_is_refused_naming_both_also_after_a_restart(tmp_path):
     """Islands started with num_islands 2 and 3 were both accepted, and each took 1/num_islands
-    of the data by its own count: their shards overlapped. The first island's count is the run's."""
+    of the data by its own count: their shards overlapped. The count a quorum of the islands says
+    is the run's (one island's alone refuses no one: tests/adversarial/test_slots.py)."""
     config = run_config()
     sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
     sync.join(0, 1, SPECS, num_islands=2)
+    sync.join(1, 1, SPECS, num_islands=3)  # no count is the run's yet: neither refuses the other
+    assert sync.num_islands == 0
+    sync.join(1, 1, SPECS, num_islands=2)  # 2 of 2 say 2: the run's
+    assert sync.num_islands == 2
     with pytest.raises(Refusal) as err:
         sync.join(1, 1, SPECS, num_islands=3)
     assert err.value.reason == "num_islands_mismatch"

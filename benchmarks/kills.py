@@ -1,0 +1,167 @@
+"""Versions handed out against versions resumed, over SIGKILLs of the synchronizer in a row.
+
+    python -m benchmarks.kills [--kills 8] [--numel 65536] [--run-s 3] [--window-s 5]
+
+One synchronizer process on loopback (``--checkpoint-every 1``, 2 fragments of ``--numel``
+floats each, quorum 1, no grace window) and 2 islands as threads of this process, each pulling a
+fragment, pushing for the next round and pulling again, as fast as the synchronizer answers. Each
+cycle runs the load ``--run-s`` seconds, SIGKILLs the synchronizer, restarts it on the same port
+and reads the versions it resumed at; a version an island was given (a pull's answer) that the
+restarted one does not have is lost. Then the outer steps the run makes in ``--window-s`` seconds
+after the restart, against the same window before the kill. Prints one line per kill and a sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.fragments import TensorSpec, build_layout
+from lightning_diloco.core.protocol import Contribution
+from lightning_diloco.transport.client import SynchronizerClient
+
+ISLANDS = 2
+
+
+def _start(directory: str, port: str) -> tuple[subprocess.Popen, str, dict[int, int]]:
+    """The process, its address and the versions it resumed at (its log says them before it listens)."""
+    cmd = [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--host", "127.0.0.1", "--port", port,
+           "--checkpoint-dir", directory, "--checkpoint-every", "1", "--num-fragments", "2", "--sync-every", "4",
+           "--overlap-steps", "1", "--min-quorum", "1", "--grace-gamma", "0", "--uplink-codec", "fp32",
+           "--downlink-codec", "fp32", "--liveness-timeout", "5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    resumed: dict[int, int] = {}
+    for line in proc.stdout:
+        found = re.search(r"resumed run .* \(versions (\{.*?\})\)", line)
+        if found:
+            resumed = {int(k): v for k, v in ast.literal_eval(found[1]).items()}
+        if line.startswith("synchronizer listening on "):
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+            return proc, line.split()[-1], resumed
+    raise RuntimeError(f"the synchronizer did not start (exit {proc.wait()})")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+class Load:
+    """The islands' threads: what each fragment's highest version handed out is, and how many sends failed."""
+
+    def __init__(self, address: str, specs: list[TensorSpec], numel: list[int]) -> None:
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.seen = {0: 0, 1: 0}
+        self.failed = 0
+        self.layout_hash = build_layout(specs, 2).hash
+        self.clients = [SynchronizerClient(address, max_retries=60, backoff=0.05, max_backoff=0.5) for _ in range(ISLANDS)]
+        self.specs, self.numel = specs, numel
+        self.threads = [threading.Thread(target=self._island, args=(i,), name=f"diloco-bench-kills-{i}") for i in range(ISLANDS)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+        for c in self.clients:
+            c.close()
+
+    def _island(self, i: int) -> None:
+        client, seq, named = self.clients[i], 0, 0
+        payloads = [get_codec("fp32").encode(torch.full((n,), 1e-3)) for n in self.numel]
+        while not self.stop.is_set():
+            p = seq % 2
+            try:
+                version, _ = client.pull(p)
+                with self.lock:
+                    self.seen[p] = max(self.seen[p], version)
+                seq += 1
+                ack = client.push(Contribution(island=i, fragment=p, round=max(version + 1, named), base_version=version,
+                                               tokens=100.0, steps=4, codec="fp32", seq=seq, payload=payloads[p],
+                                               layout_hash=self.layout_hash))
+                named = ack.round + (0 if ack.late else 1)
+            except Exception:  # noqa: BLE001 - counted: a send may meet the kill
+                if self.stop.is_set():
+                    return
+                with self.lock:
+                    self.failed += 1
+                if client.shard_sessions.absent(0):  # it gave up on the synchronizer: join again once it is back
+                    try:
+                        client.join(i, 1, self.specs, num_islands=ISLANDS, patience=60)
+                    except Exception:  # noqa: BLE001 - counted, tried again at the next send
+                        self.stop.wait(0.1)
+
+
+def _outer_steps(address: str) -> int:
+    with SynchronizerClient(address, max_retries=20, backoff=0.1) as c:
+        return c.status().outer_steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kills", type=int, default=8)
+    p.add_argument("--numel", type=int, default=65536, help="floats per fragment (default %(default)s)")
+    p.add_argument("--run-s", type=float, default=3.0, help="seconds of load before each kill (default %(default)s)")
+    p.add_argument("--window-s", type=float, default=5.0, help="seconds the outer steps are counted over (default %(default)s)")
+    args = p.parse_args(argv)
+    specs = [TensorSpec(name=f"w{i}", shape=(args.numel,), dtype="float32", role="dense") for i in range(2)]
+    directory = tempfile.TemporaryDirectory(prefix="diloco-bench-kills-")
+    proc, address, _ = _start(directory.name, "0")
+    port = address.rsplit(":", 1)[1]
+    load = Load(address, specs, [args.numel, args.numel])
+    try:
+        for i, client in enumerate(load.clients):
+            client.join(i, 1, specs, num_islands=ISLANDS)
+        for f in range(2):
+            load.clients[0].seed(0, f, torch.zeros(args.numel))
+        load.start()
+        total_lost, lossy = 0, 0
+        for k in range(args.kills):
+            time.sleep(max(0.0, args.run_s - args.window_s))
+            before_start = _outer_steps(address)
+            time.sleep(args.window_s)
+            before = _outer_steps(address) - before_start
+            with load.lock:
+                failed_before = load.failed
+            _kill(proc)
+            with load.lock:
+                handed = dict(load.seen)
+            proc, _, resumed = _start(directory.name, port)
+            after_start = _outer_steps(address)
+            lost = {f: max(0, handed[f] - resumed.get(f, 0)) for f in range(2)}
+            with load.lock:  # versions handed out from now on are the restarted synchronizer's
+                load.seen = {f: resumed.get(f, 0) for f in range(2)}
+            time.sleep(args.window_s)
+            after = _outer_steps(address) - after_start
+            with load.lock:
+                failed = load.failed - failed_before
+            total_lost += sum(lost.values())
+            lossy += any(lost.values())
+            print(f"kill {k + 1}: handed out {handed}, resumed at {resumed}, lost {sum(lost.values())}; outer steps in "
+                  f"{args.window_s:g} s before the kill {before}, after the restart {after}; failed sends {failed}", flush=True)
+        print(f"{args.kills} kills: {lossy} lost versions handed out, {total_lost} in all")
+    finally:
+        load.close()
+        _kill(proc)
+        directory.cleanup()
+
+
+if __name__ == "__main__":
+    main()
