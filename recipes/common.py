@@ -25,7 +25,14 @@ from typing import Any
 from lightning_diloco.core import presets
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.protocol import SynchronizerStatus
-from lightning_diloco.core.settings import add_setting_arguments, changed_settings, config_with, given_settings
+from lightning_diloco.core.settings import (
+    add_setting_arguments,
+    changed_settings,
+    config_with,
+    given_settings,
+    setting_flags,
+    value_of,
+)
 from lightning_diloco.learner.collective import leave_process_group
 
 PROGRESS_EVERY_S = 5.0  # a progress line this often; each process's output in OUT/run/*.log (--verbose: all of it)
@@ -41,27 +48,75 @@ class Preset:
     lr: float
     run_config: RunConfig = field(default_factory=presets.paper)
     """Decoupled DiLoCo's settings for this size; the command line's win."""
-    reference: Reference | None = None
-    """DDP's figure at this preset's steps, batch and lr (README's results table)."""
+    references: tuple[Reference, ...] = ()
+    """The figures recorded at this preset's steps, batch and lr for the arms a run is put beside."""
     note: str = ""
+
+    def reference(self, arm: Arm) -> Reference | None:
+        return next((r for r in self.references if r.arm is arm), None)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What a Decoupled DiLoCo run is put beside: its name in the summary (``{processes}``: M x
+    devices), the flags that turn the run's command into it, and whether a figure recorded at a
+    preset's settings needs the run's H and P to be the preset's as well."""
+
+    name: str
+    label: str
+    flags: Callable[[argparse.Namespace], list[str]]
+    same_schedule: bool = False
+
+
+def synchronous_settings(islands: int) -> dict[str, Any]:
+    """Synchronous DiLoCo: every island in every round (quorum M), the apply at the send (no
+    overlap, so the training loop waits for the round), plain averaging of exact (fp32) fragments."""
+    return {"overlap_steps": 0, "min_quorum": islands, "outer_lr": 1.0, "outer_momentum": 0.0, "apply": "overwrite",
+            "uplink_codec": "fp32", "downlink_codec": "fp32"}
+
+
+DDP = Arm("ddp", "DDP, {processes} processes", lambda args: ["--strategy", "ddp"])
+SYNCHRONOUS = Arm("synchronous", "synchronous DiLoCo (same H, P, M; blocking)",
+                  lambda args: setting_flags(synchronous_settings(args.islands)), same_schedule=True)
+ARMS = (DDP, SYNCHRONOUS)
+"""The arms a run's summary names, in its order: the gap to DDP, then how much of it the algorithm
+itself has at this size (synchronous DiLoCo at the same H, P and M) and how much is asynchrony."""
+
+REFERENCE_CURVES = Path(__file__).parent / "references"
 
 
 @dataclass(frozen=True)
 class Reference:
-    """DDP over ``processes`` processes at a preset's own model, steps, batch and lr: the mean and
-    standard deviation of its final metric over ``seeds`` seeds, as the README's results table gives it."""
+    """An arm's recorded figure at a preset's own model, steps, batch and lr on ``processes``
+    processes: the mean and standard deviation of its final metric over ``seeds`` seeds, where
+    that is written down, and optionally its eval curve (``curve``: a CSV in recipes/references/,
+    mean and std over seeds of the metric against tokens, its header saying how it was measured)."""
 
+    arm: Arm
     processes: int
     mean: float
     std: float
     seeds: int = 3
+    recorded_in: str = "README's results table"
+    curve: str | None = None
 
     def applies(self, recipe: Recipe, args: argparse.Namespace) -> bool:
-        """Whether ``args`` train what the reference trained: the preset as it is, on as many processes."""
+        """Whether ``args`` train what the reference trained: the preset as it is, on as many
+        processes (and for a synchronous reference, at the preset's H and P)."""
         preset = recipe.presets[args.preset]
         same_model = all(getattr(args, k, v) == v for k, v in preset.model.items()) and getattr(args, "dataset", None) is None
+        same_schedule = not self.arm.same_schedule or all(
+            value_of(config_with(given_settings(args)), name) == value_of(preset.run_config, name)
+            for name in ("sync_every", "num_fragments"))
         return (args.islands * args.devices == self.processes and (args.steps, args.batch, args.lr) ==
-                (preset.steps, preset.batch, preset.lr) and same_model)
+                (preset.steps, preset.batch, preset.lr) and same_model and same_schedule)
+
+    def curve_points(self) -> list[dict[str, float]]:
+        """The recorded curve's rows (``tokens``, the metric, its ``std``); none without a curve."""
+        if self.curve is None:
+            return []
+        with open(REFERENCE_CURVES / self.curve) as f:
+            return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(line for line in f if not line.startswith("#"))]
 
 
 @dataclass

@@ -22,19 +22,22 @@ if __package__ in (None, ""):  # run as a file: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_diloco.core.presets import large_model, small_text_model  # noqa: E402
-from recipes.common import Preset, Recipe, Reference, cosine_with_warmup  # noqa: E402
+from recipes.common import DDP, SYNCHRONOUS, Preset, Recipe, Reference, cosine_with_warmup  # noqa: E402
 from recipes.common import main as run_recipe
 
 TINY = dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=192, seq=64, tokenizer="byte")
 PRESETS = {
-    # P = 8 fragments: the model has 21 tensors
-    "cpu-tiny": Preset(model=TINY, batch=16, steps=800, lr=3e-3, run_config=small_text_model(8), reference=Reference(4, 1.7532, 0.0065)),
+    # P = 8 fragments: the model has 21 tensors. References: DDP's curve recipes/references/; the
+    # synchronous figure is benchmarks/RESULTS.md's real main job at H = 24, P = 8, M = 4 (2026-11-27)
+    "cpu-tiny": Preset(model=TINY, batch=16, steps=800, lr=3e-3, run_config=small_text_model(8), references=(
+        Reference(DDP, 4, 1.7532, 0.0065, curve="text_lm-cpu-tiny-ddp.csv"),
+        Reference(SYNCHRONOUS, 4, 1.8260, 0.0095, recorded_in="benchmarks/RESULTS.md"))),
     "cpu-tiny-moe": Preset(model={**TINY, "arch": "mixtral", "intermediate": 96, "experts": 4, "experts_per_token": 2},
-                           batch=16, steps=800, lr=3e-3, run_config=small_text_model(8), reference=Reference(4, 1.7331, 0.0064)),
+                           batch=16, steps=800, lr=3e-3, run_config=small_text_model(8), references=(Reference(DDP, 4, 1.7331, 0.0064),)),
     # 6.5x cpu-tiny's parameters (0.85M) at twice its steps: what a 2-core machine trains in minutes,
     # to see which way the gap to DDP moves with size (benchmarks/RESULTS.md)
     "cpu-small": Preset(model={**TINY, "hidden": 128, "layers": 4, "intermediate": 384},
-                        batch=16, steps=1600, lr=3e-3, run_config=small_text_model(8), reference=Reference(4, 1.5477, 0.0072)),
+                        batch=16, steps=1600, lr=3e-3, run_config=small_text_model(8), references=(Reference(DDP, 4, 1.5477, 0.0072),)),
     # GPU sizes: unchanged code, bigger configs. About 125M and 1.1B parameters (dense), 1.3B (MoE).
     "gpu-125m": Preset(model=dict(arch="llama", hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048,
                                   seq=1024, tokenizer="bpe", vocab=16384), batch=16, steps=20_000, lr=6e-4,

@@ -19,13 +19,13 @@ if __package__ in (None, ""):  # run as a file: make `recipes` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_diloco.core.presets import large_model, small_model  # noqa: E402
-from recipes.common import Preset, Recipe, Reference, cosine_with_warmup  # noqa: E402
+from recipes.common import DDP, Preset, Recipe, Reference, cosine_with_warmup  # noqa: E402
 from recipes.common import main as run_recipe
 
 TINY_VIT = dict(arch="vit", hidden=64, layers=2, heads=4, intermediate=128, patch=7, image=28)
 PRESETS = {
     # the text sweep's best setting (docs/recipes.md#choosing-the-settings-the-sweep-text-dense-cpu-tiny); the ViT has 40 tensors
-    "cpu-tiny": Preset(model=TINY_VIT, batch=32, steps=600, lr=2e-3, run_config=small_model(8), reference=Reference(4, 0.8312, 0.0065)),
+    "cpu-tiny": Preset(model=TINY_VIT, batch=32, steps=600, lr=2e-3, run_config=small_model(8), references=(Reference(DDP, 4, 0.8312, 0.0065),)),
     "cpu-tiny-cnn": Preset(model={**TINY_VIT, "arch": "cnn", "hidden": 32}, batch=32, steps=600, lr=2e-3,
                            run_config=small_model(4)),  # 8 tensors
     # GPU sizes, same code: ViT-S/4 (about 21M parameters) and ViT-B/4 (about 86M) on 28 x 28 images.
