@@ -8,10 +8,14 @@ useful.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
+
+# a traceback's last line: the exception's (qualified) name, then its message
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b")
 
 PACKAGE = "lightning_diloco"
 _FINDS_PACKAGE = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({PACKAGE!r}) is None)"
@@ -63,4 +67,14 @@ def import_failure(lines: Iterable[str]) -> str | None:
     for line in reversed(list(lines)):
         if line.lstrip().startswith(("ModuleNotFoundError:", "ImportError:")):
             return line.strip()
+    return None
+
+
+def exception_line(lines: Iterable[str]) -> str | None:
+    """The last line of a crashed process's output that names an exception (its traceback's
+    end, ``ValueError: ...``), if one does: what its failure was, to compare with the next one."""
+    for line in reversed(list(lines)):
+        text = line.strip()
+        if _EXCEPTION.match(text):
+            return text
     return None

@@ -27,7 +27,7 @@ from lightning_diloco.launch.chaos import Fault, due_faults, parse_schedule
 from lightning_diloco.launch.console import Console, progress_line
 from lightning_diloco.launch.environments import free_port, island_environment, synchronizer_command, synchronizer_environment
 from lightning_diloco.launch.options import RunOptions
-from lightning_diloco.launch.preflight import check_command, import_failure
+from lightning_diloco.launch.preflight import check_command, exception_line, import_failure
 from lightning_diloco.launch.report import RecoveryClock, RunReport, Sample, build_report, rounds_health
 from lightning_diloco.launch.supervisor import (
     Supervised,
@@ -273,6 +273,12 @@ class Run:
                                  f"(this launcher's is {sys.executable})")
             self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
             self._stop.set()
+        elif not killed and (repeated := self._failed_again_before_stepping(island, code)) is not None:
+            island.fail()  # a bug in the set-up, not a crash: a restart would fail the same way again
+            self.failures.append(f"{island.name} failed the same way twice before its first training step ({repeated}); "
+                                 "a restart would fail again: fix what its output above says")
+            self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
+            self._stop.set()  # every island runs the same command
         elif island.restarts >= self.options.max_restarts:
             island.fail()
             last = next((line for line in reversed(island.last_lines) if line.strip()), None)
@@ -284,6 +290,17 @@ class Run:
             island.wait_until(now + delay)
             if self.ddp:
                 island.signal(signal.SIGKILL)  # one rank died: the whole job goes down and restarts
+
+    def _failed_again_before_stepping(self, island: Supervised, code: int) -> str | None:
+        """How ``island`` failed, when its process and the one before it both failed that way
+        (exit code and exception line) before their first training step, else None. A step is
+        its progress file written (``ProgressFile``); a script without one counts as never having
+        stepped, so an identical crash twice in a row stops it wherever it happens."""
+        exception = exception_line(island.last_lines)
+        before = island.early_failure
+        failure = f"exit {code}: {exception}" if exception else None
+        island.early_failure = None if island.stepped(progress_file(self.workdir, self.islands.index(island))) else failure
+        return failure if failure is not None and failure == before else None
 
     def loop(self) -> int:
         self._sampler = threading.Thread(target=self._sample_until_done, name="diloco-launch-sampler", daemon=True)

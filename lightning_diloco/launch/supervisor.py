@@ -75,6 +75,7 @@ class Supervised:
         self.hold_s = 0.0  # KILLED: how long it stays down after its exit
         self._reader: threading.Thread | None = None
         self.last_lines: deque[str] = deque(maxlen=20)  # its latest output, to say why it failed
+        self.early_failure: str | None = None  # how its latest incarnation failed before its first step, if it did
 
     @property
     def done(self) -> bool:
@@ -119,6 +120,7 @@ class Supervised:
 
     def start(self) -> None:
         self._move(UnitState.RUNNING)
+        self.last_lines.clear()  # this process's output only: the last one's failure is not its own
         self.proc = subprocess.Popen(self.command, env=self.make_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, start_new_session=True)
         self.lifetimes.append([time.monotonic(), None])
@@ -147,12 +149,15 @@ class Supervised:
             return "paused"
         if not self.alive:
             return "down"
+        return "training" if self.stepped(progress) else "starting"
+
+    def stepped(self, progress: Path) -> bool:
+        """Whether its current (or latest) process wrote ``progress``: made a training step."""
         try:
             # a file's mtime comes from the kernel's coarse clock, up to a tick behind time.time()
-            stepped = progress.stat().st_mtime >= self.started_wall - MTIME_SLACK_S
+            return progress.stat().st_mtime >= self.started_wall - MTIME_SLACK_S
         except OSError:
-            stepped = False
-        return "training" if stepped else "starting"
+            return False
 
     def poll(self) -> int | None:
         """The exit code if the current incarnation just ended (recorded once), else None."""

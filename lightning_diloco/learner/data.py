@@ -20,6 +20,7 @@ import copy
 import sys
 from typing import Any, NamedTuple
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = ["DataRank", "data_rank"]
@@ -89,7 +90,8 @@ def _split_hf(dataset: Any, part: DataRank) -> Any:
 
     done = getattr(dataset, "_distributed", None)  # set by split_dataset_by_node
     if done is None:
-        return split_dataset_by_node(dataset, rank=part.rank, world_size=part.world_size)
+        split = split_dataset_by_node(dataset, rank=part.rank, world_size=part.world_size)
+        return _sharing_epoch(split, dataset)
     if (done.rank, done.world_size) != tuple(part):
         # the script split it already, by other numbers: a second split would leave too little, and
         # the first one (DDP's ranks, most often) repeats each island's part on the other islands
@@ -99,6 +101,18 @@ def _split_hf(dataset: Any, part: DataRank) -> Any:
                        f"repeats samples across islands: split it by lightning_diloco.data_rank(trainer) "
                        f"({part.rank} of {part.world_size} here), or leave it whole and the strategy splits it")
     return dataset
+
+
+def _sharing_epoch(split: Any, dataset: Any) -> Any:
+    """``split`` reading its epoch from ``dataset``'s counter: ``dataset.set_epoch(e)``, as Hugging
+    Face documents it for each epoch of a shuffled stream, reshuffles the split the loader
+    iterates (a copy with a counter of its own otherwise: every epoch repeated epoch 0's order).
+    The counter is a tensor in shared memory that ``set_epoch`` updates in place (datasets >= 2.x),
+    so persistent workers see it too; a dataset without one keeps the copy's own."""
+    epoch = getattr(dataset, "_epoch", None)
+    if isinstance(epoch, torch.Tensor):
+        split._epoch = epoch
+    return split
 
 
 def _with_dataset(dataloader: DataLoader, dataset: Any) -> DataLoader:

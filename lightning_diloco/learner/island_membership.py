@@ -279,7 +279,11 @@ class IslandMembership:
 
             link, where = SynchronizerClient(self.address, token=self.token), f"the synchronizer at {self.address}"
         try:
-            info = link.join(self.island, self.world_size, specs, patience=self.join_wait, num_islands=self.num_islands)
+            info = link.join(self.island, self.world_size, specs, patience=self.join_wait, num_islands=self.num_islands,
+                             patience_setting=f"the strategy's join_wait={self.join_wait:g}")
+        except ValueError as err:  # an address whose host does not resolve (transport/resolve.py)
+            link.close()
+            raise ValueError(f"island {self.island}: {err}") from None
         except SynchronizerError as err:
             link.close()
             if err.reason == Reason.UNREACHABLE:

@@ -92,7 +92,8 @@ class IslandStrategy(IslandMembership, _MixedInto):
     def _joined(self, config: RunConfig) -> None:
         for logger in self.lightning_module.trainer.loggers:  # the run's settings beside the module's hyperparameters
             logger.log_hyperparams(self.hyperparameters(config))
-        self._info(self._start_line(config, self.lightning_module.trainer.global_step))
+        # the learner's step, restored from a checkpoint: the trainer's global_step is restored after setup
+        self._info(self._start_line(config, self.learner.step))
 
     # ---- the inner loop ------------------------------------------------------------------------
 

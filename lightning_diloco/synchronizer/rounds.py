@@ -235,6 +235,11 @@ class FragmentRounds:
     def decide(self, now: float, live: Set[int], step_time: float, sync_time: float, quorum: int) -> Decision:
         """``quorum``: the contributors the round needs now (core/quorum.py ``quorum_in_run``: K,
         lowered while islands that left leave fewer than K in the run)."""
+        if self.frag is not None and self.opened_at is None and self.entries and live <= set(self.entries):
+            # only late entries, and every island still in the run has one here: the islands that
+            # would have sent on time have left. Only an on-time send opened a round, so a slow
+            # starter (a compile warm-up) that ended alone had none of its work merged (0 of 8)
+            self.opened_at, self.opened_lead = now, 0
         if self.frag is None or self.opened_at is None:
             return Decision(False, f"round {self.index} not due yet")
         if len(self.entries) == 1 and (live - set(self.entries)):

@@ -35,6 +35,7 @@ from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_la
 from lightning_diloco.core.protocol import Beat, Contribution, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
+from lightning_diloco.core.settings import run_settings, value_of
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.admission import (
@@ -56,6 +57,19 @@ from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_d
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
 
 log = logging.getLogger(__name__)
+
+
+def fitted_to_model(config: RunConfig, tensors: int) -> RunConfig:
+    """``config`` with at most one fragment per tensor of a model of ``tensors`` trainable
+    tensors (tensors are never split): the run's settings the synchronizer takes for it."""
+    if not 0 < tensors < config.schedule.num_fragments:
+        return config
+    return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, num_fragments=tensors))
+
+
+def fragments_lowered(wanted: int, tensors: int) -> str:
+    return (f"num_fragments lowered from {wanted} to {tensors}: the first island's model has {tensors} trainable "
+            "tensors (the strategy's num_fragments=, or the synchronizer's --num-fragments, sets fewer)")
 
 
 class Synchronizer:
@@ -117,9 +131,8 @@ class Synchronizer:
         if loaded is not None:
             self.state = loaded
             self.membership.restore_left(loaded.left, self.clock())
-            if loaded.config != config:
-                log.warning("resuming with the checkpoint's run settings, which differ from the ones given")
-            self.config = loaded.config
+        if self.state is not None:  # a resumed run keeps the settings it ran with, those it chose itself included
+            self.config = self._resumed_config(config, self.state)
         self.identity["run_id"] = self.identity["run_id"] or uuid.uuid4().hex[:16]
         if self.directory_lock is not None:  # now with the run's id, for the message of a second one
             self.directory_lock.record(self.identity)
@@ -269,12 +282,26 @@ class Synchronizer:
         """The first island's model has fewer tensors than fragments asked for (tensors are never
         split): the run takes one fragment per tensor, as an embedded synchronizer does."""
         wanted = self.config.schedule.num_fragments
-        self.config = dataclasses.replace(self.config, schedule=dataclasses.replace(self.config.schedule, num_fragments=tensors))
+        self.config = fitted_to_model(self.config, tensors)
         self.offsets = fragment_offsets(tensors, self.config.schedule.sync_every)
-        self.adjustments.append(f"num_fragments lowered from {wanted} to {tensors}: the first island's model has "
-                                f"{tensors} trainable tensors (the strategy's num_fragments=, or the synchronizer's --num-fragments, "
-                                f"sets fewer)")
+        self.adjustments.append(fragments_lowered(wanted, tensors))
         log.warning("%s", self.adjustments[-1])
+
+    def _resumed_config(self, given: RunConfig, restored: SynchronizerState) -> RunConfig:
+        """The restored run's settings, which its checkpoint holds as the run went: what the
+        synchronizer chose itself (a fragment count lowered to the model's tensors) is taken again
+        and said as it was the first time; a setting given otherwise is named in a warning."""
+        tensors = len(restored.layout.specs)
+        fitted = fitted_to_model(given, tensors)
+        if fitted != given and restored.config.schedule.num_fragments == tensors:
+            self.adjustments.append(fragments_lowered(given.schedule.num_fragments, tensors))
+        differ = [f"{s.name}={value_of(restored.config, s.name)!r} (given: {value_of(fitted, s.name)!r})"
+                  for s in run_settings() if value_of(restored.config, s.name) != value_of(fitted, s.name)]
+        if differ:
+            log.warning("resuming with the run's settings as its checkpoint holds them, which differ from the ones "
+                        "given: %s; a run's settings are fixed when it starts (a new run needs a new checkpoint)",
+                        ", ".join(differ))
+        return restored.config
 
     def _check_session(self, island: int, session: str | None, what: str,
                        check: Callable[[int, str | None], None] | None = None) -> None:

@@ -16,12 +16,14 @@ from pathlib import Path
 import torch
 
 from lightning_diloco.core.codecs import EXACT, get_codec
-from lightning_diloco.core.fragments import FragmentLayout
+from lightning_diloco.core.fragments import FragmentLayout, TensorSpec
 from lightning_diloco.core.global_model import ShardModel
+from lightning_diloco.core.protocol import JoinInfo
 from lightning_diloco.reasons import SynchronizerError
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport.grpc_shards import GrpcShards
 from lightning_diloco.transport.island_link import IslandLink
+from lightning_diloco.transport.resolve import RESOLVE_PATIENCE, check_resolves
 
 __all__ = ["SynchronizerClient", "SynchronizerError", "parse_addresses"]
 
@@ -57,6 +59,14 @@ class SynchronizerClient(IslandLink):
         self.grpc = GrpcShards(parse_addresses(addresses), token=token, tls_root_cert=tls_root_cert, timeout=timeout)
         super().__init__(self.grpc, max_retries=max_retries, backoff=backoff, max_backoff=max_backoff, rng=rng)
         self.timeout, self.metadata, self.stubs = timeout, self.grpc.metadata, self.grpc.stubs
+
+    def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], patience: float = 0.0,
+             num_islands: int = 0, patience_setting: str = "") -> JoinInfo:
+        """As :meth:`IslandLink.join`, after checking that every host of the addresses resolves
+        (a ``ValueError`` naming the host within ``RESOLVE_PATIENCE`` seconds otherwise)."""
+        check_resolves(self.addresses, min(patience, RESOLVE_PATIENCE))
+        return super().join(island, world_size, specs, patience=patience, num_islands=num_islands,
+                            patience_setting=patience_setting)
 
     @property
     def bytes_sent(self) -> int:

@@ -55,6 +55,9 @@ from lightning_diloco.transport.subscription import Subscription
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+SAY_EVERY = 5.0
+"""Seconds between two lines saying a call still waits for a synchronizer that does not answer."""
+
 
 class IslandLink:
     """A :class:`~lightning_diloco.learner.link.SynchronizerLink` over ``transport``."""
@@ -92,16 +95,21 @@ class IslandLink:
 
     # ---- retries ------------------------------------------------------------------------------
 
-    def _call(self, what: str, call: Callable[[], T], shard: int | None = None, patience: float = 0.0) -> T:
+    def _call(self, what: str, call: Callable[[], T], shard: int | None = None, patience: float = 0.0,
+              patience_setting: str = "") -> T:
         """Run ``call``, retrying while the synchronizer is unreachable.
 
         Between attempts it waits for the backoff delay or until the shard can be reached again,
         whichever comes first (the transport's ``wait_ready``): a synchronizer that is back is
         used at once, not after the full backoff.
-        ``patience``: seconds during which it keeps retrying even after ``max_retries``.
+        ``patience``: seconds during which it keeps retrying even after ``max_retries``; while
+        it does, it says so from the first failure on, every ``SAY_EVERY`` seconds, with how long
+        it will go on and ``patience_setting``, the setting that bounds it.
         """
         attempt = 0
-        keep_trying_until = time.monotonic() + patience
+        began = time.monotonic()
+        keep_trying_until = began + patience
+        said_at: float | None = None
         while True:
             self._check_open(what)
             if shard is not None and self.shard_sessions.request is None:  # absent too, but nothing was asked
@@ -141,9 +149,14 @@ class IslandLink:
                     hint = self.transport.hint(shard or 0, details)
                     raise SynchronizerError(code, Reason.UNREACHABLE,
                                             f"{what}: gave up after {attempt + 1} attempts: {details}{hint}") from None
-                if attempt == self.max_retries:  # say once why the caller is waiting
-                    log.warning("%s: no synchronizer reachable at %s yet; trying for %.0f s more", what,
-                                ",".join(self.addresses), left)
+            now = time.monotonic()
+            left = keep_trying_until - now
+            if left > 0 and (said_at is None or now - said_at >= SAY_EVERY):  # why the caller waits, while it does
+                said_at = now
+                bound = f" ({patience_setting} bounds it)" if patience_setting else ""
+                log.warning("%s: no synchronizer reachable at %s yet (%s: %s%s); tried for %.0f s, trying for %.0f s more%s",
+                            what, ",".join(self.addresses), label, details, self.transport.hint(shard or 0, details),
+                            now - began, left, bound)
             delay = min(self.max_backoff, self.backoff * 2 ** min(attempt, 30)) * (0.5 + self.rng.random() / 2)
             log.debug("%s failed (%s); retrying within %.2fs", what, label, delay)
             self.transport.wait_ready(shard, delay, self._closed)
@@ -173,18 +186,19 @@ class IslandLink:
     # ---- calls --------------------------------------------------------------------------------
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], patience: float = 0.0,
-             num_islands: int = 0) -> JoinInfo:
+             num_islands: int = 0, patience_setting: str = "") -> JoinInfo:
         """Join every shard that answers (at least one). ``patience``: seconds to keep waiting
         for a synchronizer that is not reachable yet (an island may start before it, or while it
-        restarts). ``num_islands``: the run's island count this island was started with (0: not
-        said); a run of another count refuses it.
+        restarts), said every few seconds naming ``patience_setting``, the setting that gave it.
+        ``num_islands``: the run's island count this island was started with (0: not said); a
+        run of another count refuses it.
 
         A join refused because the island is still running elsewhere is retried for
         :attr:`running_patience` seconds: an island restarted after a crash gets in once its old
         process has fallen silent; a second process beside a live one is refused after that."""
         request = JoinRequest(island=island, world_size=world_size, specs=tuple(specs), num_islands=num_islands)
         return self._until_not_running(island, lambda: self._call("join", lambda: self.shard_sessions.join(request),
-                                                                 patience=patience))
+                                                                 patience=patience, patience_setting=patience_setting))
 
     def _until_not_running(self, island: int, join: Callable[[], T]) -> T:
         give_up = time.monotonic() + self.running_patience

@@ -62,6 +62,22 @@ def test_a_hugging_face_iterable_dataset_is_split_across_islands_and_ranks():
     assert _ids(DataLoader(stream, batch_size=4)) == list(range(40))  # the user's own loader stays whole
 
 
+def test_set_epoch_on_the_hugging_face_dataset_given_reshuffles_each_islands_part_and_they_stay_disjoint():
+    """The strategy trains on a split copy: ds.set_epoch(e), as Hugging Face documents it, had no
+    effect on it, and every epoch repeated epoch 0's order. Over 3 epochs, 2 islands."""
+    stream = datasets.IterableDataset.from_generator(lambda: ({"id": i} for i in range(64))).shuffle(seed=0, buffer_size=64)
+    loaders = [_strategy(island, 0, ranks=1).process_dataloader(DataLoader(stream, batch_size=4)) for island in range(2)]
+    epochs = []
+    for epoch in range(3):
+        stream.set_epoch(epoch)
+        parts = [_ids(loader) for loader in loaders]
+        assert sorted(parts[0] + parts[1]) == list(range(64)), epoch  # each sample once, across the islands
+        epochs.append(parts)
+    for island in range(2):
+        orders = [tuple(parts[island]) for parts in epochs]
+        assert len(set(orders)) == 3, island  # each epoch in another order
+
+
 def test_a_hugging_face_dataset_split_by_the_ddp_ranks_is_named():
     """The DDP habit, split_dataset_by_node(ds, trainer.global_rank, trainer.world_size), repeats
     each island's part on the other: the strategy says so, and does not split it a second time."""

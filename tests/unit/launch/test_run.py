@@ -195,6 +195,31 @@ def test_an_island_that_crashes_on_a_missing_module_is_not_restarted(tmp_path, c
     assert last.startswith("run failed: island") and "No module named 'transformers'" in last
 
 
+def test_an_island_that_fails_the_same_way_twice_before_its_first_step_is_not_restarted_again(tmp_path, capsys):
+    """A ValueError in the user's set-up was restarted 5 times with backoff (114 s) before the
+    run failed; now after one restart, saying why."""
+    from lightning_diloco.launch.run import run
+
+    bug = "echo 'Traceback (most recent call last):'; echo 'ValueError: lr must be positive'; exit 1"
+    options = RunOptions(workdir=str(tmp_path), islands=1, synchronizer="127.0.0.1:1", max_restarts=5, restart_backoff=0.05)
+    assert run(options, ["sh", "-c", bug]) == 1
+    out = capsys.readouterr().out
+    assert out.count("restarted island 0") == 1, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("run failed: island 0 failed the same way twice before its first training step"), last
+    assert "exit 1: ValueError: lr must be positive" in last
+
+
+def test_an_island_that_crashes_differently_each_time_keeps_its_restarts(tmp_path, capsys):
+    from lightning_diloco.launch.run import run
+
+    crash = "echo \"RuntimeError: lost device $$\"; exit 1"  # its pid: another message each time
+    options = RunOptions(workdir=str(tmp_path), islands=1, synchronizer="127.0.0.1:1", max_restarts=2, restart_backoff=0.05)
+    assert run(options, ["sh", "-c", crash]) == 1
+    out = capsys.readouterr().out
+    assert out.count("restarted island 0") == 2 and "used up its 2 restarts" in out, out
+
+
 def test_an_island_that_ignores_its_devices_is_said_once(tmp_path, capsys):
     from lightning_diloco.core.protocol import IslandStatus, SynchronizerStatus
 

@@ -134,3 +134,25 @@ def test_a_restarted_synchronizer_remembers_the_islands_that_left(tmp_path):
     # one of them coming back counts again
     restarted.join(2, 1, SPECS, num_islands=4)
     assert [i for i, isl in restarted.status().islands.items() if isl.left] == [1, 3]
+
+
+def test_a_slow_starters_late_contributions_close_rounds_once_the_other_islands_left():
+    """An island whose first steps were slow (a torch.compile warm-up) sends for rounds the others
+    closed long ago: its entries are late and wait in the next round, which only an on-time send
+    opened. With the others gone none came, and it ended with 0 of 8 contributions merged."""
+    from tests.helpers import with_peer_votes
+
+    sync, config, sessions = _run_of(2, min_quorum=1)
+    with_peer_votes(sync, [0, 1])
+    delta = torch.full((layout(config).fragment_numel(0),), 0.01)
+    for r in range(2):  # island 0 trains on; island 1 is still compiling
+        sync.push(dataclasses.replace(contribution(config, 0, 0, delta, round=r, base_version=r, seq=r + 1),
+                                      session=sessions[0]))
+        [closed] = sync.poll()
+        assert closed.islands == (0,)
+    sync.leave(0, session=sessions[0])
+    ack = sync.push(dataclasses.replace(contribution(config, 1, 0, delta, round=0, base_version=0, seq=1), session=sessions[1]))
+    assert ack.late  # for round 0, which closed long ago
+    [closed] = sync.poll()  # every island still in the run has its entry here: nobody else will open the round
+    assert closed.islands == (1,) and closed.late == 1 and closed.version == 3
+    assert sync.status().islands[1].accepted == 1

@@ -242,6 +242,32 @@ def test_a_standalone_synchronizer_fits_its_fragments_to_the_first_islands_model
         sync.join(1, 1, SPECS[:3])  # a later island with another model is still refused
 
 
+def test_a_restarted_synchronizer_keeps_the_fragment_count_it_lowered_and_warns_only_of_settings_given_otherwise(
+        tmp_path, caplog):
+    """`lightning-diloco run --resume` restarts it with the settings it was first given: its own
+    lowering is the run's, taken again without a word of settings that "differ"; a setting given
+    otherwise is named."""
+    from lightning_diloco.core.config import ScheduleConfig
+
+    config = replace(run_config(), schedule=ScheduleConfig(num_fragments=24, sync_every=24, overlap_steps=1))
+    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    sync.join(0, 1, SPECS)
+    sync.checkpoint()
+    sync.shutdown()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_diloco.synchronizer.service"):
+        restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    assert restarted.config.schedule.num_fragments == 4 and "differ" not in caplog.text
+    assert restarted.join(0, 1, SPECS).config.schedule.num_fragments == 4
+    assert "num_fragments lowered from 24 to 4" in restarted.status().adjustments[0]
+    restarted.shutdown()
+    other = replace(config, schedule=replace(config.schedule, sync_every=32))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_diloco.synchronizer.service"):
+        Synchronizer(other, clock=FakeClock(), checkpoint_dir=tmp_path).shutdown()
+    assert "sync_every=24 (given: 32)" in caplog.text and "num_fragments" not in caplog.text
+
+
 def test_a_closer_that_keeps_failing_backs_off_to_its_idle_wait_and_never_overflows():
     waits = [retry_wait(n) for n in range(8)]
     assert waits[0] == CLOSER_TICK and waits == sorted(waits) and waits[-1] == IDLE_WAIT
