@@ -111,41 +111,45 @@ class SparseCodec(Codec):
         chosen = key[starts[:, None] + torch.arange(k)] & (CHUNK - 1)  # the first k of each row
         return chosen.sort(dim=1).values
 
+    def _groups(self, numel: int) -> list[tuple[int, int, int, int]]:
+        """(first value, chunks, values a chunk, values sent a chunk): the full chunks, then the tail."""
+        nfull, tail, total = self._shape(numel)
+        groups = [(0, nfull, CHUNK, self.k)] if nfull else []
+        return groups + ([(nfull * CHUNK, 1, tail, total - nfull * self.k)] if tail else [])
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().reshape(-1).to(torch.float32)
         numel = flat.numel()
+        out = torch.zeros(self.encoded_size(numel), dtype=torch.uint8)
+        if numel == 0:
+            return out
         _refuse_non_finite(flat, f"{self.name} input")
-        nfull, tail, total = self._shape(numel)
-        index = torch.empty(total, dtype=torch.int64)  # within its chunk
-        base = torch.empty(total, dtype=torch.int64)  # the chunk's first value
-        sent = nfull * self.k
-        if nfull:
-            rows = flat[: nfull * CHUNK].view(nfull, CHUNK)
-            step = max(1, ROWS_AT_ONCE)  # scratch of at most that many chunks a thread (codecs._Scratch)
-            for lo in range(0, nfull, step):
-                hi = min(nfull, lo + step)
-                index[lo * self.k : hi * self.k] = self._top_full(rows[lo:hi]).view(-1)
-            base[:sent] = (torch.arange(nfull) * CHUNK).repeat_interleave(self.k)
-        if tail:
-            last = flat[nfull * CHUNK :]
-            index[sent:] = last.abs().topk(total - sent, sorted=False).indices.sort().values
-            base[sent:] = nfull * CHUNK
-        values = flat[base + index]
-        # per chunk: the root mean square of its sent values, in float64 (squares of fp32 overflow)
-        sizes = [self.k] * nfull + ([total - sent] if tail else [])
-        chunk_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
-        squares = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, chunk_of, values.double().square())
-        scale = (squares / torch.tensor(sizes, dtype=torch.float64)).sqrt_().to(torch.bfloat16)
+        indices, values = [], []
+        for start, rows, length, k in self._groups(numel):
+            block = flat[start : start + rows * length].view(rows, length)
+            if length == CHUNK:
+                index = torch.empty(rows, k, dtype=torch.int64)
+                for lo in range(0, rows, ROWS_AT_ONCE):  # scratch of at most that many chunks a thread
+                    index[lo : lo + ROWS_AT_ONCE] = self._top_full(block[lo : lo + ROWS_AT_ONCE])
+            else:
+                index = block.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+            indices.append(index)
+            values.append(block.gather(1, index))
+        # per chunk the root mean square of its sent values (in float64 where fp32 squares could overflow)
+        wide = torch.float64 if max(float(v.abs().max()) for v in values) > 1e18 else torch.float32
+        scale = torch.cat([torch.linalg.vector_norm(v, dim=1, dtype=wide).div_(v.shape[1] ** 0.5) for v in values])
+        scale = scale.to(torch.bfloat16)
         _refuse_non_finite(scale.float() * 1.5, f"{self.name} input's largest level")
         divisor = scale.float()
-        divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
-        levels = (values / divisor[chunk_of]).floor_().clamp_(-2, 1).add_(2).to(torch.uint8)
-
+        divisor = torch.where(divisor > 0, divisor, 1.0)
+        levels, row = [], 0
+        for v in values:
+            levels.append((v / divisor[row : row + v.shape[0], None]).floor_().clamp_(-2, 1).add_(2).view(-1))
+            row += v.shape[0]
         scale_bytes, index_bytes, _ = self.sections(numel)
-        out = torch.zeros(self.encoded_size(numel), dtype=torch.uint8)
         out[:scale_bytes].view(torch.bfloat16).copy_(scale)
-        _pack_indices(index, out[scale_bytes : scale_bytes + index_bytes])
-        _pack_levels(levels, out[scale_bytes + index_bytes :])
+        _pack_indices(torch.cat([i.view(-1) for i in indices]), out[scale_bytes : scale_bytes + index_bytes])
+        _pack_levels(torch.cat(levels).to(torch.uint8), out[scale_bytes + index_bytes :])
         return out
 
     # ---- decode -------------------------------------------------------------------------------
@@ -155,28 +159,25 @@ class SparseCodec(Codec):
         out = torch.zeros(numel, dtype=torch.float32)
         if numel == 0:
             return out
-        nfull, tail, total = self._shape(numel)
+        _, _, total = self._shape(numel)
         scale_bytes, index_bytes, _ = self.sections(numel)
-        nchunks = scale_bytes // 2
         scale = raw[:scale_bytes].view(torch.bfloat16).to(torch.float32)  # _as_uint8: at an even offset
         _refuse_non_finite(scale * 1.5, f"{self.name} payload scale")
         index = _unpack_indices(raw[scale_bytes : scale_bytes + index_bytes], total)
         levels = _unpack_levels(raw[scale_bytes + index_bytes :], total)
-        sent = nfull * self.k
-        if nfull and not bool((index[:sent].view(nfull, self.k).diff(dim=1) > 0).all()):
-            raise ValueError(f"{self.name} payload has indices not strictly ascending within a chunk "
-                             "(a duplicate or a reordered index); it was not written by this codec")
-        if tail:
-            last = index[sent:]
-            if not bool((last.diff() > 0).all()):
-                raise ValueError(f"{self.name} payload has indices not strictly ascending within its last chunk "
-                                 "(a duplicate or a reordered index); it was not written by this codec")
-            if int(last.max()) >= tail:
-                raise ValueError(f"{self.name} payload has index {int(last.max())} past its last chunk of {tail} values "
-                                 f"(a fragment of {numel} values)")
-        sizes = torch.tensor([self.k] * nfull + ([total - sent] if tail else []), dtype=torch.int64)
-        chunk_of = torch.repeat_interleave(torch.arange(nchunks), sizes)
-        out[chunk_of * CHUNK + index] = (levels.to(torch.float32) - 1.5) * scale[chunk_of]
+        row = sent = 0
+        for start, rows, length, k in self._groups(numel):
+            where = index[sent : sent + rows * k].view(rows, k)
+            if not bool((where.diff(dim=1) > 0).all()):
+                raise ValueError(f"{self.name} payload has indices not strictly ascending within "
+                                 f"{'a chunk' if length == CHUNK else 'its last chunk'} (a duplicate or a reordered "
+                                 "index); it was not written by this codec")
+            if length < CHUNK and int(where.max()) >= length:
+                raise ValueError(f"{self.name} payload has index {int(where.max())} past its last chunk of {length} "
+                                 f"values (a fragment of {numel} values)")
+            value = levels[sent : sent + rows * k].view(rows, k).to(torch.float32).sub_(1.5).mul_(scale[row : row + rows, None])
+            out[start : start + rows * length].view(rows, length).scatter_(1, where, value)
+            row, sent = row + rows, sent + rows * k
         return out
 
     def __repr__(self) -> str:
