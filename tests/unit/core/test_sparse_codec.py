@@ -146,3 +146,13 @@ def test_density_setting_is_validated_and_sparse_uplink_needs_feedback():
         CodecConfig(uplink="sparse", uplink_feedback=False)
     with pytest.raises(ValueError, match="density"):
         SparseCodec(0.9)
+
+
+def test_the_sparse_preset_sends_sparse_both_ways_with_feedback_and_keeps_the_base_otherwise():
+    from lightning_diloco.core import presets
+    from lightning_diloco.core.config import RunConfig
+
+    config = presets.sparse(density=1 / 128)
+    assert (config.codec.uplink, config.codec.downlink, config.codec.sparse_density) == ("sparse", "sparse", 1 / 128)
+    assert config.codec.uplink_feedback and config.outer == RunConfig().outer and config.schedule == RunConfig().schedule
+    assert RunConfig.from_dict(config.to_dict()) == config  # what a synchronizer hands an island on join
