@@ -16,11 +16,11 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 
-CODECS = ("fp32", "bf16", "int8", "int4", "int2")
+CODECS = ("fp32", "bf16", "int8", "int4", "int2", "sparse")
 
 
-def measure(name: str, x: torch.Tensor, repeats: int, block_size: int) -> dict:
-    codec = get_codec(name, block_size)
+def measure(name: str, x: torch.Tensor, repeats: int, block_size: int, density: float) -> dict:
+    codec = get_codec(name, block_size, density)
     data = codec.encode(x)  # warm-up, and the sample for the error
     out = codec.decode(data, x.numel())
     best = float("inf")
@@ -41,12 +41,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--numel", type=int, default=1 << 24, help="values in the test tensor (default 16M)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported (default %(default)s)")
     parser.add_argument("--block-size", type=int, default=64, help="values per scale for int8/int4/int2 (default %(default)s)")
+    parser.add_argument("--sparse-density", type=float, default=1 / 64,
+                        help="share of values the sparse codec sends (default 1/64); its error is of one message, without feedback")
     args = parser.parse_args(argv)
 
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
-    rows = [measure(name, x, args.repeats, args.block_size) for name in CODECS]
+    rows = [measure(name, x, args.repeats, args.block_size, args.sparse_density) for name in CODECS]
     base = rows[0]
-    print(f"codec benchmark: {args.numel:,} Gaussian values, block {args.block_size}, "
+    print(f"codec benchmark: {args.numel:,} Gaussian values, block {args.block_size}, sparse density {args.sparse_density:g}, "
           f"{torch.get_num_threads()} threads, {platform.machine()}")
     print(f"{'codec':<6} {'B/param':>8} {'size vs fp32':>12} {'GB/s':>7} {'speed vs fp32':>13} {'rel RMS err':>12}")
     for row in rows:

@@ -286,8 +286,13 @@ class BlockQuantCodec(Codec):
         return f"BlockQuantCodec(bits={self.bits}, block_size={self.block_size})"
 
 
-def get_codec(name: str, block_size: int = 64) -> Codec:
-    """The codec called ``name`` (one of fp32, bf16, int8, int4, int2)."""
+DEFAULT_DENSITY = 1 / 64
+"""The ``sparse`` codec's density when none is given: 64 of every 4096 values."""
+
+
+def get_codec(name: str, block_size: int = 64, density: float = DEFAULT_DENSITY) -> Codec:
+    """The codec called ``name`` (one of fp32, bf16, int8, int4, int2, sparse); ``block_size``
+    is the block codecs' values per scale, ``density`` the sparse codec's share of values sent."""
     if name == EXACT:
         return FloatCodec(EXACT, torch.float32)
     if name == "bf16":
@@ -296,4 +301,8 @@ def get_codec(name: str, block_size: int = 64) -> Codec:
         return BlockQuantCodec(8, block_size)
     if name in ("int4", "int2"):
         return BlockQuantCodec(int(name[3:]), block_size)
-    raise ValueError(f"unknown codec {name!r}; use one of fp32, bf16, int8, int4, int2")
+    if name == "sparse":
+        from lightning_diloco.core.sparse_codec import SparseCodec  # it builds on this module
+
+        return SparseCodec(density)
+    raise ValueError(f"unknown codec {name!r}; use one of fp32, bf16, int8, int4, int2, sparse")

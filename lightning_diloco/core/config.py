@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 # Literal types give each choice setting its choices once: validation, flags and help read them.
-Codec = Literal["fp32", "bf16", "int8", "int4", "int2"]
+Codec = Literal["fp32", "bf16", "int8", "int4", "int2", "sparse"]
 MergeMethod = Literal["rda", "mean"]
 ApplyMode = Literal["overwrite", "mix", "rebase"]
 GraceSlack = Literal["round", "overlap"]
@@ -182,6 +182,10 @@ class CodecConfig:
     (+4.4% of DDP's loss against +4.8%: benchmarks/RESULTS.md, int2 and uplink error feedback)."""
     block_size: int = 64
     """Values sharing one scale in int8/int4/int2. Smaller blocks: lower error, more scale bytes."""
+    sparse_density: float = 1 / 64
+    """The ``sparse`` codec's share of values sent: each chunk of 4096 sends its round(density *
+    4096) largest (core/sparse_codec.py), from 1/4096 to 0.5. It needs error feedback: on the
+    uplink ``uplink_feedback``, on the downlink always there."""
 
     def __post_init__(self) -> None:
         _check_choice("uplink codec", self.uplink, CODECS)
@@ -195,6 +199,11 @@ class CodecConfig:
             f"block_size={self.block_size!r} must be a whole multiple of 4 from 8 to {MAX_BLOCK_SIZE} "
             "(int2 packs 4 values a byte)",
         )
+        _check(isinstance(self.sparse_density, (int, float)) and not isinstance(self.sparse_density, bool)
+               and 1 / 4096 <= self.sparse_density <= 0.5,
+               f"sparse_density={self.sparse_density!r} must be a number from 1/4096 (one value of each 4096) to 0.5")
+        _check(not (self.uplink == "sparse" and not self.uplink_feedback),
+               "uplink codec 'sparse' needs uplink_feedback=True: without it the values not sent are lost")
 
 
 @dataclass(kw_only=True, frozen=True)

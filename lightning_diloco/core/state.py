@@ -46,7 +46,7 @@ class FragmentState:
         self.outer = OuterOptimizer(self.value, config.outer)
         self.next_round = -1
         codec = config.codec
-        self.downlink_codec = get_codec(codec.downlink, codec.block_size)
+        self.downlink_codec = get_codec(codec.downlink, codec.block_size, codec.sparse_density)
         self.published = None if self.downlink_codec.lossless else PublishedChain(self.value, version, self.downlink_codec, self.depth)
         self._deltas: dict[int, torch.Tensor] = {}  # fp32 downlink: base version -> current value - base, once per version
 

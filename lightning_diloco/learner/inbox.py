@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_diloco.core.codecs import get_codec, payload_size
+from lightning_diloco.core.codecs import DEFAULT_DENSITY, get_codec, payload_size
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,9 @@ class Inbox:
     whole model beside its parameters (+56 MB of peak memory on an FSDP2 island's
     leader, the global model it kept as the base of the next delta)."""
 
-    def __init__(self, versions: list[int], numels: list[int], block_size: int) -> None:
-        self.block_size, self.numels = block_size, numels
+    def __init__(self, versions: list[int], numels: list[int], block_size: int,
+                 sparse_density: float = DEFAULT_DENSITY) -> None:
+        self.block_size, self.sparse_density, self.numels = block_size, sparse_density, numels
         self.cond = threading.Condition()
         self.received = dict(enumerate(versions))  # the newest version known per fragment
         self.fresh: dict[int, Arrival] = {}
@@ -74,7 +75,7 @@ class Inbox:
         p = event.fragment
         with self.cond:
             have = self.received[p]
-        update = get_codec(event.codec, self.block_size).decode(event.payload, self.numels[p])
+        update = get_codec(event.codec, self.block_size, self.sparse_density).decode(event.payload, self.numels[p])
         if event.base_version not in (-1, have):  # cannot happen on one stream; a reopened one says its base
             log.warning("fragment %d: version %d came as a delta against %d, but this island holds %d; ignored",
                         p, event.version, event.base_version, have)

@@ -88,7 +88,7 @@ class IslandLearner:
         self.shards = IslandShards(self.params, layout, self.collective, leader=self.is_leader)
         sched = config.schedule
         self.offsets = fragment_offsets(layout.num_fragments, sched.sync_every)
-        self.uplink = get_codec(config.codec.uplink, config.codec.block_size)
+        self.uplink = get_codec(config.codec.uplink, config.codec.block_size, config.codec.sparse_density)
         self.push_wait = push_wait
 
         P = layout.num_fragments
@@ -188,7 +188,7 @@ class IslandLearner:
         self.schedule_step = plan.schedule_step
         if self.is_leader:
             numels = [self.layout.fragment_numel(p) for p in range(self.layout.num_fragments)]
-            self.inbox = Inbox(self.versions, numels, self.config.codec.block_size)
+            self.inbox = Inbox(self.versions, numels, self.config.codec.block_size, self.config.codec.sparse_density)
             self.link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
                                 on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
             self.leader.start_heartbeat()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from lightning_diloco.core.codecs import EXACT, get_codec
+from lightning_diloco.core.codecs import DEFAULT_DENSITY, EXACT, get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import build_layout, tensor_specs
 from lightning_diloco.core.protocol import Beat, Contribution, PushAck
@@ -57,8 +57,9 @@ class SimInbox(Inbox):
     """The real inbox, whose waits run the virtual clock: the other islands train on while this one
     waits for its rounds (synchronous DiLoCo, the end of a run)."""
 
-    def __init__(self, versions: list[int], numels: list[int], block_size: int, queue: EventQueue) -> None:
-        super().__init__(versions, numels, block_size)
+    def __init__(self, versions: list[int], numels: list[int], block_size: int, queue: EventQueue,
+                 sparse_density: float = DEFAULT_DENSITY) -> None:
+        super().__init__(versions, numels, block_size, sparse_density)
         self.queue = queue
 
     def wait(self, condition: Callable[[], bool], timeout: float) -> bool:
@@ -101,7 +102,7 @@ class SimLeader(LeaderSync):
 
     def __init__(self, link: SimLink, *, island: int, config: RunConfig, layout_hash: str) -> None:
         codec = config.codec
-        super().__init__(link, island=island, uplink=get_codec(codec.uplink, codec.block_size), feedback=codec.uplink_feedback,
+        super().__init__(link, island=island, uplink=get_codec(codec.uplink, codec.block_size, codec.sparse_density), feedback=codec.uplink_feedback,
                          layout_hash=layout_hash, workers=1, progress=lambda: (0, 0.0, 0))
         self.sim_link = link
 
@@ -147,7 +148,7 @@ class SimIsland:
         with torch.no_grad():
             self.learner.start(run_step=info.run_step)
         numels = [layout.fragment_numel(p) for p in range(layout.num_fragments)]
-        self.learner.inbox = SimInbox(self.learner.versions, numels, config.codec.block_size, network.queue)
+        self.learner.inbox = SimInbox(self.learner.versions, numels, config.codec.block_size, network.queue, config.codec.sparse_density)
         self.learner._step_time = step_time
 
     def train_step(self) -> None:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_diloco.core.codecs import NonFiniteError, Payload, get_codec
+from lightning_diloco.core.codecs import DEFAULT_DENSITY, NonFiniteError, Payload, get_codec
 from lightning_diloco.core.config import CODECS
 from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.core.protocol import Contribution, PushAck
@@ -92,9 +92,10 @@ class PushAdmission:
 
     def __init__(self, *, fragment_rounds: Callable[[int], FragmentRounds],
                  check_session: Callable[[int, str | None, str], None], seeded: Callable[[FragmentRounds], FragmentState],
-                 layout: Callable[[], FragmentLayout], refuse: Callable[[Reason, str], Refusal], block_size: int) -> None:
+                 layout: Callable[[], FragmentLayout], refuse: Callable[[Reason, str], Refusal], block_size: int,
+                 sparse_density: float = DEFAULT_DENSITY) -> None:
         self.fragment_rounds, self.check_session, self.seeded = fragment_rounds, check_session, seeded
-        self.layout, self.refuse, self.block_size = layout, refuse, block_size
+        self.layout, self.refuse, self.block_size, self.sparse_density = layout, refuse, block_size, sparse_density
 
     def admit(self, c: Contribution, declared_bytes: int | None = None) -> AdmittedPush:
         """Steps 1-8, from the header alone; ``declared_bytes``: the payload size a stream's header
@@ -115,7 +116,7 @@ class PushAdmission:
         """Bytes a payload of ``fragment`` must have in ``codec_name`` (step 7 refuses unknown codecs).
         The fragment must have passed step 1."""
         self.check_codec(codec_name)
-        return get_codec(codec_name, self.block_size).encoded_size(self.layout().fragment_numel(fragment))
+        return get_codec(codec_name, self.block_size, self.sparse_density).encoded_size(self.layout().fragment_numel(fragment))
 
     def check_codec(self, codec_name: str) -> None:
         """Step 7."""
@@ -126,7 +127,7 @@ class PushAdmission:
         """Step 9 (a seed's too, in EXACT): the payload's values, or a refusal naming what is wrong."""
         self.check_codec(codec_name)
         try:
-            return get_codec(codec_name, self.block_size).decode(payload, numel)
+            return get_codec(codec_name, self.block_size, self.sparse_density).decode(payload, numel)
         except ValueError as err:
             raise self.refuse(Reason.NON_FINITE if isinstance(err, NonFiniteError) else Reason.BAD_PAYLOAD, str(err)) from None
 

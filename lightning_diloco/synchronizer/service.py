@@ -144,7 +144,7 @@ class Synchronizer:
         self._started = False
         self.admission = PushAdmission(fragment_rounds=self._rounds, check_session=self._check_session, seeded=self._seeded,
                                        layout=lambda: self.state.layout, refuse=self.refuse,
-                                       block_size=self.config.codec.block_size)
+                                       block_size=self.config.codec.block_size, sparse_density=self.config.codec.sparse_density)
         self.intake: Intake | None = None  # once the run has a layout (_make_rounds)
         self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint_every, snapshot=self._snapshot_or_none,
                                          outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing)

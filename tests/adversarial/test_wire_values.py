@@ -275,3 +275,56 @@ def test_a_refused_header_value_is_named_in_the_refusal_and_changes_nothing(tmp_
         prober.stub = stub
         prober.close()
         server.stop(grace=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_hostile_sparse_payload_is_refused_with_its_reason_and_an_honest_one_is_merged(tmp_path):
+    """Over the real server, a run on the sparse codec (density 1/4: k = 17 of fragment 0's 68
+    values): a payload whose indices repeat, run past the fragment, or come from a denser setting
+    is refused as bad_payload naming what was wrong, and changes nothing; an honest one is merged."""
+    import dataclasses
+
+    from lightning_diloco.core.config import CodecConfig
+    from lightning_diloco.core.sparse_codec import SparseCodec, _pack_indices
+    from lightning_diloco.reasons import SynchronizerError
+
+    config = dataclasses.replace(run_config(num_fragments=2, min_quorum=1),
+                                 codec=CodecConfig(uplink="sparse", downlink="sparse", sparse_density=0.25))
+    server = _serve(config, tmp_path)
+    numel = layout(config).fragment_numel(0)
+    codec = SparseCodec(0.25)
+    k = round(0.25 * numel)
+    honest = codec.encode(torch.linspace(-1e-3, 1e-3, numel))
+    scale_bytes, index_bytes, _ = codec.sections(numel)
+
+    def with_indices(index):
+        payload = honest.clone()
+        _pack_indices(torch.tensor(index), payload[scale_bytes : scale_bytes + index_bytes])
+        return payload
+
+    hostile = {
+        "duplicate": (with_indices([0, 0] + list(range(2, k))), "not strictly ascending"),
+        "out of range": (with_indices(list(range(k - 1)) + [numel]), f"index {numel} past its last chunk of {numel} values"),
+        "denser": (SparseCodec(0.5).encode(torch.linspace(-1e-3, 1e-3, numel)), "but its codec and fragment need"),
+    }
+    try:
+        with SynchronizerClient(server.address, max_retries=0) as client:
+            client.join(0, 1, SPECS)
+            for p, value in initial_fragments(config).items():
+                client.seed(0, p, value)
+            before = server.service.state.fragments[0].value.clone(), server.service.versions()
+            client.heartbeat(0, 1, 0.1, schedule_step=0)
+            collecting = max(0, client.status().rounds[0].round)
+            _step_to(client, 0, collecting)
+            for seq, (what, (payload, naming)) in enumerate(hostile.items(), start=1):
+                with pytest.raises(SynchronizerError) as err:
+                    client.push(Contribution(island=0, fragment=0, round=collecting, base_version=before[1][0], tokens=100.0,
+                                             steps=4, codec="sparse", seq=seq, payload=payload, layout_hash=layout(config).hash))
+                assert err.value.reason == "bad_payload" and naming in str(err.value), (what, str(err.value))
+                assert torch.equal(server.service.state.fragments[0].value, before[0]) and server.service.versions() == before[1]
+            client.push(Contribution(island=0, fragment=0, round=collecting, base_version=before[1][0], tokens=100.0, steps=4,
+                                     codec="sparse", seq=10, payload=honest, layout_hash=layout(config).hash))
+            assert wait_for_version(client.pull, 0, before[1][0] + 1, timeout=10)[0] > before[1][0]
+            assert server.service.status().refused.get("bad_payload", 0) == len(hostile)
+    finally:
+        server.stop(grace=0)

@@ -9,7 +9,7 @@ import torch
 from lightning_diloco.core import codecs
 from lightning_diloco.core.codecs import BlockQuantCodec, get_codec
 
-CODECS = ["fp32", "bf16", "int8", "int4", "int2"]
+CODECS = ["fp32", "bf16", "int8", "int4", "int2", "sparse"]
 
 
 def _gaussian(n, seed=0):

@@ -37,7 +37,7 @@ def test_the_table_holds_every_field_once_with_its_docstring_and_default():
     for s in table:
         assert s.doc, f"{s.section}.{s.field} has no docstring: write one under the field, it is the setting's help"
         assert value_of(RunConfig(), s.name) == s.default
-    assert setting("merge").choices == ("rda", "mean") and setting("uplink_codec").choices == ("fp32", "bf16", "int8", "int4", "int2")
+    assert setting("merge").choices == ("rda", "mean") and setting("uplink_codec").choices == ("fp32", "bf16", "int8", "int4", "int2", "sparse")
     assert setting("nesterov").type is bool and setting("outer_lr").field == "lr"
 
 

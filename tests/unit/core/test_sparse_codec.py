@@ -1,0 +1,158 @@
+"""The sparse codec (core/sparse_codec.py): exactly the top k of each chunk, its stated size, error
+feedback that delivers what it leaves out, and every malformed payload refused with its reason.
+(The conformance suite every codec runs is in test_codecs.py.)"""
+
+import pytest
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.config import CodecConfig
+from lightning_diloco.core.downlink import PublishedChain
+from lightning_diloco.core.feedback import UplinkFeedback
+from lightning_diloco.core.sparse_codec import CHUNK, SparseCodec
+
+
+def _gaussian(n, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def _sent(decoded: torch.Tensor) -> list[set[int]]:
+    """The indices a decoded value holds something at, chunk by chunk."""
+    return [set(chunk.nonzero().squeeze(1).tolist()) for chunk in decoded.split(CHUNK)]
+
+
+def _top(x: torch.Tensor, density: float) -> list[set[int]]:
+    out = []
+    for chunk in x.split(CHUNK):
+        k = max(1, min(chunk.numel(), round(density * chunk.numel())))
+        out.append(set(chunk.abs().topk(k).indices.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("density", [1 / 4096, 1 / 64, 1 / 8, 0.5])
+@pytest.mark.parametrize("n", [5 * CHUNK + 1000, 3 * CHUNK, 300])
+def test_each_chunk_sends_exactly_its_largest_values_at_the_level_of_their_rms(density, n):
+    x = _gaussian(n, seed=n)
+    codec = SparseCodec(density)
+    out = codec.decode(codec.encode(x), n)
+    assert _sent(out) == _top(x, density)
+    for chunk, got in zip(x.split(CHUNK), out.split(CHUNK)):
+        sent = got != 0
+        rms = chunk[sent].square().mean().sqrt()
+        ratio = got[sent] / rms  # one of +-0.5, +-1.5, the scale being rms rounded to bf16
+        assert bool(((ratio.abs() - 0.5).abs() < 0.01).logical_or((ratio.abs() - 1.5).abs() < 0.01).all())
+        assert bool((torch.sign(got[sent]) == torch.sign(chunk[sent])).all())
+
+
+def test_size_is_two_bytes_a_chunk_plus_two_bits_and_twelve_bits_a_value_sent():
+    codec = get_codec("sparse", density=1 / 64)
+    assert codec.encoded_size(CHUNK) == 2 + 64 * 12 // 8 + 64 // 4 == 114
+    assert codec.encoded_size(10 * CHUNK) == 1140
+    # a tail of 1000 values sends round(1000/64) = 16 of them
+    assert codec.encoded_size(10 * CHUNK + 1000) == 1140 + 2 + 24 + 4
+    assert codec.encoded_size(CHUNK) * 19 < get_codec("int4").encoded_size(CHUNK)  # 19x fewer bytes than int4
+
+
+def test_ties_and_a_stride_16_pattern_still_send_exactly_k():
+    """Equal values tie at the threshold (every one a candidate); values large only off the
+    stride-16 sample leave the sample's threshold below too few candidates, and the chunk is
+    searched whole."""
+    codec = SparseCodec(1 / 64)
+    ties = torch.ones(2 * CHUNK)
+    out = codec.decode(codec.encode(ties), ties.numel())
+    assert [len(s) for s in _sent(out)] == [64, 64]
+    assert _sent(out) == [set(range(64))] * 2  # ties go to the lower index
+    pattern = _gaussian(2 * CHUNK) * 0.01
+    pattern[1::16] += 5.0 * torch.arange(1, pattern[1::16].numel() + 1) / pattern[1::16].numel()
+    out = codec.decode(codec.encode(pattern), pattern.numel())
+    assert _sent(out) == _top(pattern, 1 / 64)
+
+
+def test_uplink_feedback_delivers_what_each_push_leaves_out():
+    """At 1/64 a push carries 5% of a delta's norm; with feedback the sum received over 200 pushes
+    is within 20% of the sum sent (without, 95% is lost every time)."""
+    codec, g = get_codec("sparse", density=1 / 64), torch.Generator().manual_seed(0)
+    feedback = UplinkFeedback(codec)
+    drift = torch.randn(4096, generator=g)
+    sent, received, alone = torch.zeros(4096), torch.zeros(4096), torch.zeros(4096)
+    for _ in range(200):
+        delta = drift + 0.3 * torch.randn(4096, generator=g)
+        sent += delta
+        received += codec.decode(feedback.encode(0, delta), 4096)
+        alone += codec.decode(codec.encode(delta), 4096)
+    assert float((sent - received).norm() / sent.norm()) < 0.2
+    assert float((sent - alone).norm() / sent.norm()) > 0.9
+
+
+def test_downlink_chain_reaches_a_dense_global_value_a_sparse_step_at_a_time():
+    """The merged update of several islands is dense: each published step carries its largest
+    part, and the published value an island holds closes on the global one version by version."""
+    codec = get_codec("sparse", density=1 / 64)
+    start = _gaussian(3 * CHUNK, seed=1)
+    chain = PublishedChain(start, 0, codec, depth=4)
+    target = start + 0.01 * _gaussian(3 * CHUNK, seed=2)  # a dense change
+    errors = []
+    for version in range(1, 101):
+        chain.advance(target, version)
+        errors.append(float((chain.value - target).norm() / (target - start).norm()))
+    assert errors[0] > 0.9 and errors[-1] < 0.25 and errors[-1] < errors[49] < errors[9]
+
+
+def _tamper(payload: torch.Tensor, codec: SparseCodec, numel: int, index: list[int]) -> torch.Tensor:
+    """``payload`` with its indices replaced by ``index`` (the same count), re-packed."""
+    from lightning_diloco.core.sparse_codec import _pack_indices
+
+    scale_bytes, index_bytes, _ = codec.sections(numel)
+    out = payload.clone()
+    _pack_indices(torch.tensor(index), out[scale_bytes : scale_bytes + index_bytes])
+    return out
+
+
+def test_hostile_payloads_are_refused_naming_what_is_wrong():
+    codec, n = SparseCodec(1 / 64), CHUNK + 1000  # a full chunk of k = 64 and a tail of 1000 values, k = 16
+    payload = codec.encode(_gaussian(n))
+    full = list(range(0, 640, 10))
+    tail = list(range(0, 160, 10))
+    well_formed = codec.decode(_tamper(payload, codec, n, full + tail), n)
+    assert _sent(well_formed) == [set(full), set(tail)]
+    duplicate = full[:10] + [full[10]] + full[10:-1]
+    with pytest.raises(ValueError, match="not strictly ascending within a chunk"):
+        codec.decode(_tamper(payload, codec, n, duplicate + tail), n)
+    with pytest.raises(ValueError, match="not strictly ascending within its last chunk"):
+        codec.decode(_tamper(payload, codec, n, full + tail[::-1]), n)
+    with pytest.raises(ValueError, match="index 1000 past its last chunk of 1000 values"):
+        codec.decode(_tamper(payload, codec, n, full + tail[:-1] + [1000]), n)
+    denser = SparseCodec(1 / 32).encode(_gaussian(n))  # a density above the setting
+    with pytest.raises(ValueError, match="does not match"):
+        codec.decode(denser, n)
+    bad_scale = payload.clone()
+    bad_scale[:2].view(torch.bfloat16).fill_(float("inf"))
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.decode(bad_scale, n)
+    odd = SparseCodec(1 / 64)
+    m = 3 * 64  # 3 values sent: an odd count pads its indices with a zero one, and its levels
+    padded = odd.encode(_gaussian(m))
+    padded[-1] |= 0b11000000  # the fourth level of the last byte: padding
+    with pytest.raises(ValueError, match="padding levels are not zero"):
+        odd.decode(padded, m)
+
+
+def test_density_setting_is_validated_and_sparse_uplink_needs_feedback():
+    assert CodecConfig(uplink="sparse", downlink="sparse", sparse_density=1 / 128).sparse_density == 1 / 128
+    for bad in (0, 1 / 8192, 0.75, True, "0.01"):
+        with pytest.raises(ValueError, match="sparse_density"):
+            CodecConfig(sparse_density=bad)
+    with pytest.raises(ValueError, match="needs uplink_feedback=True"):
+        CodecConfig(uplink="sparse", uplink_feedback=False)
+    with pytest.raises(ValueError, match="density"):
+        SparseCodec(0.9)
+
+
+def test_the_sparse_preset_sends_sparse_both_ways_with_feedback_and_keeps_the_base_otherwise():
+    from lightning_diloco.core import presets
+    from lightning_diloco.core.config import RunConfig
+
+    config = presets.sparse(density=1 / 128)
+    assert (config.codec.uplink, config.codec.downlink, config.codec.sparse_density) == ("sparse", "sparse", 1 / 128)
+    assert config.codec.uplink_feedback and config.outer == RunConfig().outer and config.schedule == RunConfig().schedule
+    assert RunConfig.from_dict(config.to_dict()) == config  # what a synchronizer hands an island on join
