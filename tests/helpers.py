@@ -108,7 +108,7 @@ def sample_setting_value(s):
         return 1
     if s.type is int:
         return s.default + 4  # block_size is a multiple of 4
-    return {"grace_gamma": 0.25, "mix_alpha": 0.25, "outer_momentum": 0.5, "outlier_z": 4.0}.get(s.name, s.default * 2)
+    return {"grace_gamma": 0.25, "mix_alpha": 0.25, "rebase_keep": 0.5, "outer_momentum": 0.5, "outlier_z": 4.0}.get(s.name, s.default * 2)
 
 
 def wait_for_version(pull, fragment: int, version: int, timeout: float = 30.0) -> tuple[int, torch.Tensor]:

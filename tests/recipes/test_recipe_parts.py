@@ -105,7 +105,8 @@ def test_presets_fill_what_the_user_left_out():
     a = _args(TEXT, "--islands", "4")
     assert (a.steps, a.batch, a.hidden, a.arch) == (800, 16, 64, "llama")
     # the text presets' plain averaging with rebase; the ViT keeps the library's outer step and apply
-    assert given_settings(a) == {"num_fragments": 8, "outer_lr": 1.0, "outer_momentum": 0.0, "apply": "rebase", "data_seed": 0}
+    assert given_settings(a) == {"num_fragments": 8, "outer_lr": 1.0, "outer_momentum": 0.0, "apply": "rebase", "rebase_keep": 0.25,
+                                 "data_seed": 0}
     assert given_settings(_args(VISION, "--islands", "4")) == {"num_fragments": 8, "data_seed": 0}
     assert _args(TEXT, "--seed", "2").data_seed == 2  # the islands shuffle as DDP's ranks of the same seed
     assert given_settings(_args(TEXT, "--islands", "2", "--min-quorum", "2"))["min_quorum"] == 2
