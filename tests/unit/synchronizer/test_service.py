@@ -106,11 +106,11 @@ def test_a_closer_whose_close_failed_logs_it_and_closes_the_round_on_its_next_lo
     sync = _started(config, 1, clock=time.monotonic)
     rounds, real_close, calls = sync.rounds[1], sync.rounds[1].close, []
 
-    def close_failing_once(*args):
+    def close_failing_once(*args, **kwargs):
         calls.append(args)
         if len(calls) == 1:
             raise RuntimeError("injected failure")
-        return real_close(*args)
+        return real_close(*args, **kwargs)
 
     rounds.close = close_failing_once
     sync.start()
@@ -283,7 +283,7 @@ def test_a_closer_that_keeps_failing_backs_off_however_many_pushes_notify_it():
     with_peer_votes(sync, range(3))  # island 0's entry alone in its round does not wait for a peer's
     looks, failed = [], threading.Event()
 
-    def failing_apply(outer_gradient):
+    def failing_apply(outer_gradient, share=1.0):
         looks.append(time.monotonic())
         failed.set()
         raise RuntimeError("injected failure that persists")
