@@ -1,5 +1,5 @@
 """The outer optimizer: torch's SGD with Nesterov momentum, fed the merged outer gradient, or its
-delayed form (docs/algorithm.md#the-outer-step)."""
+delayed form (docs/algorithm.md#outer-step)."""
 
 from __future__ import annotations
 
