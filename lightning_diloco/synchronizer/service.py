@@ -19,6 +19,7 @@ Every refusal is a :class:`~lightning_diloco.synchronizer.requests.Refusal` with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.admission import (
     count_agreed,
     join_problem,
@@ -54,6 +56,7 @@ from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRun
 from lightning_diloco.synchronizer.push_admission import PushAdmission
 from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
+from lightning_diloco.synchronizer.version_log import RECOVERY_WAIT, VersionLog, value_digest
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +76,13 @@ class Synchronizer:
         run_id: str | None = None,
         layout_hash: str | None = None,
         num_islands: int | None = None,
+        recovery_wait: float = RECOVERY_WAIT,
     ) -> None:
         """``checkpoint_every``: outer steps between checkpoints (0: only on close).
+
+        ``recovery_wait``: seconds after start that a fragment whose logged version is newer than
+        its checkpoint's waits for an island to give that version back (version_log.py) before the
+        checkpoint's version is served instead.
 
         ``run_id``: the run's name in its checkpoints; a checkpoint of another run, or of another
         shard, is refused naming both. None: the checkpoint's (or, starting afresh, a new one).
@@ -114,6 +122,11 @@ class Synchronizer:
         except BaseException:
             self.release_checkpoint_dir()  # a refused start leaves the directory to the next try
             raise
+        # every published version's digest, logged before it is seen: what a restart gets back
+        self.logged = version_log.read(self.checkpoint_dir)
+        self.version_log = VersionLog(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        self.recovery_deadline = clock() + recovery_wait
+        self.recovery_wait = recovery_wait
         if loaded is not None:
             self.state = loaded
             self.membership.restore_left(loaded.left, self.clock())
@@ -134,7 +147,8 @@ class Synchronizer:
                                        block_size=self.config.codec.block_size)
         self.intake: Intake | None = None  # once the run has a layout (_make_rounds)
         self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint_every, snapshot=self._snapshot_or_none,
-                                         outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing)
+                                         outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing,
+                                         versions=self.version_log)
         self.closers = Closers(self.rounds, self.membership, clock=self.clock, closing=self.closing,
                                on_closed=self._round_closed, quorum=self._quorum)
         if self.state is not None:
@@ -168,6 +182,8 @@ class Synchronizer:
         """Let another synchronizer (this one restarted in-process, say) take the checkpoint
         directory. Idempotent; the process's end releases it too, however it ends."""
         if self.directory_lock is not None:
+            if getattr(self, "version_log", None) is not None:
+                self.version_log.close()
             self.directory_lock.release()
 
     def _make_rounds(self, layout: FragmentLayout) -> None:
@@ -176,11 +192,22 @@ class Synchronizer:
         if self.intake is None:
             self.intake = Intake(state=state, membership=self.membership, admission=self.admission, offsets=self.offsets,
                                  sync_every=self.config.schedule.sync_every, clock=self.clock,
-                                 count_accepted=self._count_accepted, count_bytes_in=self._count_bytes_in)
+                                 count_accepted=self._count_accepted, count_bytes_in=self._count_bytes_in,
+                                 versions=self.version_log)
         for p in range(layout.num_fragments):
             if self.owned(p) and p not in self.rounds:
                 rounds = FragmentRounds(p, layout.fragment_specs(p), self.config)
-                rounds.frag = state.fragments.get(p)
+                frag = state.fragments.get(p)
+                logged_version, digest = self.logged.get(p, (-1, ""))
+                if logged_version > (frag.version if frag is not None else -1):
+                    # islands were given a version the checkpoint lacks: it is theirs to give back
+                    rounds.recovering, rounds.held_back = (logged_version, digest), frag
+                    log.warning("fragment %d: version %d was published but the checkpoint holds %s; it is served to no "
+                                "one until an island that holds it gives it back (at most %.0f s, --recovery-wait)", p,
+                                logged_version, "no version" if frag is None else f"version {frag.version}",
+                                self.recovery_wait)
+                elif frag is not None:
+                    self._serve(rounds, frag)
                 if p in state.memory:  # from a checkpoint
                     rounds.restore(state.memory[p])
                 self.rounds[p] = rounds
@@ -342,9 +369,14 @@ class Synchronizer:
 
     def versions(self) -> dict[int, int]:
         """Fragment versions this shard owns; -1 for a fragment not seeded yet."""
+        self._fall_back_if_overdue()
         state = self.state
         owned = [p for p in range(self.config.schedule.num_fragments) if self.owned(p)]
-        return {p: (state.fragments[p].version if state and p in state.fragments else -1) for p in owned}
+        return {p: (state.fragments[p].version if state and p in state.fragments and self._served(p) else -1) for p in owned}
+
+    def _served(self, fragment: int) -> bool:
+        rounds = self.rounds.get(fragment)
+        return rounds is None or rounds.recovering is None
 
     # ---- seeds and pushes (intake.py) ----------------------------------------------------------
 
@@ -364,10 +396,71 @@ class Synchronizer:
         return self.admission.payload_bytes(EXACT, fragment)
 
     def seed(self, island: int, fragment: int, payload: Payload, session: str | None = None) -> bool:
-        """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored."""
+        """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored.
+        For a fragment recovering after a restart, the offer of the version the log holds: taken
+        if its bytes have the logged digest, ignored (False) if not."""
         rounds = self._rounds(fragment)
         self._check_session(island, session, "seed")
+        if rounds.recovering is not None:
+            return self._take_back(rounds, island, payload)
         return self.intake.seed(rounds, island, payload)
+
+    # ---- recovery after a restart (version_log.py) ----------------------------------------------
+
+    def _serve(self, rounds: FragmentRounds, frag: FragmentState) -> None:
+        """Make ``frag`` the fragment's served state, its new versions logged before they are seen."""
+        if self.version_log is not None:
+            frag.publish_hook = functools.partial(self.version_log.record, rounds.fragment)
+        rounds.frag = frag
+        rounds.recovering = rounds.held_back = None
+
+    def _take_back(self, rounds: FragmentRounds, island: int, payload: Payload) -> bool:
+        p = rounds.fragment
+        value = self.admission.decode(EXACT, payload, self.state.layout.fragment_numel(p)).clone()
+        digest = value_digest(value)
+        with rounds.cond:
+            if rounds.recovering is None:  # another island's offer, or the fallback, came first
+                return False
+            version, expected = rounds.recovering
+            if digest != expected:
+                log.warning("island %d offered fragment %d, but not the value of its version %d (another digest): not "
+                            "taken", island, p, version)
+                return False
+            frag = rounds.held_back if rounds.held_back is not None else FragmentState(value, self.config, version)
+            frag.recover(value, version)
+            self.state.fragments[p] = frag
+            self._serve(rounds, frag)
+            rounds.cond.notify_all()
+        log.warning("fragment %d: version %d taken back from island %d (its digest matches the version log)", p, version,
+                    island)
+        self.membership.wake()
+        return True
+
+    def _fall_back_if_overdue(self) -> None:
+        """Past the recovery wait, serve each fragment still recovering at its checkpoint's version
+        (or leave it to be seeded again, if the checkpoint had none), logged as the log's latest."""
+        if self.clock() < self.recovery_deadline:
+            return
+        for p, rounds in list(self.rounds.items()):
+            if rounds.recovering is None:
+                continue
+            with rounds.cond:
+                if rounds.recovering is None:
+                    continue
+                (version, _), frag = rounds.recovering, rounds.held_back
+                if frag is not None and self.version_log is not None:
+                    self.version_log.record(p, frag.version, frag.published_value_view())
+                if frag is None:
+                    rounds.recovering = None
+                    self.state.fragments.pop(p, None)
+                else:
+                    self._serve(rounds, frag)
+                rounds.cond.notify_all()
+            log.error("fragment %d: no island gave back its version %d within --recovery-wait %.0f s; serving the "
+                      "checkpoint's %s: the versions after it are LOST, and islands holding them are sent it whole", p,
+                      version, self.recovery_wait, "no version (the next seed starts it again)" if frag is None else
+                      f"version {frag.version}")
+            self.membership.wake()
 
     def push(self, c: Contribution, *, declared_bytes: int | None = None,
              receive: Callable[[int], Payload] | None = None) -> PushAck:
@@ -399,6 +492,10 @@ class Synchronizer:
         return rounds
 
     def _seeded(self, rounds: FragmentRounds) -> FragmentState:
+        if rounds.recovering is not None:
+            raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} waits for an island to give back its version "
+                              f"{rounds.recovering[0]}, published before this synchronizer restarted; an island holding "
+                              "it offers it as a seed (at most --recovery-wait s, then the checkpoint's is served)")
         if rounds.frag is None:
             raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} has no value yet; seed it first")
         return rounds.frag
