@@ -128,7 +128,7 @@ class Checkpointer:
             path = snapshot.save(self.directory)
             self.last_steps = snapshot.outer_steps
             if self.versions is not None:
-                self.versions.compact()
+                self.versions.compact(snapshot.versions())
         log.debug("checkpoint at %d outer steps: %s", snapshot.outer_steps, path)
         return path
 

@@ -146,9 +146,12 @@ class FragmentRounds:
         self.fragment, self.specs, self.config = fragment, list(specs), config
         self.cond = threading.Condition()
         self.frag: FragmentState | None = None  # set once the fragment is seeded (or, recovering, taken back)
-        self.recovering: tuple[int, str] | None = None
-        """(version, digest) of a version the version log holds and the checkpoint lacks: until an
-        island gives it back (service.py) no one is served this fragment."""
+        self.recovering: dict[int, str] | None = None
+        """Version -> digest of the versions the version log holds and the checkpoint lacks: until an
+        island gives one back (service.py) no one is served this fragment."""
+        self.offered: tuple[int, torch.Tensor] | None = None
+        """While recovering: the newest of those versions offered, if not the last one (taken once
+        the restart has settled, unless the last one comes)."""
         self.held_back: FragmentState | None = None
         """While recovering: the checkpoint's state of the fragment (None: it had none), checkpointed
         as it is and served if no island gives the version back in time."""

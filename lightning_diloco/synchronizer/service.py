@@ -56,7 +56,7 @@ from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRun
 from lightning_diloco.synchronizer.push_admission import PushAdmission
 from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
-from lightning_diloco.synchronizer.version_log import RECOVERY_WAIT, VersionLog, value_digest
+from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE, RECOVERY_WAIT, VersionLog, value_digest
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class Synchronizer:
         self.logged = version_log.read(self.checkpoint_dir)
         self.version_log = VersionLog(self.checkpoint_dir) if self.checkpoint_dir is not None else None
         self.recovery_deadline = clock() + recovery_wait
+        self.recovery_settled_at = clock() + min(RECOVERY_SETTLE, recovery_wait)
         self.recovery_wait = recovery_wait
         if loaded is not None:
             self.state = loaded
@@ -198,13 +199,14 @@ class Synchronizer:
             if self.owned(p) and p not in self.rounds:
                 rounds = FragmentRounds(p, layout.fragment_specs(p), self.config)
                 frag = state.fragments.get(p)
-                logged_version, digest = self.logged.get(p, (-1, ""))
-                if logged_version > (frag.version if frag is not None else -1):
-                    # islands were given a version the checkpoint lacks: it is theirs to give back
-                    rounds.recovering, rounds.held_back = (logged_version, digest), frag
+                checkpointed = frag.version if frag is not None else -1
+                newer = {v: digest for v, digest in self.logged.get(p, []) if v > checkpointed}
+                if newer:
+                    # islands were given versions the checkpoint lacks: they are theirs to give back
+                    rounds.recovering, rounds.held_back = newer, frag
                     log.warning("fragment %d: version %d was published but the checkpoint holds %s; it is served to no "
                                 "one until an island that holds it gives it back (at most %.0f s, --recovery-wait)", p,
-                                logged_version, "no version" if frag is None else f"version {frag.version}",
+                                max(newer), "no version" if frag is None else f"version {frag.version}",
                                 self.recovery_wait)
                 elif frag is not None:
                     self._serve(rounds, frag)
@@ -412,7 +414,7 @@ class Synchronizer:
         if self.version_log is not None:
             frag.publish_hook = functools.partial(self.version_log.record, rounds.fragment)
         rounds.frag = frag
-        rounds.recovering = rounds.held_back = None
+        rounds.recovering = rounds.held_back = rounds.offered = None
 
     def _take_back(self, rounds: FragmentRounds, island: int, payload: Payload) -> bool:
         p = rounds.fragment
@@ -421,33 +423,56 @@ class Synchronizer:
         with rounds.cond:
             if rounds.recovering is None:  # another island's offer, or the fallback, came first
                 return False
-            version, expected = rounds.recovering
-            if digest != expected:
-                log.warning("island %d offered fragment %d, but not the value of its version %d (another digest): not "
-                            "taken", island, p, version)
+            newest = max(rounds.recovering)
+            version = next((v for v, expected in rounds.recovering.items() if expected == digest), None)
+            if version is None:
+                log.warning("island %d offered fragment %d, but not the value of a version it published since its "
+                            "checkpoint (another digest): not taken", island, p)
                 return False
-            frag = rounds.held_back if rounds.held_back is not None else FragmentState(value, self.config, version)
-            frag.recover(value, version)
-            self.state.fragments[p] = frag
-            self._serve(rounds, frag)
-            rounds.cond.notify_all()
-        log.warning("fragment %d: version %d taken back from island %d (its digest matches the version log)", p, version,
-                    island)
+            if version < newest:  # an island holding the newest may still come back: taken once settled
+                if rounds.offered is None or rounds.offered[0] < version:
+                    rounds.offered = (version, value)
+                return False
+            self._recover(rounds, version, value, island)
         self.membership.wake()
         return True
 
+    def _recover(self, rounds: FragmentRounds, version: int, value: torch.Tensor, island: int | None) -> None:
+        """(With ``rounds.cond`` held.) Serve ``value``, whose digest is logged ``version``'s."""
+        p, newest = rounds.fragment, max(rounds.recovering)
+        if version < newest and self.version_log is not None:  # the log's last line is what is served
+            self.version_log.record(p, version, value)
+        frag = rounds.held_back if rounds.held_back is not None else FragmentState(value, self.config, version)
+        frag.recover(value, version)
+        self.state.fragments[p] = frag
+        self._serve(rounds, frag)
+        rounds.cond.notify_all()
+        if version == newest:
+            log.warning("fragment %d: version %d taken back from island %d (its digest matches the version log)", p,
+                        version, island)
+        else:
+            log.error("fragment %d: version %d taken back, the newest an island offered; versions %d-%d are LOST: no "
+                      "island that rejoined held them", p, version, version + 1, newest)
+
     def _fall_back_if_overdue(self) -> None:
-        """Past the recovery wait, serve each fragment still recovering at its checkpoint's version
-        (or leave it to be seeded again, if the checkpoint had none), logged as the log's latest."""
-        if self.clock() < self.recovery_deadline:
+        """Once the restart has settled (RECOVERY_SETTLE s), serve each fragment recovering whose
+        newest offer was an older logged version at that version; past the recovery wait, serve
+        the others at their checkpoint's version (or leave one the checkpoint lacked to be seeded
+        again), logged as the log's last line."""
+        now = self.clock()
+        if now < self.recovery_settled_at:
             return
         for p, rounds in list(self.rounds.items()):
             if rounds.recovering is None:
                 continue
             with rounds.cond:
-                if rounds.recovering is None:
+                if rounds.recovering is None or (rounds.offered is None and now < self.recovery_deadline):
                     continue
-                (version, _), frag = rounds.recovering, rounds.held_back
+                if rounds.offered is not None:
+                    self._recover(rounds, *rounds.offered, island=None)
+                    self.membership.wake()
+                    continue
+                version, frag = max(rounds.recovering), rounds.held_back
                 if frag is not None and self.version_log is not None:
                     self.version_log.record(p, frag.version, frag.published_value_view())
                 if frag is None:
@@ -494,7 +519,7 @@ class Synchronizer:
     def _seeded(self, rounds: FragmentRounds) -> FragmentState:
         if rounds.recovering is not None:
             raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} waits for an island to give back its version "
-                              f"{rounds.recovering[0]}, published before this synchronizer restarted; an island holding "
+                              f"{max(rounds.recovering)}, published before this synchronizer restarted; an island holding "
                               "it offers it as a seed (at most --recovery-wait s, then the checkpoint's is served)")
         if rounds.frag is None:
             raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} has no value yet; seed it first")

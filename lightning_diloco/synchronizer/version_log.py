@@ -33,6 +33,10 @@ import torch
 log = logging.getLogger(__name__)
 
 FILE = "versions.log"
+RECOVERY_SETTLE = 5.0
+"""Seconds after a restart that an offer of an older logged version waits for one of the last (an
+island that held the last may rejoin a little later than one that held an older one); past them
+the newest offered is taken."""
 RECOVERY_WAIT = 300.0
 """Seconds a restarted synchronizer waits for an island to give back a version its log holds and
 its checkpoint lacks, before it serves the checkpoint's (and says the versions lost)."""
@@ -41,23 +45,29 @@ its checkpoint lacks, before it serves the checkpoint's (and says the versions l
 def value_digest(value: torch.Tensor) -> str:
     """SHA-256 of a fragment's value as fp32 bytes (what a seed carries)."""
     flat = value.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
-    return hashlib.sha256(memoryview(flat.numpy())).hexdigest()
+    return hashlib.sha256(flat.numpy().data).hexdigest()
 
 
-def read(directory: Path | None) -> dict[int, tuple[int, str]]:
-    """Fragment -> (version, digest) of its last whole line in ``directory``'s log ({} without one).
-    The last line, not the highest version: a fallback to a checkpoint logs an older one after."""
+def read(directory: Path | None) -> dict[int, list[tuple[int, str]]]:
+    """Fragment -> its logged (version, digest)s in ``directory``'s log, ascending, the last one
+    the version published last ({} without a log). A line with a version not above the one before
+    (the restart took an older one back, or fell back to its checkpoint) starts the list afresh."""
     path = None if directory is None else directory / FILE
     if path is None or not path.exists():
         return {}
-    latest: dict[int, tuple[int, str]] = {}
+    logged: dict[int, list[tuple[int, str]]] = {}
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
         try:
             entry = json.loads(line)
-            latest[int(entry["fragment"])] = (int(entry["version"]), str(entry["sha256"]))
+            fragment, version, digest = int(entry["fragment"]), int(entry["version"]), str(entry["sha256"])
         except (ValueError, KeyError, TypeError):  # a line a kill cut short: never fsync'd, so never seen
             log.warning("%s line %d is not a whole entry (a write cut short by a kill): skipped", path, number)
-    return latest
+            continue
+        versions = logged.setdefault(fragment, [])
+        if versions and version <= versions[-1][0]:
+            versions.clear()
+        versions.append((version, digest))
+    return logged
 
 
 class VersionLog:
@@ -82,16 +92,19 @@ class VersionLog:
             os.write(self._fd, line.encode())
             os.fsync(self._fd)
 
-    def compact(self) -> None:
-        """Rewrite the log with its last line per fragment (after a checkpoint; atomic)."""
+    def compact(self, checkpointed: dict[int, int]) -> None:
+        """Rewrite the log (atomically) with, per fragment, the versions from its checkpointed one
+        (``checkpointed``) on, and always its last: after a checkpoint."""
         with self.lock:
             if self._fd < 0:  # closed: the directory is no longer this synchronizer's
                 return
-            latest = read(self.path.parent)
+            logged = read(self.path.parent)
             tmp = self.path.with_name(f".{FILE}.tmp")
             with open(tmp, "wb") as f:
-                for fragment, (version, digest) in sorted(latest.items()):
-                    f.write(json.dumps({"fragment": fragment, "version": version, "sha256": digest}).encode() + b"\n")
+                for fragment, versions in sorted(logged.items()):
+                    kept = [e for e in versions[:-1] if e[0] >= checkpointed.get(fragment, -1)] + versions[-1:]
+                    for version, digest in kept:
+                        f.write(json.dumps({"fragment": fragment, "version": version, "sha256": digest}).encode() + b"\n")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
