@@ -152,6 +152,8 @@ class FragmentRounds:
         self.offered: tuple[int, torch.Tensor] | None = None
         """While recovering: the newest of those versions offered, if not the last one (taken once
         the restart has settled, unless the last one comes)."""
+        self.offered_by: set[int] = set()
+        """While recovering: the islands that offered a value and did not hold the last version."""
         self.held_back: FragmentState | None = None
         """While recovering: the checkpoint's state of the fragment (None: it had none), checkpointed
         as it is and served if no island gives the version back in time."""

@@ -415,6 +415,7 @@ class Synchronizer:
             frag.publish_hook = functools.partial(self.version_log.record, rounds.fragment)
         rounds.frag = frag
         rounds.recovering = rounds.held_back = rounds.offered = None
+        rounds.offered_by = set()
 
     def _take_back(self, rounds: FragmentRounds, island: int, payload: Payload) -> bool:
         p = rounds.fragment
@@ -425,17 +426,25 @@ class Synchronizer:
                 return False
             newest = max(rounds.recovering)
             version = next((v for v, expected in rounds.recovering.items() if expected == digest), None)
+            if version != newest:
+                rounds.offered_by.add(island)
             if version is None:
                 log.warning("island %d offered fragment %d, but not the value of a version it published since its "
                             "checkpoint (another digest): not taken", island, p)
-                return False
-            if version < newest:  # an island holding the newest may still come back: taken once settled
-                if rounds.offered is None or rounds.offered[0] < version:
-                    rounds.offered = (version, value)
-                return False
+            elif version < newest and (rounds.offered is None or rounds.offered[0] < version):
+                rounds.offered = (version, value)
+            if version != newest:
+                # an island holding the newest may still come back: the newest offered is taken once
+                # the restart has settled, or at once when every island of the run has offered
+                if not (rounds.offered is not None and self.num_islands
+                        and len(rounds.offered_by) >= self.num_islands - self.membership.left_count()):
+                    return False
+                mine, (version, value) = version, rounds.offered
+            else:
+                mine = version
             self._recover(rounds, version, value, island)
         self.membership.wake()
-        return True
+        return mine == version
 
     def _recover(self, rounds: FragmentRounds, version: int, value: torch.Tensor, island: int | None) -> None:
         """(With ``rounds.cond`` held.) Serve ``value``, whose digest is logged ``version``'s."""

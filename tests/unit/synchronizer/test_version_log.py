@@ -146,3 +146,16 @@ def test_when_no_island_holds_the_last_version_the_newest_one_offered_is_taken_o
     assert torch.equal(restarted.pull(1)[1], pulls[2])
     assert version_log.read(tmp_path)[1] == [(2, version_log.value_digest(pulls[2]))]  # a restart now serves 2 at once
     restarted.shutdown()
+
+
+def test_once_every_island_of_the_run_offered_an_older_version_the_newest_offered_is_taken_at_once(tmp_path):
+    config = run_config()
+    pulls: dict = {}
+    _killed_after_versions(tmp_path, config, 3, pulls)
+    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60, num_islands=2)
+    for i in range(2):
+        restarted.join(i, 1, SPECS, num_islands=2)
+    assert restarted.seed(0, 1, FP32.encode(pulls[2])) is False  # island 1 may hold version 3
+    assert restarted.seed(1, 1, FP32.encode(pulls[1])) is False  # it did not: 2 is the newest any island holds
+    assert restarted.versions()[1] == 2 and torch.equal(restarted.pull(1)[1], pulls[2])
+    restarted.shutdown()
