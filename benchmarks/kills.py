@@ -109,9 +109,10 @@ class Load:
                     return
                 with self.lock:
                     self.failed += 1
-                if getattr(err, "reason", None) == Reason.NOT_SEEDED and p in held:  # it waits to be given back
+                if getattr(err, "reason", None) == Reason.NOT_SEEDED:  # a fragment waits to be given back
                     try:
-                        client.seed(i, p, held[p])
+                        for f, value in held.items():  # each one held, as a learner's heartbeat offers each waiting
+                            client.seed(i, f, value)
                     except Exception:  # noqa: BLE001 - counted with the failed sends, offered again at the next
                         self.stop.wait(0.1)
                     continue
