@@ -203,6 +203,8 @@ class Synchronizer:
                 newer = {v: digest for v, digest in self.logged.get(p, []) if v > checkpointed}
                 if newer:
                     # islands were given versions the checkpoint lacks: they are theirs to give back
+                    if frag is not None:  # islands holding only the checkpoint's say so by offering it
+                        newer[frag.version] = value_digest(frag.published_value_view())
                     rounds.recovering, rounds.held_back = newer, frag
                     log.warning("fragment %d: version %d was published but the checkpoint holds %s; it is served to no "
                                 "one until an island that holds it gives it back (at most %.0f s, --recovery-wait)", p,
@@ -452,7 +454,8 @@ class Synchronizer:
         if version < newest and self.version_log is not None:  # the log's last line is what is served
             self.version_log.record(p, version, value)
         frag = rounds.held_back if rounds.held_back is not None else FragmentState(value, self.config, version)
-        frag.recover(value, version)
+        if frag.version != version:  # (the checkpoint's own version is served as it is)
+            frag.recover(value, version)
         self.state.fragments[p] = frag
         self._serve(rounds, frag)
         rounds.cond.notify_all()

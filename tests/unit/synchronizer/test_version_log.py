@@ -159,3 +159,15 @@ def test_once_every_island_of_the_run_offered_an_older_version_the_newest_offere
     assert restarted.seed(1, 1, FP32.encode(pulls[1])) is False  # it did not: 2 is the newest any island holds
     assert restarted.versions()[1] == 2 and torch.equal(restarted.pull(1)[1], pulls[2])
     restarted.shutdown()
+
+
+def test_islands_holding_only_the_checkpoints_version_have_it_served_once_the_restart_settles(tmp_path):
+    """Killed between logging version 1 and anyone pulling it: every island holds version 0, the checkpoint's."""
+    config = run_config()
+    pulls: dict = {}
+    _killed_after_versions(tmp_path, config, 1, pulls)
+    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1)
+    restarted.join(0, 1, SPECS, num_islands=1)
+    assert restarted.seed(0, 1, FP32.encode(initial_fragments(config)[1])) is True
+    assert restarted.versions()[1] == 0
+    restarted.shutdown()
