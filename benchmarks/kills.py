@@ -1,14 +1,18 @@
 """Versions handed out against versions resumed, over SIGKILLs of the synchronizer in a row.
 
-    python -m benchmarks.kills [--kills 8] [--numel 65536] [--run-s 3] [--window-s 5]
+    python -m benchmarks.kills [--kills 8] [--numel 65536] [--run-s 10] [--window-s 10]
 
 One synchronizer process on loopback (``--checkpoint-every 1``, 2 fragments of ``--numel``
 floats each, quorum 1, no grace window) and 2 islands as threads of this process, each pulling a
 fragment, pushing for the next round and pulling again, as fast as the synchronizer answers. Each
+island keeps the last value it pulled of each fragment, and offers it (a seed) when a fragment is
+refused as waiting to be given back (synchronizer/version_log.py), as a learner island does. Each
 cycle runs the load ``--run-s`` seconds, SIGKILLs the synchronizer, restarts it on the same port
-and reads the versions it resumed at; a version an island was given (a pull's answer) that the
-restarted one does not have is lost. Then the outer steps the run makes in ``--window-s`` seconds
-after the restart, against the same window before the kill. Prints one line per kill and a sum.
+and reads the versions it serves once every fragment is served again (recovered from an island,
+or at most ``--recovery-wait`` seconds later its checkpoint's); a version an island was given (a
+pull's answer) that the restarted one does not have is lost. Then the rounds the run closes (one
+outer step each) in ``--window-s`` seconds after the restart, against the same window before the
+kill. Prints one line per kill and a sum.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import TensorSpec, build_layout
 from lightning_diloco.core.protocol import Contribution
+from lightning_diloco.reasons import Reason
 from lightning_diloco.transport.client import SynchronizerClient
 
 ISLANDS = 2
+RECOVERY_WAIT = 30.0
 
 
 def _start(directory: str, port: str) -> tuple[subprocess.Popen, str, dict[int, int]]:
@@ -39,7 +45,7 @@ def _start(directory: str, port: str) -> tuple[subprocess.Popen, str, dict[int, 
     cmd = [sys.executable, "-m", "lightning_diloco.cli", "synchronizer", "--host", "127.0.0.1", "--port", port,
            "--checkpoint-dir", directory, "--checkpoint-every", "1", "--num-fragments", "2", "--sync-every", "4",
            "--overlap-steps", "1", "--min-quorum", "1", "--grace-gamma", "0", "--uplink-codec", "fp32",
-           "--downlink-codec", "fp32", "--liveness-timeout", "5"]
+           "--downlink-codec", "fp32", "--liveness-timeout", "5", "--recovery-wait", str(RECOVERY_WAIT)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     resumed: dict[int, int] = {}
@@ -86,10 +92,11 @@ class Load:
     def _island(self, i: int) -> None:
         client, seq, named = self.clients[i], 0, 0
         payloads = [get_codec("fp32").encode(torch.full((n,), 1e-3)) for n in self.numel]
+        held: dict[int, torch.Tensor] = {}  # fragment -> the value last pulled
         while not self.stop.is_set():
             p = seq % 2
             try:
-                version, _ = client.pull(p)
+                version, held[p] = client.pull(p)
                 with self.lock:
                     self.seen[p] = max(self.seen[p], version)
                 seq += 1
@@ -97,11 +104,18 @@ class Load:
                                                tokens=100.0, steps=4, codec="fp32", seq=seq, payload=payloads[p],
                                                layout_hash=self.layout_hash))
                 named = ack.round + (0 if ack.late else 1)
-            except Exception:  # noqa: BLE001 - counted: a send may meet the kill
+            except Exception as err:  # noqa: BLE001 - counted: a send may meet the kill
                 if self.stop.is_set():
                     return
                 with self.lock:
                     self.failed += 1
+                if getattr(err, "reason", None) == Reason.NOT_SEEDED:  # a fragment waits to be given back
+                    try:
+                        for f, value in held.items():  # each one held, as a learner's heartbeat offers each waiting
+                            client.seed(i, f, value)
+                    except Exception:  # noqa: BLE001 - counted with the failed sends, offered again at the next
+                        self.stop.wait(0.1)
+                    continue
                 if client.shard_sessions.absent(0):  # it gave up on the synchronizer: join again once it is back
                     try:
                         client.join(i, 1, self.specs, num_islands=ISLANDS, patience=60)
@@ -109,17 +123,31 @@ class Load:
                         self.stop.wait(0.1)
 
 
-def _outer_steps(address: str) -> int:
+def _rounds_closed(address: str) -> int:
+    """Rounds the synchronizer closed since it started, one outer step each (its outer_steps would
+    count a version given back after a restart as the steps from the checkpoint's to it)."""
     with SynchronizerClient(address, max_retries=20, backoff=0.1) as c:
-        return c.status().outer_steps
+        return sum(r.closed for r in c.status().rounds.values())
+
+
+def _served(address: str, timeout: float) -> tuple[dict[int, int], float]:
+    """The versions the synchronizer serves once no fragment waits to be given back (-1), and the
+    seconds that took."""
+    started = time.monotonic()
+    with SynchronizerClient(address, max_retries=20, backoff=0.1) as c:
+        while True:
+            versions = c.status().versions
+            if min(versions.values()) >= 0 or time.monotonic() - started > timeout:
+                return versions, time.monotonic() - started
+            time.sleep(0.05)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=8)
     p.add_argument("--numel", type=int, default=65536, help="floats per fragment (default %(default)s)")
-    p.add_argument("--run-s", type=float, default=3.0, help="seconds of load before each kill (default %(default)s)")
-    p.add_argument("--window-s", type=float, default=5.0, help="seconds the outer steps are counted over (default %(default)s)")
+    p.add_argument("--run-s", type=float, default=10.0, help="seconds of load before each kill (default %(default)s)")
+    p.add_argument("--window-s", type=float, default=10.0, help="seconds the outer steps are counted over (default %(default)s)")
     args = p.parse_args(argv)
     specs = [TensorSpec(name=f"w{i}", shape=(args.numel,), dtype="float32", role="dense") for i in range(2)]
     directory = tempfile.TemporaryDirectory(prefix="diloco-bench-kills-")
@@ -135,27 +163,29 @@ def main(argv: list[str] | None = None) -> None:
         total_lost, lossy = 0, 0
         for k in range(args.kills):
             time.sleep(max(0.0, args.run_s - args.window_s))
-            before_start = _outer_steps(address)
+            before_start = _rounds_closed(address)
             time.sleep(args.window_s)
-            before = _outer_steps(address) - before_start
+            before = _rounds_closed(address) - before_start
             with load.lock:
                 failed_before = load.failed
             _kill(proc)
             with load.lock:
                 handed = dict(load.seen)
-            proc, _, resumed = _start(directory.name, port)
-            after_start = _outer_steps(address)
+            proc, _, checkpointed = _start(directory.name, port)
+            after_start = _rounds_closed(address)
+            resumed, recovery_s = _served(address, RECOVERY_WAIT + 10)
             lost = {f: max(0, handed[f] - resumed.get(f, 0)) for f in range(2)}
             with load.lock:  # versions handed out from now on are the restarted synchronizer's
                 load.seen = {f: resumed.get(f, 0) for f in range(2)}
-            time.sleep(args.window_s)
-            after = _outer_steps(address) - after_start
+            time.sleep(max(0.0, args.window_s - recovery_s))
+            after = _rounds_closed(address) - after_start
             with load.lock:
                 failed = load.failed - failed_before
             total_lost += sum(lost.values())
             lossy += any(lost.values())
-            print(f"kill {k + 1}: handed out {handed}, resumed at {resumed}, lost {sum(lost.values())}; outer steps in "
-                  f"{args.window_s:g} s before the kill {before}, after the restart {after}; failed sends {failed}", flush=True)
+            print(f"kill {k + 1}: handed out {handed}, checkpoint at {checkpointed}, served at {resumed} after {recovery_s:.1f} s, "
+                  f"lost {sum(lost.values())}; outer steps in {args.window_s:g} s before the kill {before}, after the restart "
+                  f"{after}; failed sends {failed}", flush=True)
         print(f"{args.kills} kills: {lossy} lost versions handed out, {total_lost} in all")
     finally:
         load.close()

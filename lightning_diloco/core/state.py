@@ -49,6 +49,10 @@ class FragmentState:
         self.downlink_codec = get_codec(codec.downlink, codec.block_size, codec.sparse_density)
         self.published = None if self.downlink_codec.lossless else PublishedChain(self.value, version, self.downlink_codec, self.depth)
         self._deltas: dict[int, torch.Tensor] = {}  # fp32 downlink: base version -> current value - base, once per version
+        self.publish_hook: Callable[[int, torch.Tensor], None] | None = None
+        """Called with each new version and its published value before the version is taken (the
+        synchronizer's write-ahead version log, synchronizer/version_log.py); an error it raises
+        leaves the state as it was, as any failed step does."""
 
     def apply(self, outer_gradient: torch.Tensor, share: float = 1.0) -> int | None:
         """One outer step; publishes and returns the new version. Keeps what the last S versions
@@ -63,19 +67,26 @@ class FragmentState:
         ``share``: the part of the islands taking part that the step merged (the outer optimizer's).
         """
         saved = (self.value.clone(), self.outer.state_dict())
+        chain = self.published
+        # the chain's value is replaced, never changed in place: its fields are all a rollback needs
+        saved_chain = None if chain is None else (chain.value, chain.version, chain.first, dict(chain.steps))
         try:
             self.outer.step(outer_gradient, share)
             momentum = self.outer.momentum_buffer
             if not (all_finite(self.value) and (momentum is None or all_finite(momentum))):
                 raise NonFiniteError("the outer step is not finite")
             exact = self.value.clone()
-            if self.published is not None:  # last: a value its codec cannot carry is not taken either
+            if self.published is not None:  # a value its codec cannot carry is not taken either
                 self.published.advance(self.value, self.version + 1)  # (an int2 block rms past 2.27e38)
+            if self.publish_hook is not None:  # last: durable before any caller can see the version
+                self.publish_hook(self.version + 1, self.published_value_view())
         except BaseException as err:
             # any error, not only a step that is not finite, leaves the state as it was: the
             # round's closer looks again after an error and must not step twice (closers.py)
             self.value.copy_(saved[0])
             self.outer.load_state_dict(saved[1])
+            if chain is not None:
+                chain.value, chain.version, chain.first, chain.steps = saved_chain
             if isinstance(err, NonFiniteError):
                 return None
             raise
@@ -106,7 +117,23 @@ class FragmentState:
 
     def published_value(self) -> torch.Tensor:
         """A copy of the current version as the islands hold it: what a pull gets."""
-        return (self.value if self.published is None else self.published.value).clone()
+        return self.published_value_view().clone()
+
+    def published_value_view(self) -> torch.Tensor:
+        """The current version as the islands hold it, not copied: only to read, under the fragment's lock."""
+        return self.value if self.published is None else self.published.value
+
+    def recover(self, value: torch.Tensor, version: int) -> None:
+        """Take ``value``, the published value of ``version`` an island held, as this fragment's
+        version (a restart that lost it: service.py). It becomes the exact value too: with a lossy
+        downlink the exact one differed from it by at most one quantisation step (the residual the
+        next step would have carried), which is lost. The outer momentum stays this state's."""
+        self.value.copy_(value.reshape(-1))
+        self.version = version
+        self.history = {version: self.value.clone()}
+        self._deltas.clear()
+        if self.published is not None:  # every island holding ``version`` holds this value: steps go on from it
+            self.published = PublishedChain(self.value, version, self.downlink_codec, self.depth)
 
     def state_dict(self) -> dict:
         return {

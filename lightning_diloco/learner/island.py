@@ -115,6 +115,7 @@ class IslandLearner:
             self.leader = LeaderSync(
                 link, island=island, uplink=self.uplink, feedback=config.codec.uplink_feedback, layout_hash=layout.hash,
                 workers=min(P, sched.overlap_steps + 2), progress=self._progress, heartbeat_every=heartbeat_every,
+                holds=self._held,
             )
             self.end = EndOfRun(island=island, link=link, num_fragments=P, progress=self._progress,
                                 count_unmerged=self._count_unmerged)
@@ -139,6 +140,13 @@ class IslandLearner:
     def _count_unmerged(self, n: int) -> None:
         with self._lock:
             self.counters["unmerged"] += n
+
+    def _held(self, p: int) -> tuple[int, torch.Tensor] | None:
+        """(version, value) of global fragment p as this island holds it, when whole on the leader
+        (read from the heartbeat thread: ``base`` is replaced, never changed in place, and a torn
+        pair's digest does not match the synchronizer's log)."""
+        f = self.fragments[p]
+        return None if self.shards.any_sharded(p) else (f.version, f.base)
 
     def _progress(self) -> tuple[int, float, int]:
         """(steps, step time, schedule step): what a heartbeat tells the synchronizer."""

@@ -30,13 +30,17 @@ log = logging.getLogger(__name__)
 
 class LeaderSync:
     def __init__(self, link: SynchronizerLink, *, island: int, uplink: Codec, feedback: bool, layout_hash: str,
-                 workers: int, progress: Callable[[], tuple[int, float, int]], heartbeat_every: float = 1.0) -> None:
+                 workers: int, progress: Callable[[], tuple[int, float, int]], heartbeat_every: float = 1.0,
+                 holds: Callable[[int], tuple[int, torch.Tensor] | None] = lambda p: None) -> None:
         """``progress()``: (inner steps, seconds per step, schedule step), read by the heartbeat;
         ``feedback``: carry what a lossy ``uplink`` could not send into the next push
-        (core/feedback.py)."""
+        (core/feedback.py); ``holds(p)``: (version, whole value) of the global fragment p this
+        island holds (None: none, or not whole on the leader), offered to a restarted synchronizer
+        that waits for an island to give it back (synchronizer/version_log.py)."""
         self.link, self.island, self.uplink, self.layout_hash = link, island, uplink, layout_hash
         self.feedback = UplinkFeedback(uplink) if feedback and not uplink.lossless else None
-        self.progress = progress
+        self.progress, self.holds = progress, holds
+        self._offered: set[tuple[int, int]] = set()  # (fragment, version): each offered once
         self.lock = threading.Lock()  # the counters below, written from pool threads
         self.bytes_up = 0
         self.late = 0
@@ -104,11 +108,30 @@ class LeaderSync:
         while not self._stop.wait(every):
             steps, step_time, schedule_step = self.progress()
             try:
-                self.link.heartbeat(self.island, steps, step_time, schedule_step)
+                beat = self.link.heartbeat(self.island, steps, step_time, schedule_step)
                 self.answered(True)
             except Exception as err:  # noqa: BLE001 - liveness only; pushes report real failures
                 self.answered(False)
                 log.debug("island %d: heartbeat failed: %s", self.island, err)
+                continue
+            try:
+                self._give_back([p for p, v in beat.versions.items() if v < 0])
+            except Exception as err:  # noqa: BLE001 - the synchronizer serves its checkpoint's after its wait
+                log.warning("island %d: offering a fragment back to the restarted synchronizer failed: %s", self.island, err)
+
+    def _give_back(self, waiting: list[int]) -> None:
+        """Offer the global fragments the synchronizer serves no version of (-1: restarted after
+        publishing a version its checkpoint lacks) that this island holds: it takes one only if
+        its digest is the logged version's, so this island's value need not be, and each
+        (fragment, version) is offered once."""
+        for p in waiting:
+            held = self.holds(p)
+            if held is None or held[0] < 0 or (p, held[0]) in self._offered:
+                continue
+            self._offered.add((p, held[0]))
+            taken, version = self.link.seed(self.island, p, held[1])
+            log.info("island %d: offered fragment %d at version %d to the restarted synchronizer: %s", self.island, p,
+                     held[0], "taken" if taken else f"not taken (it serves version {version})")
 
     def close(self) -> None:
         """Cancel queued pushes, leave the run, end the link (which cancels pushes in progress),

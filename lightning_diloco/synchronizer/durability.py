@@ -25,6 +25,7 @@ from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.synchronizer.admission import layout_pin_problem
 from lightning_diloco.synchronizer.rounds import FragmentRounds
+from lightning_diloco.synchronizer.version_log import VersionLog
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def snapshot_of(layout: FragmentLayout, config: RunConfig, identity: dict, num_i
     snapshot.left = left
     for p, fragment_rounds in rounds.items():
         with fragment_rounds.cond:
-            frag = fragment_rounds.frag
+            frag = fragment_rounds.frag if fragment_rounds.recovering is None else fragment_rounds.held_back
             if frag is not None:
                 snapshot.seed(p, frag.value)
                 snapshot.fragments[p].load_state_dict(frag.state_dict())
@@ -87,11 +88,12 @@ def snapshot_of(layout: FragmentLayout, config: RunConfig, identity: dict, num_i
 
 class Checkpointer:
     def __init__(self, directory: Path | None, every: int, *, snapshot: Callable[[], SynchronizerState | None],
-                 outer_steps: Callable[[], int], closing: threading.Event) -> None:
+                 outer_steps: Callable[[], int], closing: threading.Event, versions: VersionLog | None = None) -> None:
         """``every``: outer steps between checkpoints (0: only when asked); ``snapshot()``: a
         consistent copy of the state to save (None before the first join); ``outer_steps()``:
-        the live state's count, to tell when one is due."""
-        self.directory, self.every = directory, every
+        the live state's count, to tell when one is due; ``versions``: the version log, compacted
+        after each checkpoint."""
+        self.directory, self.every, self.versions = directory, every, versions
         self.snapshot, self.outer_steps, self.closing = snapshot, outer_steps, closing
         self.lock = threading.Lock()
         self.due = threading.Event()
@@ -125,6 +127,8 @@ class Checkpointer:
                 return None
             path = snapshot.save(self.directory)
             self.last_steps = snapshot.outer_steps
+            if self.versions is not None:
+                self.versions.compact(snapshot.versions())
         log.debug("checkpoint at %d outer steps: %s", snapshot.outer_steps, path)
         return path
 

@@ -14,6 +14,7 @@ admission, the schedule's offsets, a clock and the service's counters.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ from lightning_diloco.synchronizer.membership import Membership
 from lightning_diloco.synchronizer.push_admission import AdmittedPush, PushAdmission, admitted_round
 from lightning_diloco.synchronizer.requests import payload_digest
 from lightning_diloco.synchronizer.rounds import Entry, FragmentRounds
+from lightning_diloco.synchronizer.version_log import VersionLog
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,10 @@ class Intake:
 
     def __init__(self, *, state: SynchronizerState, membership: Membership, admission: PushAdmission,
                  offsets: tuple[int, ...], sync_every: int, clock: Callable[[], float],
-                 count_accepted: Callable[[str], None], count_bytes_in: Callable[[int], None]) -> None:
-        self.state, self.membership, self.admission = state, membership, admission
+                 count_accepted: Callable[[str], None], count_bytes_in: Callable[[int], None],
+                 versions: VersionLog | None = None) -> None:
+        """``versions``: the version log a seed is written to before it is seen (version_log.py)."""
+        self.state, self.membership, self.admission, self.versions = state, membership, admission, versions
         self.offsets, self.sync_every, self.clock = offsets, sync_every, clock
         self.count_accepted, self.count_bytes_in = count_accepted, count_bytes_in
 
@@ -55,8 +59,13 @@ class Intake:
         if problem:
             raise self.admission.refuse(Reason.BAD_PAYLOAD, problem)
         with rounds.cond:
+            fresh = fragment not in self.state.fragments
+            if fresh and self.versions is not None:  # durable before anyone can pull it
+                self.versions.record(fragment, 0, value)
             seeded = self.state.seed(fragment, value)
             rounds.frag = self.state.fragments[fragment]
+            if seeded and self.versions is not None:
+                rounds.frag.publish_hook = functools.partial(self.versions.record, fragment)
             rounds.cond.notify_all()
         if seeded:
             log.info("fragment %d seeded by island %d", fragment, island)

@@ -18,6 +18,7 @@ from lightning_diloco.core.protocol import SynchronizerStatus
 from lightning_diloco.core.settings import add_setting_arguments, config_with, given_settings, load_run_config
 from lightning_diloco.core.token_options import add_token_arguments, resolve_token
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT
+from lightning_diloco.synchronizer.version_log import RECOVERY_WAIT
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ def add_synchronizer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-shards", type=int, default=1, help="shards in the run; shard i owns fragments p %% S == i (default %(default)s)")
     parser.add_argument("--checkpoint-dir", help="resume from and write checkpoints here")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="outer steps between checkpoints (default %(default)s)")
+    parser.add_argument("--recovery-wait", type=float, default=RECOVERY_WAIT,
+                        help="seconds a restarted synchronizer waits for an island to give back a version published after "
+                        "its last checkpoint before serving the checkpoint's (default %(default)s)")
     parser.add_argument("--run-id", help="the run's name, written into its checkpoints: a checkpoint of another run "
                         "is refused (default: the checkpoint's, or a new one)")
     parser.add_argument("--layout-hash", help="the run's model layout (its hash, as Status and the islands' logs show it): "
@@ -116,6 +120,7 @@ def run_synchronizer(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         layout_hash=args.layout_hash,
         num_islands=args.num_islands,
+        recovery_wait=args.recovery_wait,
     )
     server = SynchronizerServer(
         service, host=args.host, port=args.port, token=resolve_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,

@@ -145,7 +145,18 @@ class FragmentRounds:
     def __init__(self, fragment: int, specs: Sequence[TensorSpec], config: RunConfig) -> None:
         self.fragment, self.specs, self.config = fragment, list(specs), config
         self.cond = threading.Condition()
-        self.frag: FragmentState | None = None  # set once the fragment is seeded
+        self.frag: FragmentState | None = None  # set once the fragment is seeded (or, recovering, taken back)
+        self.recovering: dict[int, str] | None = None
+        """Version -> digest of the versions the version log holds and the checkpoint lacks: until an
+        island gives one back (service.py) no one is served this fragment."""
+        self.offered: tuple[int, torch.Tensor] | None = None
+        """While recovering: the newest of those versions offered, if not the last one (taken once
+        the restart has settled, unless the last one comes)."""
+        self.offered_by: set[int] = set()
+        """While recovering: the islands that offered a value and did not hold the last version."""
+        self.held_back: FragmentState | None = None
+        """While recovering: the checkpoint's state of the fragment (None: it had none), checkpointed
+        as it is and served if no island gives the version back in time."""
         self.opened_at: float | None = None
         self.opened_lead = 0
         """Steps the round's due step was ahead of the run's clock when it opened."""

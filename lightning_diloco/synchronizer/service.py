@@ -19,6 +19,7 @@ Every refusal is a :class:`~lightning_diloco.synchronizer.requests.Refusal` with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.settings import run_settings, value_of
 from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.admission import (
     count_agreed,
     join_problem,
@@ -55,6 +57,7 @@ from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRun
 from lightning_diloco.synchronizer.push_admission import PushAdmission
 from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
+from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE, RECOVERY_WAIT, VersionLog, value_digest
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +90,13 @@ class Synchronizer:
         run_id: str | None = None,
         layout_hash: str | None = None,
         num_islands: int | None = None,
+        recovery_wait: float = RECOVERY_WAIT,
     ) -> None:
         """``checkpoint_every``: outer steps between checkpoints (0: only on close).
+
+        ``recovery_wait``: seconds after start that a fragment whose logged version is newer than
+        its checkpoint's waits for an island to give that version back (version_log.py) before the
+        checkpoint's version is served instead.
 
         ``run_id``: the run's name in its checkpoints; a checkpoint of another run, or of another
         shard, is refused naming both. None: the checkpoint's (or, starting afresh, a new one).
@@ -128,6 +136,12 @@ class Synchronizer:
         except BaseException:
             self.release_checkpoint_dir()  # a refused start leaves the directory to the next try
             raise
+        # every published version's digest, logged before it is seen: what a restart gets back
+        self.logged = version_log.read(self.checkpoint_dir)
+        self.version_log = VersionLog(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        self.recovery_deadline = clock() + recovery_wait
+        self.recovery_settled_at = clock() + min(RECOVERY_SETTLE, recovery_wait)
+        self.recovery_wait = recovery_wait
         if loaded is not None:
             self.state = loaded
             self.membership.restore_left(loaded.left, self.clock())
@@ -147,7 +161,8 @@ class Synchronizer:
                                        block_size=self.config.codec.block_size, sparse_density=self.config.codec.sparse_density)
         self.intake: Intake | None = None  # once the run has a layout (_make_rounds)
         self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint_every, snapshot=self._snapshot_or_none,
-                                         outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing)
+                                         outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing,
+                                         versions=self.version_log)
         self.closers = Closers(self.rounds, self.membership, clock=self.clock, closing=self.closing,
                                on_closed=self._round_closed, quorum=self._quorum)
         if self.state is not None:
@@ -181,6 +196,8 @@ class Synchronizer:
         """Let another synchronizer (this one restarted in-process, say) take the checkpoint
         directory. Idempotent; the process's end releases it too, however it ends."""
         if self.directory_lock is not None:
+            if getattr(self, "version_log", None) is not None:
+                self.version_log.close()
             self.directory_lock.release()
 
     def _make_rounds(self, layout: FragmentLayout) -> None:
@@ -189,11 +206,25 @@ class Synchronizer:
         if self.intake is None:
             self.intake = Intake(state=state, membership=self.membership, admission=self.admission, offsets=self.offsets,
                                  sync_every=self.config.schedule.sync_every, clock=self.clock,
-                                 count_accepted=self._count_accepted, count_bytes_in=self._count_bytes_in)
+                                 count_accepted=self._count_accepted, count_bytes_in=self._count_bytes_in,
+                                 versions=self.version_log)
         for p in range(layout.num_fragments):
             if self.owned(p) and p not in self.rounds:
                 rounds = FragmentRounds(p, layout.fragment_specs(p), self.config)
-                rounds.frag = state.fragments.get(p)
+                frag = state.fragments.get(p)
+                checkpointed = frag.version if frag is not None else -1
+                newer = {v: digest for v, digest in self.logged.get(p, []) if v > checkpointed}
+                if newer:
+                    # islands were given versions the checkpoint lacks: they are theirs to give back
+                    if frag is not None:  # islands holding only the checkpoint's say so by offering it
+                        newer[frag.version] = value_digest(frag.published_value_view())
+                    rounds.recovering, rounds.held_back = newer, frag
+                    log.warning("fragment %d: version %d was published but the checkpoint holds %s; it is served to no "
+                                "one until an island that holds it gives it back (at most %.0f s, --recovery-wait)", p,
+                                max(newer), "no version" if frag is None else f"version {frag.version}",
+                                self.recovery_wait)
+                elif frag is not None:
+                    self._serve(rounds, frag)
                 if p in state.memory:  # from a checkpoint
                     rounds.restore(state.memory[p])
                 self.rounds[p] = rounds
@@ -369,9 +400,14 @@ class Synchronizer:
 
     def versions(self) -> dict[int, int]:
         """Fragment versions this shard owns; -1 for a fragment not seeded yet."""
+        self._fall_back_if_overdue()
         state = self.state
         owned = [p for p in range(self.config.schedule.num_fragments) if self.owned(p)]
-        return {p: (state.fragments[p].version if state and p in state.fragments else -1) for p in owned}
+        return {p: (state.fragments[p].version if state and p in state.fragments and self._served(p) else -1) for p in owned}
+
+    def _served(self, fragment: int) -> bool:
+        rounds = self.rounds.get(fragment)
+        return rounds is None or rounds.recovering is None
 
     # ---- seeds and pushes (intake.py) ----------------------------------------------------------
 
@@ -391,10 +427,104 @@ class Synchronizer:
         return self.admission.payload_bytes(EXACT, fragment)
 
     def seed(self, island: int, fragment: int, payload: Payload, session: str | None = None) -> bool:
-        """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored."""
+        """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored.
+        For a fragment recovering after a restart, the offer of the version the log holds: taken
+        if its bytes have the logged digest, ignored (False) if not."""
         rounds = self._rounds(fragment)
         self._check_session(island, session, "seed")
+        if rounds.recovering is not None:
+            return self._take_back(rounds, island, payload)
         return self.intake.seed(rounds, island, payload)
+
+    # ---- recovery after a restart (version_log.py) ----------------------------------------------
+
+    def _serve(self, rounds: FragmentRounds, frag: FragmentState) -> None:
+        """Make ``frag`` the fragment's served state, its new versions logged before they are seen."""
+        if self.version_log is not None:
+            frag.publish_hook = functools.partial(self.version_log.record, rounds.fragment)
+        rounds.frag = frag
+        rounds.recovering = rounds.held_back = rounds.offered = None
+        rounds.offered_by = set()
+
+    def _take_back(self, rounds: FragmentRounds, island: int, payload: Payload) -> bool:
+        p = rounds.fragment
+        value = self.admission.decode(EXACT, payload, self.state.layout.fragment_numel(p)).clone()
+        digest = value_digest(value)
+        with rounds.cond:
+            if rounds.recovering is None:  # another island's offer, or the fallback, came first
+                return False
+            newest = max(rounds.recovering)
+            version = next((v for v, expected in rounds.recovering.items() if expected == digest), None)
+            if version != newest:
+                rounds.offered_by.add(island)
+            if version is None:
+                log.warning("island %d offered fragment %d, but not the value of a version it published since its "
+                            "checkpoint (another digest): not taken", island, p)
+            elif version < newest and (rounds.offered is None or rounds.offered[0] < version):
+                rounds.offered = (version, value)
+            if version != newest:
+                # an island holding the newest may still come back: the newest offered is taken once
+                # the restart has settled, or at once when every island of the run has offered
+                if not (rounds.offered is not None and self.num_islands
+                        and len(rounds.offered_by) >= self.num_islands - self.membership.left_count()):
+                    return False
+                mine, (version, value) = version, rounds.offered
+            else:
+                mine = version
+            self._recover(rounds, version, value, island)
+        self.membership.wake()
+        return mine == version
+
+    def _recover(self, rounds: FragmentRounds, version: int, value: torch.Tensor, island: int | None) -> None:
+        """(With ``rounds.cond`` held.) Serve ``value``, whose digest is logged ``version``'s."""
+        p, newest = rounds.fragment, max(rounds.recovering)
+        if version < newest and self.version_log is not None:  # the log's last line is what is served
+            self.version_log.record(p, version, value)
+        frag = rounds.held_back if rounds.held_back is not None else FragmentState(value, self.config, version)
+        if frag.version != version:  # (the checkpoint's own version is served as it is)
+            frag.recover(value, version)
+        self.state.fragments[p] = frag
+        self._serve(rounds, frag)
+        rounds.cond.notify_all()
+        if version == newest:
+            log.warning("fragment %d: version %d taken back from island %d (its digest matches the version log)", p,
+                        version, island)
+        else:
+            log.error("fragment %d: version %d taken back, the newest an island offered; versions %d-%d are LOST: no "
+                      "island that rejoined held them", p, version, version + 1, newest)
+
+    def _fall_back_if_overdue(self) -> None:
+        """Once the restart has settled (RECOVERY_SETTLE s), serve each fragment recovering whose
+        newest offer was an older logged version at that version; past the recovery wait, serve
+        the others at their checkpoint's version (or leave one the checkpoint lacked to be seeded
+        again), logged as the log's last line."""
+        now = self.clock()
+        if now < self.recovery_settled_at:
+            return
+        for p, rounds in list(self.rounds.items()):
+            if rounds.recovering is None:
+                continue
+            with rounds.cond:
+                if rounds.recovering is None or (rounds.offered is None and now < self.recovery_deadline):
+                    continue
+                if rounds.offered is not None:
+                    self._recover(rounds, *rounds.offered, island=None)
+                    self.membership.wake()
+                    continue
+                version, frag = max(rounds.recovering), rounds.held_back
+                if frag is not None and self.version_log is not None:
+                    self.version_log.record(p, frag.version, frag.published_value_view())
+                if frag is None:
+                    rounds.recovering = None
+                    self.state.fragments.pop(p, None)
+                else:
+                    self._serve(rounds, frag)
+                rounds.cond.notify_all()
+            log.error("fragment %d: no island gave back its version %d within --recovery-wait %.0f s; serving the "
+                      "checkpoint's %s: the versions after it are LOST, and islands holding them are sent it whole", p,
+                      version, self.recovery_wait, "no version (the next seed starts it again)" if frag is None else
+                      f"version {frag.version}")
+            self.membership.wake()
 
     def push(self, c: Contribution, *, declared_bytes: int | None = None,
              receive: Callable[[int], Payload] | None = None) -> PushAck:
@@ -426,6 +556,10 @@ class Synchronizer:
         return rounds
 
     def _seeded(self, rounds: FragmentRounds) -> FragmentState:
+        if rounds.recovering is not None:
+            raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} waits for an island to give back its version "
+                              f"{max(rounds.recovering)}, published before this synchronizer restarted; an island holding "
+                              "it offers it as a seed (at most --recovery-wait s, then the checkpoint's is served)")
         if rounds.frag is None:
             raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} has no value yet; seed it first")
         return rounds.frag

@@ -1,0 +1,173 @@
+"""The version log (synchronizer/version_log.py): a version any caller saw survives a kill that
+came before its checkpoint, taken back from an island that holds it, and only with its digest."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_diloco.core.codecs import get_codec
+from lightning_diloco.core.state import FragmentState
+from lightning_diloco.learner.leader import LeaderSync
+from lightning_diloco.synchronizer import version_log
+from lightning_diloco.synchronizer.local_link import LocalLink
+from lightning_diloco.synchronizer.requests import Refusal
+from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
+
+FP32 = get_codec("fp32")
+
+
+def _killed_after_versions(tmp_path, config, versions: int, pulls: dict | None = None) -> torch.Tensor:
+    """A synchronizer checkpointed at version 0 that published ``versions`` more of fragment 1,
+    then died without a checkpoint (its directory released, as the kernel does at a SIGKILL).
+    Returns the value an island pulled at the last version (``pulls``: version -> each one's)."""
+    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    sync.join(0, 1, SPECS)
+    for p, value in initial_fragments(config).items():
+        sync.seed(0, p, FP32.encode(value))
+    sync.checkpoint()
+    numel = layout(config).fragment_numel(1)
+    for v in range(versions):
+        sync.push(contribution(config, 0, 1, torch.full((numel,), 0.01 * (v + 1)), round=v + 1, base_version=v, seq=v))
+        sync.poll()
+        if pulls is not None:
+            pulls[v + 1] = sync.pull(1)[1]
+    version, pulled = sync.pull(1)
+    assert version == versions
+    sync.release_checkpoint_dir()  # no final checkpoint: the kill
+    return pulled
+
+
+def test_a_version_published_after_the_checkpoint_is_taken_back_only_from_an_island_holding_it(tmp_path):
+    config = run_config(downlink="int4")  # islands hold the published value, not the exact one
+    pulled = _killed_after_versions(tmp_path, config, 3)
+    assert version_log.read(tmp_path)[1][-1] == (3, version_log.value_digest(pulled))
+
+    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60)
+    assert restarted.versions() == {0: 0, 1: -1}  # not version 0 again: islands hold 3
+    restarted.join(0, 1, SPECS)
+    with pytest.raises(Refusal, match="waits for an island to give back its version 3"):
+        restarted.pull(1)
+    with pytest.raises(Refusal, match="give back"):
+        restarted.push(contribution(config, 0, 1, torch.zeros_like(pulled), round=4, base_version=3, seq=10))
+    # an island whose value is not version 3's (its own, or a hostile one's) cannot make it so
+    assert restarted.seed(0, 1, FP32.encode(pulled + 1e-3)) is False
+    assert restarted.versions()[1] == -1
+    assert restarted.seed(0, 1, FP32.encode(pulled)) is True
+    assert restarted.versions() == {0: 0, 1: 3}
+    version, value = restarted.pull(1)
+    assert version == 3 and torch.equal(value, pulled)
+    assert torch.equal(restarted.export(1)[1], pulled)  # taken as the exact value too (one quantisation step lost)
+    # islands holding version 3 are sent the next one as a step from it, not whole
+    restarted.push(contribution(config, 0, 1, torch.full_like(pulled, 0.01), round=4, base_version=3, seq=11))
+    restarted.poll()
+    [update] = restarted.rounds[1].publish(0, 3)
+    assert (update.version, update.base_version) == (4, 3)
+    # the next checkpoint compacts the log to one line per fragment
+    restarted.checkpoint()
+    assert len((tmp_path / version_log.FILE).read_text().splitlines()) == 2
+    assert version_log.read(tmp_path)[1] == [(4, version_log.value_digest(restarted.pull(1)[1]))]
+    restarted.shutdown()
+
+
+def test_with_no_island_giving_it_back_the_checkpoint_is_served_after_the_wait_and_said_loudly(tmp_path, caplog):
+    config = run_config()
+    _killed_after_versions(tmp_path, config, 2)
+    with (tmp_path / version_log.FILE).open("ab") as f:
+        f.write(b'{"fragment": 1, "vers')  # a line a kill cut short: never fsync'd, never seen
+    clock = FakeClock()
+    restarted = Synchronizer(config, clock=clock, checkpoint_dir=tmp_path, recovery_wait=60)
+    assert restarted.versions()[1] == -1
+    clock.advance(61)
+    with caplog.at_level(logging.ERROR):
+        assert restarted.versions() == {0: 0, 1: 0}
+    assert "no island gave back its version 2" in caplog.text and "LOST" in caplog.text
+    restarted.release_checkpoint_dir()
+    # the fallback is logged too: the next restart serves version 0 at once
+    again = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    assert again.versions() == {0: 0, 1: 0}
+    again.shutdown()
+
+
+def test_a_version_the_log_cannot_hold_is_not_published():
+    config = run_config(downlink="int4")
+    frag = FragmentState(torch.ones(64), config)
+
+    def disk_full(version, value):
+        raise OSError(28, "No space left on device")
+
+    frag.publish_hook = disk_full
+    before = (frag.value.clone(), frag.published_value())
+    with pytest.raises(OSError):
+        frag.apply(torch.full((64,), 0.1))
+    assert frag.version == 0 and torch.equal(frag.value, before[0]) and torch.equal(frag.published_value(), before[1])
+    assert frag.published.version == 0 and not frag.published.steps
+
+
+def test_an_island_leader_gives_back_the_fragment_it_holds_once_its_heartbeat_shows_it_waiting(tmp_path):
+    config = run_config(downlink="int4")
+    pulled = _killed_after_versions(tmp_path, config, 2)
+    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60)
+    link = LocalLink(restarted)
+    link.join(0, 1, SPECS)
+    held = {0: (0, initial_fragments(config)[0]), 1: (2, pulled)}
+    leader = LeaderSync(link, island=0, uplink=get_codec("int4"), feedback=False, layout_hash=layout(config).hash,
+                        workers=1, progress=lambda: (0, 0.0, 0), holds=held.get)
+    try:
+        beat = link.heartbeat(0, 0, 0.0)
+        leader._give_back([p for p, v in beat.versions.items() if v < 0])  # what its heartbeat thread does
+        assert restarted.versions() == {0: 0, 1: 2}
+        assert torch.equal(restarted.pull(1)[1], pulled)
+    finally:
+        leader.close()
+        link.close()
+        restarted.shutdown()
+
+
+def test_when_no_island_holds_the_last_version_the_newest_one_offered_is_taken_once_the_restart_settles(tmp_path, caplog):
+    """Killed between logging a version and anyone pulling it: the islands hold the one before."""
+    config = run_config()
+    pulls: dict = {}
+    _killed_after_versions(tmp_path, config, 3, pulls)
+    clock = FakeClock()
+    restarted = Synchronizer(config, clock=clock, checkpoint_dir=tmp_path, recovery_wait=60)
+    restarted.join(0, 1, SPECS)
+    assert restarted.seed(0, 1, FP32.encode(pulls[1])) is False
+    assert restarted.seed(0, 1, FP32.encode(pulls[2])) is False  # version 3 may still come back
+    assert restarted.versions()[1] == -1
+    clock.advance(RECOVERY_SETTLE)
+    with caplog.at_level(logging.ERROR):
+        assert restarted.versions()[1] == 2
+    assert "versions 3-3 are LOST" in caplog.text
+    assert torch.equal(restarted.pull(1)[1], pulls[2])
+    assert version_log.read(tmp_path)[1] == [(2, version_log.value_digest(pulls[2]))]  # a restart now serves 2 at once
+    restarted.shutdown()
+
+
+def test_once_every_island_of_the_run_offered_an_older_version_the_newest_offered_is_taken_at_once(tmp_path):
+    config = run_config()
+    pulls: dict = {}
+    _killed_after_versions(tmp_path, config, 3, pulls)
+    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60, num_islands=2)
+    for i in range(2):
+        restarted.join(i, 1, SPECS, num_islands=2)
+    assert restarted.seed(0, 1, FP32.encode(pulls[2])) is False  # island 1 may hold version 3
+    assert restarted.seed(1, 1, FP32.encode(pulls[1])) is False  # it did not: 2 is the newest any island holds
+    assert restarted.versions()[1] == 2 and torch.equal(restarted.pull(1)[1], pulls[2])
+    restarted.shutdown()
+
+
+def test_islands_holding_only_the_checkpoints_version_have_it_served_once_the_restart_settles(tmp_path):
+    """Killed between logging version 1 and anyone pulling it: every island holds version 0, the checkpoint's."""
+    config = run_config()
+    pulls: dict = {}
+    _killed_after_versions(tmp_path, config, 1, pulls)
+    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1)
+    restarted.join(0, 1, SPECS, num_islands=1)
+    assert restarted.seed(0, 1, FP32.encode(initial_fragments(config)[1])) is True
+    assert restarted.versions()[1] == 0
+    restarted.shutdown()
