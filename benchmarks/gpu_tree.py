@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from recipes.processes import run_tree
 
 MARK = "LIGHTNING_DILOCO_GPU_CHECK"
 TAIL_CHARS = 3000  # of a failed child's output, kept in gpu.json
+DEATH_WAIT_S = 30.0  # a SIGKILLed process is gone within moments; this only bounds a stuck one
 
 
 class ChildFailed(RuntimeError):
@@ -46,12 +48,25 @@ def _marked() -> Iterator[tuple[int, str]]:
                 break
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has stopped: it holds nothing but its exit status)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _kill(pids: list[int]) -> int:
+    """SIGKILL ``pids`` and return once they have stopped: a kill is delivered asynchronously, and a
+    rerun started straight after must not find the GPU still held."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + DEATH_WAIT_S
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
     return len(pids)
 
 
