@@ -26,7 +26,7 @@ from lightning_diloco.core.token_options import read_token
 from lightning_diloco.learner.tokens import default_tokens_per_batch
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IslandSettings:
     """Where an island stands in a Decoupled DiLoCo run, and its run settings.
 
@@ -207,7 +207,6 @@ def strategy_arguments(name: str, inner: dict[str, tuple[Any, str]]) -> Any:
     # IslandSettings' Args section (the last of its docstring), continued with the others' help
     typed.__doc__ = inspect.cleandoc(IslandSettings.__doc__ or "") + "\n" + "".join(
         f"    {k}: {' '.join(doc.split())}\n" for k, (_, doc) in keys.items() if doc)
-    typed.__module__ = __name__
     return Unpack[typed]
 
 

@@ -35,7 +35,6 @@ from lightning_diloco.learner.fabric_island import FabricIsland
 from lightning_diloco.learner.fsdp_island import (
     bases_to_load,
     fsdp_arguments,
-    shard_over_all_ranks,
     sharded_learner_state,
     write_then_swap,
 )
@@ -81,7 +80,8 @@ class DecoupledDiLoCoFabricFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        shard_over_all_ranks(self)
+        if self._data_parallel_size == "auto":  # all of the island's ranks (ModelParallelStrategy's: the nodes)
+            self._data_parallel_size = self.num_nodes * self.num_processes  # tensor_parallel_size is 1
         super().setup_environment()
 
     @override

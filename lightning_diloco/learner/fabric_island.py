@@ -38,7 +38,6 @@ from lightning_diloco.learner.island_membership import CHECKPOINT_KEY, IslandMem
 class FabricIsland(IslandMembership):
     """An island as a Lightning Fabric strategy drives it (``host``: that strategy)."""
 
-    host: Any  # a lightning.fabric strategy
     module: torch.nn.Module | None = None  # the island's module, as its parameters are trained
     optimizer: Any = None  # the first optimizer set up: its steps are the inner steps
 

@@ -4,7 +4,7 @@ and sharded bases.
 
 The island's ranks hold shards (DTensors) of every parameter, and
 :mod:`~lightning_diloco.learner.shards` moves fragments between shards and whole fragments. Here:
-the mesh over all of the island's ranks, the reshard before the island writes, and the base
+the arguments (no tensor parallelism), the reshard before the island writes, and the base
 fragments in a checkpoint, either as DTensors placed like the parameters (a distributed
 checkpoint: each rank saves its shards, and a resumed island may have another number of ranks)
 or gathered whole on rank 0 (a full checkpoint). Where in the checkpoint they go is the
@@ -33,13 +33,6 @@ def fsdp_arguments(inner: dict[str, Any]) -> dict[str, Any]:
             "use tensor_parallel_size=1 (FSDP2 over all of the island's devices)"
         )
     return inner
-
-
-def shard_over_all_ranks(strategy: Any) -> None:
-    """``data_parallel_size="auto"``: all of the island's ranks (ModelParallelStrategy's "auto" is
-    the number of nodes), set before the mesh is built from it (in ``setup_environment``)."""
-    if strategy._data_parallel_size == "auto":
-        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes // strategy._tensor_parallel_size
 
 
 def reshard(module: torch.nn.Module) -> None:

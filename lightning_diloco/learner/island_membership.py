@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -55,22 +55,12 @@ class RefusedByRun(SystemExit):
         return self.message
 
 
-class IslandHost(Protocol):
-    """What the island reads of the Lightning strategy that holds it."""
-
-    @property
-    def global_rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def root_device(self) -> torch.device: ...
-
-
 class IslandMembership:
-    """One learner island of a Decoupled DiLoCo run, held by a Lightning strategy (``host``);
-    ``sharded``: the island's ranks hold DTensor shards of the parameters (FSDP2)."""
+    """One learner island of a Decoupled DiLoCo run, held by a Lightning strategy (``host``: the
+    island reads its ``global_rank``, ``world_size`` and ``root_device``); ``sharded``: the
+    island's ranks hold DTensor shards of the parameters (FSDP2)."""
 
-    def __init__(self, settings: IslandSettings, host: IslandHost, *, sharded: bool = False) -> None:
+    def __init__(self, settings: IslandSettings, host: Any, *, sharded: bool = False) -> None:
         self.settings = settings
         self.host = host
         self.sharded = sharded

@@ -21,8 +21,6 @@ from lightning_diloco.learner.island_membership import CHECKPOINT_KEY, IslandMem
 class TrainerIsland(IslandMembership):
     """An island as a Lightning Trainer's strategy drives it (``host``: that strategy)."""
 
-    host: Any  # a lightning.pytorch strategy
-
     def after_setup(self, trainer: Any) -> None:
         # a strategy that restores its checkpoint after setup (ModelParallelStrategy) would then
         # overwrite the global weights the join writes: it joins when training starts instead
