@@ -2,8 +2,8 @@
 
 Importing the package registers ``Trainer(strategy="decoupled_diloco")`` (and
 ``"decoupled_diloco_spawn"``, ``"decoupled_diloco_fsdp"``) and ``Fabric(strategy="decoupled_diloco")``
-(and ``"decoupled_diloco_fsdp"``) with Lightning, once Lightning is loaded: the synchronizer and the
-core never import Lightning themselves.
+(and ``"decoupled_diloco_fsdp"``) with Lightning's registries, once Lightning is loaded
+(``_registration.py``): the synchronizer and the core never import Lightning themselves.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _LAZY = {
     "DecoupledDiLoCoFSDPStrategy": "lightning_diloco.learner.fsdp_strategy",
     "DecoupledDiLoCoFabricStrategy": "lightning_diloco.learner.fabric_strategy",
     "DecoupledDiLoCoFabricFSDPStrategy": "lightning_diloco.learner.fabric_fsdp_strategy",
-    "register": "lightning_diloco.learner.strategy",
+    "register": "lightning_diloco._registration",
     "DiLoCoMonitor": "lightning_diloco.learner.monitor",
     "ProgressFile": "lightning_diloco.launch.progress",
     "data_rank": "lightning_diloco.learner.data",

@@ -1,7 +1,7 @@
 """Each rank of each island takes its own part of the run's data, whatever the dataset.
 
 Rank r of island i (M islands, W ranks each) is data rank i + r x M of M x W: the one definition
-is :attr:`~lightning_diloco.learner.island_membership.IslandMembership.distributed_sampler_kwargs`,
+is :meth:`~lightning_diloco.learner.island_membership.IslandMembership.sampler_kwargs`,
 which Lightning's ``DistributedSampler`` takes for a map-style dataset. An iterable dataset has no
 sampler, and Lightning hands it whole to every rank: every island would train on the same samples
 in the same order, and the usual DDP habit (splitting by ``trainer.global_rank`` of
@@ -50,8 +50,9 @@ def data_rank(trainer: Any) -> DataRank:
             or the ``lightning.fabric.Fabric``.
     """
     strategy = trainer.strategy
-    if hasattr(strategy, "data_split_by_script"):
-        strategy.data_split_by_script = True
+    island = vars(strategy).get("diloco")  # an island strategy's island (learner/island_membership.py)
+    if island is not None:
+        island.data_split_by_script = True
     if hasattr(trainer, "distributed_sampler_kwargs"):  # a Trainer's: None unless its strategy is a parallel one
         return rank_of(trainer.distributed_sampler_kwargs)
     return rank_of(getattr(strategy, "distributed_sampler_kwargs", None))  # Fabric's strategy, whatever it is

@@ -1,11 +1,11 @@
 """What makes a Lightning Fabric strategy a learner island, whatever its inner parallelism.
 
-:class:`FabricIsland` is mixed in before a Fabric strategy (DDP:
+:class:`FabricIsland` is the island a Fabric strategy holds (DDP:
 :mod:`~lightning_diloco.learner.fabric_strategy`; FSDP2:
 :mod:`~lightning_diloco.learner.fabric_fsdp_strategy`), as
-:class:`~lightning_diloco.learner.island_strategy.IslandStrategy` is before a Trainer's. The
-island is :class:`~lightning_diloco.learner.island_membership.IslandMembership`'s; this maps it
-onto Fabric's calls, which are the training loop's only hooks:
+:class:`~lightning_diloco.learner.island_strategy.TrainerIsland` is a Trainer's. It maps the
+island (:class:`~lightning_diloco.learner.island_membership.IslandMembership`) onto Fabric's
+calls, which are the training loop's only hooks:
 
 - ``fabric.setup(model, optimizer)`` (or ``setup_module`` then ``setup_optimizers``) joins the
   run once the module and its (first) optimizer are set up: from then on the module holds the
@@ -26,128 +26,91 @@ onto Fabric's calls, which are the training loop's only hooks:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from typing_extensions import override
 
-from lightning_diloco.learner.data import rank_of, split_for, unsplit_iterables, unsplit_warning
+from lightning_diloco.learner.data import rank_of, split_for
 from lightning_diloco.learner.island_membership import CHECKPOINT_KEY, IslandMembership
 
-if TYPE_CHECKING:  # mixed in before a Fabric strategy: the type checker sees what it is mixed into
-    from lightning.fabric.strategies import ParallelStrategy as _MixedInto
-else:
-    _MixedInto = object
 
+class FabricIsland(IslandMembership):
+    """An island as a Lightning Fabric strategy drives it (``host``: that strategy)."""
 
-class FabricIsland(IslandMembership, _MixedInto):
-    """A Lightning Fabric strategy's island hooks; the island is :class:`IslandMembership`'s,
-    the other half a Fabric strategy."""
+    module: torch.nn.Module | None = None  # the island's module, as its parameters are trained
+    optimizer: Any = None  # the first optimizer set up: its steps are the inner steps
 
-    _module: torch.nn.Module | None = None  # the island's module, as its parameters are trained
-    _optimizer: Any = None  # the first optimizer set up: its steps are the inner steps
-
-    # ---- joining: once the module and its optimizer are set up -----------------------------------
-
-    def _set_island_module(self, module: torch.nn.Module) -> None:
+    def set_module(self, module: torch.nn.Module) -> None:
         """The strategy's ``setup_module`` names the module whose parameters the island trains
         (unwrapped: DDP's inner module; FSDP2's sharded one), until the island has joined."""
         if self.learner is None:
-            self._module = module
+            self.module = module
 
-    @override
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        optimizer = super().setup_optimizer(optimizer)
-        if self.learner is None:
-            if self._module is None:
-                raise RuntimeError("the island joins the run with the module it trains: set up the model before or "
-                                   "with its optimizer (fabric.setup(model, optimizer), or fabric.setup_module(model) "
-                                   "then fabric.setup_optimizers(optimizer))")
-            self._optimizer = optimizer
-            self._join()
-            self._sigterm.install(self._stop_waits, replace_default=True, leave=self._leave_run)
-        return optimizer
-
-    def _island_module(self) -> torch.nn.Module:
-        assert self._module is not None, "set by setup_module before the island joins"
-        return self._module
-
-    # ---- the inner loop --------------------------------------------------------------------------
-
-    @override
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, **kwargs)
-        if self.learner is not None and optimizer is self._optimizer:  # a second optimizer's steps are not inner steps
-            self.learner.after_step(self._tokens)
-            self._tokens = 0.0
-        return output
-
-    @override
-    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
-        # after Fabric injected the sampler (of distributed_sampler_kwargs: the run's data rank): a
-        # Hugging Face iterable dataset is split here for the same rank, any other is the script's
-        part = rank_of(self.distributed_sampler_kwargs)
-        dataloader = split_for(dataloader, part)  # type: ignore[assignment]  # a DataLoader in, a DataLoader out
-        names = unsplit_iterables([dataloader])
-        if names and part.world_size > 1 and not self.data_split_by_script:
-            from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn(unsplit_warning(names, self.island, self.num_islands, part))
-        return _counting(super().process_dataloader(dataloader), self._count)
-
-    def _count(self, batch: Any) -> None:
-        self._tokens += self.count_tokens(batch)
-
-    # ---- checkpoints: fabric.save / fabric.load --------------------------------------------------
-
-    @override
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
-                        filter: dict[str, Any] | None = None) -> None:
+    def after_setup_optimizer(self, optimizer: Any) -> None:
+        """The first optimizer set up joins the run, with the module set up before it."""
         if self.learner is not None:
-            state = dict(state)  # the outer state (and an FSDP2 island's bases) join the caller's, not in it
-            state[CHECKPOINT_KEY] = self._outer_state(state)
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
+        if self.module is None:
+            raise RuntimeError("the island joins the run with the module it trains: set up the model before or "
+                               "with its optimizer (fabric.setup(model, optimizer), or fabric.setup_module(model) "
+                               "then fabric.setup_optimizers(optimizer))")
+        self.optimizer = optimizer
+        self.join(self.module)
+        self.sigterm.install(self.stop_waits, replace_default=True, leave=self.leave_run)
 
-    @override
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
-                        weights_only: bool | None = None) -> dict[str, Any]:
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        if self.learner is not None and optimizer is self.optimizer:  # a second optimizer's steps are not inner steps
+            self.after_step()
+
+    def split(self, dataloader: DataLoader) -> DataLoader:
+        """Before Fabric's own processing, after it injected the sampler (of
+        ``distributed_sampler_kwargs``: the run's data rank): a Hugging Face iterable dataset is
+        split here for the same rank, any other is the script's."""
+        part = rank_of(self.host.distributed_sampler_kwargs)
+        dataloader = split_for(dataloader, part)  # type: ignore[assignment]  # a DataLoader in, a DataLoader out
+        self.warn_of_unsplit_data([dataloader], part)
+        return dataloader
+
+    def counting(self, dataloader: DataLoader) -> DataLoader:
+        """After Fabric's processing: each batch drawn is counted for the merge weights."""
+        return _counting(dataloader, self.count)
+
+    def save(self, state: dict[str, Any], learner_state: dict | None = None) -> dict[str, Any]:
+        """The state to save: the caller's, and the island's outer state beside it (not in it)."""
+        return {**state, CHECKPOINT_KEY: self.outer_state(learner_state)} if self.learner is not None else state
+
+    def load(self, state: Any, remainder: dict[str, Any]) -> bool:
+        """Take the outer state from what ``fabric.load(path, state)`` left (``remainder``);
+        whether there was some (a strategy then reads what it keeps apart, and calls
+        :meth:`rejoin`)."""
         if not isinstance(state, dict) or not state:  # the checkpoint read whole, or a raw state dict: nothing resumed
-            return remainder
+            return False
         saved = remainder.pop(CHECKPOINT_KEY, None)
         if saved is not None:
-            self._resume = saved
-            self._read_bases(path, remainder)
-            if self.learner is not None:  # joined at setup, before the weights were restored: again, from them
-                self._leave_for_resume()
-                self._join()
-        return remainder
+            self.resume = saved
+        return saved is not None
 
-    def _read_bases(self, path: Any, remainder: dict[str, Any]) -> None:
-        """Where a strategy keeps the base fragments apart from the outer state (FSDP2's, sharded),
-        it reads them into ``self._resume`` here; ``remainder``: what the checkpoint held besides
-        the state asked for."""
-
-    def _leave_for_resume(self) -> None:
+    def rejoin(self) -> None:
+        """An island that had already joined (at setup, before the weights were restored) leaves
+        the run for a moment and joins again from the restored state: its counters and sync
+        state go on."""
+        if self.learner is None:
+            return
         self.learner.close()
         self.learner = None
         if self.embedded is not None:  # restarted from the checkpoint's state by the join
             self.embedded.shutdown()
             self.embedded = None
+        self.join(self.module)
 
-    # ---- the end ----------------------------------------------------------------------------------
-
-    @override
     def teardown(self) -> None:
-        """End the island's run (wait for its last rounds, load the global model, leave the run),
-        then Fabric's teardown. Fabric calls no end of training itself: the script calls
-        ``fabric.strategy.teardown()`` once its loop is done."""
-        self._sigterm.restore()
-        if self.learner is not None and self.end_with_global_model:
-            self.learner.finish()
-        self._leave_run()
-        super().teardown()
+        """End the island's run (wait for its last rounds, load the global model, leave the run).
+        Fabric calls no end of training itself: the script calls ``fabric.strategy.teardown()``
+        once its loop is done."""
+        self.sigterm.restore()
+        self.finish()
+        self.leave_run()
 
 
 def _counting(dataloader: DataLoader, count: Any) -> DataLoader:

@@ -63,7 +63,7 @@ def test_fabric_island_counts_tokens_of_each_batch_and_gives_the_run_wide_data_r
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2))
     # island 1 of 2 (one process) takes every other sample: data rank 1 of 2
     assert [float(b[0][0]) for b in loader] == [1.0, 5.0]  # 4 samples, batches of 2
-    assert strategy._tokens == 4.0  # samples, for a batch without input_ids
+    assert strategy.diloco.tokens == 4.0  # samples, for a batch without input_ids
     assert lightning_diloco.data_rank(fabric) == (1, 2)
     assert lightning_diloco.data_rank(Fabric(accelerator="cpu", devices=1)) == (0, 1)  # no island: all the data
 
@@ -156,7 +156,7 @@ def test_fabric_refuses_a_trainer_strategy_naming_the_fabric_class_and_the_argum
         Fabric(strategy=trainer_strategy, accelerator="cpu", devices=1)
     message = str(refused.value)
     assert f"Fabric takes lightning_diloco.{fabric_class}" in message
-    written = message.split("Fabric(strategy=lightning_diloco.", 1)[1].split(")),", 1)[0] + ")"
+    written = message.split("Fabric takes lightning_diloco.", 1)[1].split(") with the same arguments", 1)[0] + ")"
     # what the message says to write builds the Fabric strategy with the same settings
     fabric_strategy = eval(written, {fabric_class: getattr(lightning_diloco, fabric_class)})  # noqa: S307
     assert (fabric_strategy.address, fabric_strategy.island, fabric_strategy.num_islands) == ("sync:7470", 1, 4)
