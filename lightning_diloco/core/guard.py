@@ -36,6 +36,20 @@ left the model 4.5e9 / 1,920 from the target (honest: 0.99); with these rules 1.
 
 A reference can be pushed *down* by an island reporting tiny values; it never falls below
 ``NORM_FLOOR`` of the fragment's norm, so such an island slows the others' steps at worst.
+
+Every rule above bounds an island against its peers, and without an honest majority the peers
+may be hostile: one island of two that sent the honest delta flipped, from the farthest place it
+may claim, was held to its honest peer's size, but the honest island's steps grow as it corrects
+against the flipped model, the bounds followed them, and the distance to the target grew
+geometrically (issue 48; tests/adversarial/test_invariants.py: 10 -> 5,900-17,000 in 15 s, one
+honest island alone 2.1). Two rules close it. An entry over its influence budget is cut in weight
+as in length (:meth:`InfluenceGuard._within_budgets`): now 2.3-4.8 in 15 s. And the step itself is
+bounded in absolute terms, by a rate the run established (:class:`StepBudget`): the merged outer
+gradient of an outer step is at most ``STEP_RATIO`` x the mean length of the fragment's outer
+steps so far. A run whose every step sits at the budget raises that mean by at most mean / n at
+its n-th step, so the budget grows at most linearly in the steps taken and the model's drift
+polynomially, never geometrically, whatever feeds the loop (two flipping islands of four, which
+the other rules do not hold yet: 9.3e6 from the target in 30 s without it, 751 with it).
 """
 
 from __future__ import annotations
@@ -59,6 +73,8 @@ NORM_FLOOR = 1e-3
 WEIGHT_RATIO = 1.4
 ROUND_NORM_RATIO = 1.4
 PRESENT_ROUNDS = 4  # closed rounds: a peer with no share in them is away, not a yardstick
+STEP_RATIO = 2.0  # x the mean outer step so far: a linear ramp of honest steps (the learning rate's warm-up) fits under it
+STEP_WARMUP = 4  # outer steps of a fragment before the step budget applies: its mean is its first steps' own
 BUDGET_RATIO = 1.5  # x the peers' influence over the window: above WEIGHT_RATIO (1.0 trimmed honest islands of unequal tokens)
 
 
@@ -200,6 +216,49 @@ def agreeing(weights: list[float], gradients: list[torch.Tensor], norms: list[fl
     return kept if any(kept) else list(weights)
 
 
+class StepBudget:
+    """How long one outer step of a fragment may be, in absolute terms: ``ratio`` x the mean
+    length of its outer steps so far (their merged outer gradients, as taken), once ``warmup``
+    steps have set that mean. A longer step is scaled down to it (its direction is kept).
+
+    Every step counts once in the mean, the first ones as much as the last, so no sequence of
+    steps can raise it faster than mean x (ratio - 1) / n at the n-th step: at the budget every
+    step, the budget grows linearly with n. A window or an exponential average would let a feedback
+    loop (steps that grow because the model moved) grow it geometrically, at a slow but fixed rate.
+    Honest steps are largest early and shrink as training converges: their running mean sits above
+    the latest, and a steady one passes untouched; a linear ramp (x_n = a n: mean a (n + 1) / 2)
+    fits under 2x.
+    """
+
+    def __init__(self, ratio: float = STEP_RATIO, warmup: int = STEP_WARMUP) -> None:
+        self.ratio, self.warmup = ratio, warmup
+        self.steps = 0
+        self.mean = 0.0
+
+    def cap(self) -> float | None:
+        """The longest step allowed now (None: still in warm-up)."""
+        return None if self.steps < self.warmup else self.ratio * self.mean
+
+    def scale(self, norm: float) -> float:
+        """The factor that brings a step of length ``norm`` within the budget (1.0: it fits)."""
+        cap = self.cap()
+        return 1.0 if cap is None or norm <= cap else cap / norm
+
+    def record(self, norm: float) -> None:
+        """A step taken, of length ``norm`` (after :meth:`scale`)."""
+        if math.isfinite(norm):
+            self.steps += 1
+            self.mean += (norm - self.mean) / self.steps
+
+    def state_dict(self) -> dict[str, float]:
+        return {"steps": self.steps, "mean": self.mean}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, self.mean = int(state.get("steps", 0)), float(state.get("mean", 0.0))
+        if self.steps < 0 or not (math.isfinite(self.mean) and self.mean >= 0.0):
+            raise ValueError(f"step budget state {state!r} must have steps >= 0 and a finite mean >= 0")
+
+
 class InfluenceGuard:
     """One fragment's bounds. ``z`` = 0 turns the norm bound off (the weight bound stays)."""
 
@@ -208,6 +267,7 @@ class InfluenceGuard:
         self.norms = IslandVotes(window)
         self.tokens_per_step = IslandVotes(window)
         self.influence = InfluenceWindow(window)
+        self.step_budget = StepBudget()
 
     def bound(self, *, norm: float, tokens: float, steps: int, others: dict[int, tuple[float, float]],
               fragment_norm: float, numel: int, island: int | None = None) -> Bounded:
@@ -263,17 +323,26 @@ class InfluenceGuard:
 
     def _within_budgets(self, islands: list[int], weights: list[float], norms: list[float],
                         scales: list[float]) -> dict[int, float]:
-        """Scale each entry (in place, ``scales``) so that its share of the step, its weight's
-        share of the round times its bounded length, fits what its island may still move the
-        fragment over the guard's window; returns each island's share."""
+        """Scale each entry (in place, ``scales`` and ``weights``) so that its share of the step,
+        its weight's share of the round times its bounded length, fits what its island may still
+        move the fragment over the guard's window; returns each island's share as merged.
+
+        Both its length and its weight are scaled: RDA (core/merge.py) takes the merged direction
+        from the weights alone, so an entry cut to a tenth of its length still pulled the direction
+        with its whole weight. One hostile island of two, its length cut by the budget, turned the
+        honest island's rounds away from the target with the weight of a fresher base (the
+        staleness discount halves an entry one version old), round after round (issue 48)."""
         total = sum(weights)
         shares = [w / total * n if total > 0 else 0.0 for w, n in zip(weights, norms)]
         reference = lower_median(norms) or 0.0
+        factors = [1.0] * len(islands)
         for i, budget in enumerate(self.budgets(islands, reference)):
             if budget is not None and shares[i] > budget:
-                scales[i] *= budget / shares[i]
-                shares[i] = budget
-        return dict(zip(islands, shares))
+                factors[i] = budget / shares[i]
+        if any(w * f for w, f in zip(weights, factors)):  # (none left: the step is nothing either way)
+            weights[:] = [w * f for w, f in zip(weights, factors)]
+        scales[:] = [s * f for s, f in zip(scales, factors)]
+        return {i: share * f for i, share, f in zip(islands, shares, factors)}
 
     def knows_a_peer_of(self, island: int) -> bool:
         """Whether a contribution of another island has been merged: its vote is the yardstick
@@ -322,9 +391,11 @@ class InfluenceGuard:
         first, by the fragment's own norm (a lone push then moved the model 13.3x its norm, 0.12x
         with the votes: tests/unit/synchronizer/test_rounds.py)."""
         return {"norms": self.norms.state_dict(), "tokens_per_step": self.tokens_per_step.state_dict(),
-                "influence": self.influence.state_dict()}
+                "influence": self.influence.state_dict(), "step_budget": self.step_budget.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.norms.load_state_dict(state.get("norms", {}))
         self.tokens_per_step.load_state_dict(state.get("tokens_per_step", {}))
         self.influence.load_state_dict(state.get("influence", []))
+        # none in checkpoints before issue 48: the budget warms up again from the next steps
+        self.step_budget.load_state_dict(state.get("step_budget", {}))

@@ -29,7 +29,7 @@ import torch
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
 from lightning_diloco.core.guard import InfluenceGuard
-from lightning_diloco.core.merge import merge_outer_gradients
+from lightning_diloco.core.merge import merge_outer_gradients, norm64
 from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
 from lightning_diloco.core.quorum import Decision, RoundView, decide, slack_steps
 from lightning_diloco.core.state import FragmentState
@@ -89,6 +89,8 @@ class ClosedRound:
     """Seconds from quorum to close."""
     reason: str
     closed_at: float
+    step_scale: float = 1.0
+    """The factor the step budget scaled the merged step by (core/guard.py StepBudget; 1.0: untouched)."""
 
     def summary(self) -> LastClose:
         return LastClose(round=self.round, version=self.version, contributors=len(self.islands), late=self.late,
@@ -304,13 +306,19 @@ class FragmentRounds:
         bounded = self.guard.bound_round(entries, fragment=frag.value, version=frag.version,
                                          staleness_discount=self.config.merge.staleness_discount)
         gradients, weights, clipped, shares = bounded.gradients, bounded.weights, bounded.clipped, bounded.shares
-        version = None
+        version, step_norm, step_scale = None, 0.0, 1.0
         kept = list(range(len(entries)))
         while kept and version is None:
             step = torch.empty(frag.value.numel())
             merge_outer_gradients([split_fragment(gradients[i], self.specs) for i in kept],
                                   [weights[i] for i in kept], [s.role for s in self.specs], self.config.merge.method,
                                   out=split_fragment(step, self.specs))
+            # the merged step's own bound, in absolute terms (core/guard.py StepBudget): the rules
+            # above hold each entry to its peers, which a hostile half of the run can be
+            step_norm = norm64(step)
+            step_scale = self.guard.step_budget.scale(step_norm)
+            if step_scale < 1.0:
+                step.mul_(step_scale)
             merged_islands = {entries[i].island for i in kept}
             version = frag.apply(step, share=min(1.0, len(merged_islands) / max(taking_part or 0, len(merged_islands))))
             if version is None:
@@ -328,10 +336,12 @@ class FragmentRounds:
         islands = tuple(sorted({e.island for e in merged}))
         late = sum(e.sent_for < index for e in merged)
         self.last = ClosedRound(fragment=self.fragment, round=index, version=frag.version, islands=islands, late=late,
-                                clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now)
+                                clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now,
+                                step_scale=step_scale if version is not None else 1.0)
         each_part(self.last, [
             ("merged-in versions", lambda: self.merged_in.update({e.island: frag.version for e in merged})),
             ("influence guard's history", lambda: self._record(merged, shares)),
+            ("step budget", lambda: self.guard.step_budget.record(step_norm * step_scale) if version is not None else None),
             ("versions' rounds", lambda: self._remember_round(version, index)),
             ("round totals", lambda: self._count(len(merged), late, clipped, dropped, grace)),
         ])

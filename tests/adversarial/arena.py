@@ -16,6 +16,15 @@ chooses. Two moves need no credential of theirs: a join that leaves the session 
 none, "") as an honest island's index, the slot hijack of a run without a token (issue 48), and
 a squat of the island count (joining first, and again later, saying 1, 10000 or another wrong
 count); the islands join in a random order, hostile ones first as often as not.
+
+With ``far_flip`` a hostile island is one of two kinds, drawn per island from the seed: the random
+one above, or (issue 48) a far-place flipper, the fifth attack pass's move: every tick it heartbeats from the
+farthest place it may claim (2**62; the synchronizer bounds it to the clock + H) and pushes the
+honest islands' delta sign-flipped, at their size or 1.5x, with honest or maximum counters, for
+a round far ahead. It sends what an honest island could, every round, on the fastest schedule the
+synchronizer allows, and only its direction is wrong. test_invariants.py runs it against one honest
+island; the random mixes do not draw it yet: two flippers in one run (they agree with each other
+in rounds of their own) still take the model hundreds from the target (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ DIRECTIONS = ("flip", "away", "noise", "alie", "minmax", "honest")
 ROUND_CHOICES = ("own", "next", "ahead", "huge")
 COUNTERS = ("honest", "max_tokens", "one_step", "many_steps")
 SCALES = (1.0, 1.0, 1.5, 10.0, 100.0)
+KINDS = ("random", "far_flip")
 
 
 def arena_config(grace_gamma: float = 0.0) -> RunConfig:
@@ -88,7 +98,8 @@ class Report:
 
 
 class Arena:
-    def __init__(self, honest: int, hostile: int, seed: int, *, slow: tuple[int, ...] = (), grace_gamma: float = 0.0) -> None:
+    def __init__(self, honest: int, hostile: int, seed: int, *, slow: tuple[int, ...] = (), grace_gamma: float = 0.0,
+                 far_flip: bool = False) -> None:
         self.rng = random.Random(seed)
         self.g = torch.Generator().manual_seed(seed)
         self.config = arena_config(grace_gamma)
@@ -102,6 +113,8 @@ class Arena:
         self.hostile = list(range(honest, honest + hostile))
         self.sessions: dict[int, str] = {}
         self.hostile_seq = {i: 0 for i in self.hostile}
+        # drawn apart from the run's generator: each island's kind is its own, whatever the mix
+        self.kinds = {i: random.Random(f"{seed}-kind-{i}").choice(KINDS) if far_flip else "random" for i in self.hostile}
         self.tick_index = 0
         self.clock_lead = self.largest_round = self.largest_requests = self.honest_joins_refused = 0
         order = [("honest", h) for h in self.honest] + [("hostile", i) for i in self.hostile]
@@ -203,6 +216,9 @@ class Arena:
             pass
 
     def _hostile_tick(self, island: int) -> None:
+        if self.kinds[island] == "far_flip" and island in self.sessions:
+            self._far_flip_tick(island)
+            return
         action = self.rng.choice(("push", "push", "heartbeat", "quiet", "quiet", "rejoin", "hijack", "squat"))
         if island not in self.sessions:  # its first join was refused (a count it may not say): as itself again
             self._hostile_join(island, self.num_islands)
@@ -221,6 +237,21 @@ class Arena:
                 self._hostile_join(island, self.num_islands, as_island=self.rng.choice(self.honest).island)
             elif action == "squat" and self.rng.random() < 0.2:
                 self._hostile_join(island, self.rng.choice(self._squat_counts(island)))
+        except Refusal:
+            pass
+
+    def _far_flip_tick(self, island: int) -> None:
+        """The far-place flipper: heartbeat from 2**62, push the flipped honest delta, each tick."""
+        try:
+            self.sync.heartbeat(island, max(h.steps for h in self.honest), TICK_S, schedule_step=2**62,
+                                session=self.sessions[island])
+            counters = self.rng.choice(("honest", "max_tokens"))
+            tokens, steps = (TOKENS_PER_STEP * H, H) if counters == "honest" else (1e15, 1)
+            self.hostile_seq[island] += 1
+            push = contribution(self.config, island, 0, self._hostile_delta("flip", self.rng.choice((1.0, 1.5))),
+                                round=2**40, base_version=self.sync.versions()[0], seq=self.hostile_seq[island],
+                                tokens=tokens, steps=steps)
+            self.sync.push(replace(push, session=self.sessions[island]))
         except Refusal:
             pass
 
@@ -291,9 +322,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ticks", type=int, default=300, help="ticks per run, 0.1 s each (default %(default)s)")
     p.add_argument("--grace-gamma", type=float, default=0.0,
                    help="0: rounds close at their first send; 0.5: the library's window (default %(default)s)")
+    p.add_argument("--far-flip", action="store_true",
+                   help="each hostile island a far-place flipper or a random one, drawn per seed (issue 48)")
     args = p.parse_args(argv)
     for honest, hostile in MIXES:
-        reports = {seed: Arena(honest, hostile, seed, grace_gamma=args.grace_gamma).run(args.ticks) for seed in range(args.seeds)}
+        reports = {seed: Arena(honest, hostile, seed, grace_gamma=args.grace_gamma, far_flip=args.far_flip).run(args.ticks)
+                   for seed in range(args.seeds)}
         ratios = {seed: r.distance / honest_distance(honest, seed, args.ticks, grace_gamma=args.grace_gamma)
                   for seed, r in reports.items()}
         ordered = sorted(ratios.values())

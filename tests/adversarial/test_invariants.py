@@ -84,3 +84,25 @@ def test_the_round_lead_attack_moves_neither_the_clock_nor_the_model():
     report = arena.run(TICKS)
     assert report.clock_lead <= H, report
     assert report.distance <= RATIO_1_OF_4 * honest_distance(3, 7, TICKS), report
+
+
+@pytest.mark.parametrize("grace_gamma", [0.0, 0.5], ids=["close-at-first-send", "default-grace-window"])
+@pytest.mark.parametrize("seed", range(5))
+def test_one_far_place_flipper_of_two_cannot_drive_the_model_away(seed, grace_gamma):
+    """Issue 48's attack: one honest island and one that, every tick, heartbeats from the farthest
+    place (the synchronizer bounds it to the clock + H) and pushes the honest delta sign-flipped,
+    honest-sized, with honest or maximum counters. Without an honest majority nothing tells which
+    island is honest; the entry was held to the honest one's size, yet the distance to the target
+    grew geometrically as the honest island's corrections grew (15 s: 5,900-17,000 from the target,
+    one honest island alone 2.1). With the step budget and the influence budget's weight cut
+    (core/guard.py) it ends within 3x one honest island's distance when rounds close at their
+    first send (1.1x-2.2x over 5 seeds), and bounded with the grace window (2.3x-25x at 15 s, back
+    to 3-15 from the target at 30 s)."""
+    arena = Arena(1, 1, seed, grace_gamma=grace_gamma)
+    arena.kinds = {i: "far_flip" for i in arena.hostile}
+    report = arena.run(TICKS // 2)
+    start = report.start_distance
+    if grace_gamma == 0.0:
+        assert report.distance <= 3.0 * honest_distance(1, seed, TICKS // 2), report
+    report = arena.run(TICKS - TICKS // 2)
+    assert math.isfinite(report.distance) and report.distance < BOUNDED * start, report

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lightning_diloco.core.guard import InfluenceGuard, lower_median
+from lightning_diloco.core.guard import InfluenceGuard, StepBudget, lower_median
 
 
 def _guard():
@@ -122,3 +122,71 @@ def test_an_island_that_moved_the_model_least_cannot_hold_its_peers_budgets_at_n
     guard.record_round({0: 1.0, 1: 1.0, 2: 100.0})  # nor does a hostile total raise the others' reference
     assert guard.budgets([2], step_reference=0.5) == [0.0]
     assert guard.budgets([0], step_reference=0.5) == [pytest.approx(1.5 * 7.0 + 0.5 - 7.0)]
+
+
+def test_a_feedback_loop_grows_the_step_budget_at_most_linearly_never_geometrically():
+    """Issue 48: each step asked for 1.5x the last (an honest island correcting against a flipped
+    model, its steps growing with the distance). Left to grow, 60 steps are 1.5**60 = 3.7e10 times
+    the first; within the budget each step is at most 2x the mean of those before it, so the
+    budget after n steps is at most about n x the first step's length."""
+    budget = StepBudget()
+    asked = 1.0
+    for _ in range(60):
+        taken = asked * budget.scale(asked)
+        budget.record(taken)
+        asked = 1.5 * taken
+    assert budget.cap() <= 60 * 1.0, budget.state_dict()  # 49.6: linear in the steps (1.5**60: 3.7e10)
+    before = budget.cap()
+    budget.record(budget.cap())  # at the budget, the next step raises it by a 1/n share, not a factor
+    assert budget.cap() <= before * (1 + 1 / 60)
+
+
+def test_honest_steps_shrinking_or_ramping_up_linearly_are_left_alone():
+    """An honest run's steps are largest early and shrink as it converges, or grow linearly while
+    its learning rate warms up: neither is scaled down (a ramp from zero, x_n = a n after a mean of
+    a n / 2, is the tightest: exactly at the budget)."""
+    for steps in ([5.0 / math.sqrt(n) for n in range(1, 200)], [0.1 * n for n in range(1, 200)]):
+        budget = StepBudget()
+        for norm in steps:
+            assert budget.scale(norm) == pytest.approx(1.0, rel=1e-12), (norm, budget.state_dict())
+            budget.record(norm)
+
+
+def test_the_step_budget_is_part_of_the_guards_checkpoint():
+    guard = _guard()
+    for norm in (3.0, 2.0, 1.0, 2.0, 2.0):
+        guard.step_budget.record(norm)
+    restored = _guard()
+    restored.load_state_dict(guard.state_dict())
+    assert restored.step_budget.cap() == guard.step_budget.cap() == pytest.approx(2.0 * 2.0)
+    assert restored.step_budget.scale(8.0) == pytest.approx(0.5)
+    older = _guard()
+    older.load_state_dict({k: v for k, v in guard.state_dict().items() if k != "step_budget"})
+    assert older.step_budget.cap() is None  # a checkpoint from before the budget: it warms up again
+    with pytest.raises(ValueError, match="finite mean"):
+        older.load_state_dict({"step_budget": {"steps": 3, "mean": float("nan")}})
+
+
+def test_an_entry_over_its_influence_budget_loses_its_pull_on_the_direction_too():
+    """RDA takes the merged direction from the weights alone: an entry cut to a tenth of its
+    length by its budget still pulled the direction with all its weight. Its weight is cut with it."""
+    import torch
+
+    from lightning_diloco.core.merge import merge_outer_gradients
+
+    guard = _guard()
+    for _ in range(4):
+        guard.record_round({0: 1.0, 1: 4.0})  # island 1 has moved the fragment 4x island 0 already
+    honest, hostile = torch.ones(100), -torch.ones(100)
+
+    class E:
+        def __init__(self, island, g, base_version):
+            self.island, self.outer_gradient, self.base_version = island, g, base_version
+            self.tokens, self.steps, self.norm = 400.0, 4, float(g.norm())
+
+    # the honest entry is one version older (discounted 2:1 by its age), the hostile one is fresh
+    bounded = guard.bound_round([E(0, honest, 9), E(1, hostile, 10)], fragment=torch.zeros(100), version=10,
+                                staleness_discount=1.0)
+    [step] = merge_outer_gradients([[g] for g in bounded.gradients], bounded.weights, ["dense"])
+    assert float(step @ honest) > 0, bounded.weights  # before: the hostile direction, at the full radius
+    assert bounded.shares[1] < bounded.shares[0]
