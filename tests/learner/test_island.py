@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import build_layout, flatten_fragment
+from lightning_diloco.learner.clock import SystemClock
 from lightning_diloco.learner.inbox import Arrival
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.synchronizer.service import Synchronizer
@@ -35,7 +37,7 @@ def islands():
     """Makes islands on one in-process synchronizer (its closers running); closes everything after."""
     made, services = [], []
 
-    def make(config, island=0, service=None, seed=0):
+    def make(config, island=0, service=None, seed=0, **learner_settings):
         fresh = service is None
         if fresh:
             service = Synchronizer(config).start()
@@ -47,7 +49,7 @@ def islands():
         info = link.join(island, 1, SPECS)
         if fresh:  # a run past its first rounds (the join made them): a lone entry does not wait up
             with_peer_votes(service, range(4))  # to 10 s for a peer's; nothing here is about the first round
-        learner = IslandLearner(params, layout, config, island=island, link=link, heartbeat_every=60)
+        learner = IslandLearner(params, layout, config, island=island, link=link, heartbeat_every=60, **learner_settings)
         made.append(learner)
         learner.start(run_step=info.run_step)
         return learner, link, params, service
@@ -332,11 +334,44 @@ def test_finish_stops_waiting_once_a_send_is_acked_late_and_counts_it_unmerged(i
 
 
 def test_the_ends_wait_is_a_few_step_times(islands):
-    learner, _, _, _ = islands(_config(tau=2))
-    learner._step_time = 0.5
+    config = _config(tau=2)
+    learner, _, _, service = islands(config, step_time=0.5)
     assert learner.final_wait() == 4 * 3 * 0.5
-    learner._step_time = 0.001  # a tiny model: at least a few seconds for the network
-    assert learner.final_wait() == 3.0
+    tiny, _, _, _ = islands(config, island=1, service=service, step_time=0.001)  # at least a few seconds for the network
+    assert tiny.final_wait() == 3.0
+
+
+class SteppedClock(SystemClock):
+    """The machine's waits and heartbeat thread, with a time that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class CountingPool(ThreadPoolExecutor):
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.submitted = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_an_island_times_its_steps_on_its_clock_and_pushes_on_its_executor(islands):
+    clock, pool = SteppedClock(), CountingPool()
+    learner, _, params, _ = islands(_config(tau=2), clock=clock, executor=pool)
+    for _ in range(5):
+        clock.t += 0.5  # each inner step takes half a second on the island's clock
+        _step(learner, params)
+    assert learner.final_wait() == pytest.approx(4 * 3 * 0.5)  # what the end waits: a few of the steps measured
+    assert pool.submitted == learner.counters["sent"] == 2
+    learner.close()
+    with pytest.raises(RuntimeError, match="shutdown"):  # the island's executor ends with it
+        pool.submit(print)
 
 
 def _round_open(service, fragment):
@@ -425,7 +460,7 @@ def test_state_dict_round_trips_and_refuses_another_model(islands):
 
 def test_sync_threads_run_torch_single_threaded_and_leave_the_training_thread_alone(islands, two_torch_threads):
     learner, *_ = islands(_config())
-    assert learner.leader._pool.submit(torch.get_num_threads).result() == 1
+    assert learner.leader.executor.submit(torch.get_num_threads).result() == 1
     assert torch.get_num_threads() == 2
 
 
