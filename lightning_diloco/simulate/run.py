@@ -148,7 +148,7 @@ class Simulation:
         """The island's push, on its leader's executor: it reaches the service after the uplink's
         delay, and the answer comes back after the downlink's; meanwhile the clock runs."""
         incarnation = self.incarnation[island]
-        answer = self.turns.answer_later()
+        answer = Answer(self.turns)
         self.unanswered.append(answer)
 
         def arrive() -> None:

@@ -3,7 +3,7 @@
 An island's leader pushes on its executor: a job forms and encodes the push, then blocks in the
 link's push until the synchronizer answers. :class:`TurnExecutor` runs each job on a thread of its
 own, but only while the clock's thread waits for it: ``submit`` returns once the job has ended or
-blocks on the simulated network (:meth:`Turns.answer_later`), and the event that answers it waits
+blocks on the simulated network (:meth:`Answer.wait`), and the event that answers it waits
 again until the job has gone on to its end. One thread runs at a time, in an order the events
 decide, so a run stays deterministic while the leader's own code runs unchanged.
 """
@@ -44,10 +44,6 @@ class Turns:
         """(A job's thread) give the turn back to the clock's thread: the job blocks or ends."""
         self._back.release()
 
-    def answer_later(self) -> Answer:
-        """(A job's thread) a call whose answer an event will give: :meth:`Answer.wait` blocks on it."""
-        return Answer(self)
-
     def join(self) -> None:
         """Wait for the jobs' threads to end (every job answered or abandoned)."""
         for thread in self.threads:
@@ -56,7 +52,7 @@ class Turns:
 
 
 class Answer:
-    """The answer to one blocked call: given by an event on the clock's thread, awaited by a job."""
+    """The answer to one call a job blocks on: given by an event on the clock's thread."""
 
     def __init__(self, turns: Turns) -> None:
         self._turns = turns
