@@ -280,10 +280,12 @@ class Simulation:
             self.queue.at(plan.start, partial(self._join, island))
             for at, down in plan.failures:
                 self.queue.at(at, partial(self._die, island, down))
-        self.queue.run()
-        for answer in self.unanswered:  # pushes of processes that died: their threads end now
-            answer.give(error=ConnectionError("the island's process died"))
-        self.turns.join()
+        try:
+            self.queue.run()
+        finally:  # pushes of processes that died (or of a run that failed): their threads end now
+            for answer in self.unanswered:
+                answer.give(error=ConnectionError("the island's process died"))
+            self.turns.join()
         model = self.first_model
         assert model is not None
         with torch.no_grad():
