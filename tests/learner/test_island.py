@@ -63,7 +63,11 @@ def islands():
 
 def _settle(learner):
     """Wait until every fragment in flight has the version of its round (or its push failed)."""
-    assert learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), WAIT_S)
+    settled = learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), WAIT_S)
+    flights = {p: (f.round, f.future.done() and (f.future.exception() or f.future.result()))
+               for p, f in learner.in_flight.items()}
+    assert settled, f"flights (round, ack) {flights}; versions received {learner.inbox.held()}, not yet taken " \
+                    f"{ {p: (a.version, a.round) for p, a in learner.inbox.fresh.items()} }"
 
 
 def _step(learner, params, delta=0.01, tokens=10.0):
@@ -199,6 +203,33 @@ def test_a_send_merged_into_an_earlier_open_round_ends_its_flight_with_that_roun
     _settle(first), _settle(second)
     _step(second, params1)
     assert second.in_flight == {} and second.counters["applied"] == 1 and second.versions == [1]
+
+
+def test_a_version_that_comes_before_its_sends_ack_waits_for_the_ack_and_ends_the_flight(islands):
+    """K = 1 closes the round as the push arrives: its version can reach the island before the
+    push's ack. Taken at its apply step without the ack, it could not end the flight, which then
+    waited for the next round's version (skipping that send; a test hung on it under load)."""
+    learner, link, params, _ = islands(_config(P=1, H=2, tau=1))
+    ack_back, push = threading.Event(), link.push
+
+    def push_answered_late(contribution):
+        ack = push(contribution)
+        ack_back.wait(WAIT_S)
+        return ack
+
+    link.push = push_answered_late
+    try:
+        for _ in range(2):
+            _step(learner, params)  # sends for round 1 at step 2
+        assert learner.inbox.wait(lambda: learner.inbox.received[0] == 1, WAIT_S)  # its version is here, its ack is not
+        _step(learner, params)  # step 3, the send's apply step: the version waits for the ack
+        assert learner.counters["received"] == learner.counters["applied"] == 0 and 0 in learner.in_flight
+    finally:
+        ack_back.set()
+    _settle(learner)
+    _step(learner, params)
+    assert learner.counters["applied"] == 1 and learner.counters["received"] == 0 and not learner.in_flight
+    assert learner.versions == [1]
 
 
 def test_a_non_contributor_takes_each_new_version_at_its_next_step(islands):
