@@ -38,6 +38,10 @@ class Flight:
         merged_in = self.merged_in()
         return merged_in is not None and arrival.round >= merged_in
 
+    def answered(self) -> bool:
+        """The push's ack (or refusal) is back, so whether a version ends this flight can be told."""
+        return self.future is None or self.future.done()
+
     def failed(self) -> bool:
         return self.future is not None and self.future.done() and self.future.exception() is not None
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,13 +18,9 @@ import torch
 
 from lightning_diloco.core.codecs import DEFAULT_DENSITY, get_codec, payload_size
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
+from lightning_diloco.learner.clock import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
-
-STOP_CHECK_S = 1.0
-"""Longest a wait goes without looking whether the island is stopping. A stop asked for by a
-signal handler runs on the waiting thread itself, between two of its steps: its wake-up can come
-just before the wait begins, and is then missed."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -52,8 +47,9 @@ class Inbox:
     leader, the global model it kept as the base of the next delta)."""
 
     def __init__(self, versions: list[int], numels: list[int], block_size: int,
-                 sparse_density: float = DEFAULT_DENSITY) -> None:
-        self.block_size, self.sparse_density, self.numels = block_size, sparse_density, numels
+                 sparse_density: float = DEFAULT_DENSITY, clock: Clock = SYSTEM_CLOCK) -> None:
+        """``clock``: what :meth:`wait` waits on (the island's)."""
+        self.block_size, self.sparse_density, self.numels, self.clock = block_size, sparse_density, numels, clock
         self.cond = threading.Condition()
         self.received = dict(enumerate(versions))  # the newest version known per fragment
         self.fresh: dict[int, Arrival] = {}
@@ -141,11 +137,12 @@ class Inbox:
     def wait(self, condition: Callable[[], bool], timeout: float) -> bool:
         """Block until ``condition()`` (checked under the lock) holds, ``timeout`` s pass or the
         island is stopping (:meth:`stop`); returns ``condition()``."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while not (done := condition()) and not self.stopping:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.cond.wait(min(left, STOP_CHECK_S))
-            return done
+        done = False
+
+        def ready() -> bool:
+            nonlocal done
+            done = condition()
+            return done or self.stopping
+
+        self.clock.wait(self.cond, ready, timeout)
+        return done

@@ -1,8 +1,9 @@
-"""The island leader's background work: pushes on a small thread pool and a heartbeat thread.
+"""The island leader's background work: pushes on its executor (a small thread pool) and a heartbeat.
 
 Only rank 0 of an island talks to the synchronizer. Its training loop never waits for the
 network: a send hands the snapshot to :meth:`LeaderSync.push`, which forms the outer gradient,
-encodes it and pushes it on a pool thread; the heartbeat thread reports the island's progress every second.
+encodes it and pushes it on the executor; the heartbeat, repeated by the island's clock (a thread
+of its own), reports the island's progress every second.
 Both record whether the synchronizer answered, through one method with one meaning:
 :attr:`LeaderSync.reachable` is whether its latest answer to this island, to a heartbeat or a
 push, was a success.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 
@@ -22,17 +23,28 @@ from lightning_diloco.core.feedback import UplinkFeedback
 from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.learner.clock import SYSTEM_CLOCK, Clock
 from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.learner.staging import HostCopy
 
 log = logging.getLogger(__name__)
 
 
+def sync_pool(island: int, workers: int) -> ThreadPoolExecutor:
+    """The leader's executor by default: ``workers`` threads whose torch ops run single-threaded,
+    so the training loop keeps its OpenMP team (core/threads.py)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"diloco-island{island}-sync",
+                              initializer=single_threaded_torch)
+
+
 class LeaderSync:
     def __init__(self, link: SynchronizerLink, *, island: int, uplink: Codec, feedback: bool, layout_hash: str,
-                 workers: int, progress: Callable[[], tuple[int, float, int]], heartbeat_every: float = 1.0,
-                 holds: Callable[[int], tuple[int, torch.Tensor] | None] = lambda p: None) -> None:
-        """``progress()``: (inner steps, seconds per step, schedule step), read by the heartbeat;
+                 executor: Executor, progress: Callable[[], tuple[int, float, int]], heartbeat_every: float = 1.0,
+                 holds: Callable[[int], tuple[int, torch.Tensor] | None] = lambda p: None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        """``executor``: where pushes run (:func:`sync_pool`); the leader shuts it down when it
+        closes. ``clock``: what repeats the heartbeat every ``heartbeat_every`` seconds.
+        ``progress()``: (inner steps, seconds per step, schedule step), read by the heartbeat;
         ``feedback``: carry what a lossy ``uplink`` could not send into the next push
         (core/feedback.py); ``holds(p)``: (version, whole value) of the global fragment p this
         island holds (None: none, or not whole on the leader), offered to a restarted synchronizer
@@ -45,15 +57,13 @@ class LeaderSync:
         self.bytes_up = 0
         self.late = 0
         self.reachable = True
+        self.executor, self.clock, self.heartbeat_every = executor, clock, heartbeat_every
         self._stop = threading.Event()
-        # torch ops on these threads run single-threaded, so the training loop keeps its OpenMP team
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"diloco-island{island}-sync",
-                                        initializer=single_threaded_torch)
-        self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_every,),
-                                           name=f"diloco-island{island}-heartbeat", daemon=True)
+        self._join_heartbeat: Callable[[float], None] | None = None
 
     def start_heartbeat(self) -> None:
-        self._heartbeat.start()
+        self._join_heartbeat = self.clock.every(self.heartbeat_every, self._beat, until=self._stop,
+                                                name=f"diloco-island{self.island}-heartbeat")
 
     def push(self, *, fragment: int, round: int, local: torch.Tensor | HostCopy, base: torch.Tensor | None,
              base_version: int, tokens: float, steps: int, seq: int) -> Future:
@@ -64,7 +74,7 @@ class LeaderSync:
         being copied from the GPU: the pool thread waits for it, and sees host tensors only.
         Neither tensor may change until the push is done: the training thread hands over a
         snapshot and a base it replaces, never changes."""
-        return self._pool.submit(self._push, fragment, round, local, base, base_version, tokens, steps, seq)
+        return self.executor.submit(self._push, fragment, round, local, base, base_version, tokens, steps, seq)
 
     def answered(self, ok: bool) -> None:
         """Record the synchronizer's latest answer (False: a push the island gave up on)."""
@@ -104,20 +114,19 @@ class LeaderSync:
             log.warning("island %d: could not tell the synchronizer that it leaves the run (%s); rounds wait for it "
                         "until its liveness timeout", self.island, err)
 
-    def _beat(self, every: float) -> None:
-        while not self._stop.wait(every):
-            steps, step_time, schedule_step = self.progress()
-            try:
-                beat = self.link.heartbeat(self.island, steps, step_time, schedule_step)
-                self.answered(True)
-            except Exception as err:  # noqa: BLE001 - liveness only; pushes report real failures
-                self.answered(False)
-                log.debug("island %d: heartbeat failed: %s", self.island, err)
-                continue
-            try:
-                self._give_back([p for p, v in beat.versions.items() if v < 0])
-            except Exception as err:  # noqa: BLE001 - the synchronizer serves its checkpoint's after its wait
-                log.warning("island %d: offering a fragment back to the restarted synchronizer failed: %s", self.island, err)
+    def _beat(self) -> None:
+        steps, step_time, schedule_step = self.progress()
+        try:
+            beat = self.link.heartbeat(self.island, steps, step_time, schedule_step)
+            self.answered(True)
+        except Exception as err:  # noqa: BLE001 - liveness only; pushes report real failures
+            self.answered(False)
+            log.debug("island %d: heartbeat failed: %s", self.island, err)
+            return
+        try:
+            self._give_back([p for p, v in beat.versions.items() if v < 0])
+        except Exception as err:  # noqa: BLE001 - the synchronizer serves its checkpoint's after its wait
+            log.warning("island %d: offering a fragment back to the restarted synchronizer failed: %s", self.island, err)
 
     def _give_back(self, waiting: list[int]) -> None:
         """Offer the global fragments the synchronizer serves no version of (-1: restarted after
@@ -137,9 +146,9 @@ class LeaderSync:
         """Cancel queued pushes, leave the run, end the link (which cancels pushes in progress),
         join the threads."""
         self._stop.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
         self._leave()
         self.link.close()
-        self._pool.shutdown(wait=True)
-        if self._heartbeat.is_alive():
-            self._heartbeat.join(timeout=5)
+        self.executor.shutdown(wait=True)
+        if self._join_heartbeat is not None:
+            self._join_heartbeat(5)

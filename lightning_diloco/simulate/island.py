@@ -1,34 +1,31 @@
-"""One simulated island: the package's own :class:`IslandLearner` around a copy of the model, its
-links to the synchronizer replaced by events on the virtual clock.
+"""One simulated island: the package's own :class:`IslandLearner` around a copy of the model, given
+a virtual clock, an executor that takes turns with it and a link whose messages are events.
 
-What is the real island's code here: every decision at a step boundary (what is due, realigning on
-the run's clock, skipping a fragment in flight, replacing a late send, when to apply and how), the
-uplink's encoding with error feedback, the inbox that sums deltas, the apply rules and the end of
-the run. What the simulation puts in its place: the push thread (:class:`SimLeader`, which encodes
-on the island's step as the real one does on its pool, and hands the push to the clock), the
-subscription (the synchronizer's deliveries are events), the heartbeat thread (an event every
-``heartbeat_every`` virtual seconds) and the waits on the inbox (:class:`SimInbox`, which runs the
-clock instead of sleeping).
+All of the island is the real one's code: every decision at a step boundary (what is due,
+realigning on the run's clock, skipping a fragment in flight, replacing a late send, when to
+apply and how), the leader's pushes (the uplink's encoding with error feedback, on its executor)
+and heartbeat, the inbox that sums deltas, its waits, the apply rules and the end of the run. What
+the simulation gives it in place of the machine's: its clock (:class:`IslandClock`: waits run the
+event queue, the heartbeat is an event every ``heartbeat_every`` virtual seconds), its executor
+(simulate/turns.py) and its link (:class:`SimLink`: calls answered at once, pushes and the
+subscription's deliveries carried over the simulated network).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from lightning_diloco.core.codecs import DEFAULT_DENSITY, EXACT, get_codec
-from lightning_diloco.core.config import RunConfig
+from lightning_diloco.core.codecs import EXACT, get_codec
 from lightning_diloco.core.fragments import build_layout, tensor_specs
-from lightning_diloco.core.protocol import Beat, Contribution, PushAck
-from lightning_diloco.learner.inbox import Inbox
+from lightning_diloco.core.protocol import Beat, Contribution, PushAck, RoundRequest, VersionUpdate
 from lightning_diloco.learner.island import IslandLearner
-from lightning_diloco.learner.leader import LeaderSync
-from lightning_diloco.learner.staging import HostCopy
 from lightning_diloco.simulate.events import EventQueue
+from lightning_diloco.simulate.turns import TurnExecutor, Turns
 
 if TYPE_CHECKING:
     from lightning_diloco.synchronizer.service import Synchronizer
@@ -48,27 +45,47 @@ class Network(Protocol):
     """Where a simulated island's messages go: the simulation (run.py)."""
 
     queue: EventQueue
+    turns: Turns
 
-    def send_push(self, island: int, contribution: Contribution, ack: Future) -> None: ...
-    def subscribe(self, island: int, versions: dict[int, int]) -> None: ...
+    def send_push(self, island: int, contribution: Contribution) -> PushAck: ...
+    def subscribe(self, island: int, versions: dict[int, int], on_request: Callable[[RoundRequest], None],
+                  on_version: Callable[[VersionUpdate], None]) -> None: ...
 
 
-class SimInbox(Inbox):
-    """The real inbox, whose waits run the virtual clock: the other islands train on while this one
-    waits for its rounds (synchronous DiLoCo, the end of a run)."""
+class IslandClock:
+    """One incarnation of an island's clock: the event queue's virtual time. A wait runs the
+    queue (the other islands train on meanwhile); what the island repeats is an event, dropped
+    once ``alive()`` is False (the process died, and its threads with it)."""
 
-    def __init__(self, versions: list[int], numels: list[int], block_size: int, queue: EventQueue,
-                 sparse_density: float = DEFAULT_DENSITY) -> None:
-        super().__init__(versions, numels, block_size, sparse_density)
-        self.queue = queue
+    def __init__(self, queue: EventQueue, alive: Callable[[], bool]) -> None:
+        self.queue, self.alive = queue, alive
 
-    def wait(self, condition: Callable[[], bool], timeout: float) -> bool:
-        return self.queue.run_until(condition, self.queue.now + timeout)
+    def now(self) -> float:
+        return self.queue.now
+
+    def time(self) -> float:
+        return self.queue.now
+
+    def wait(self, cond: threading.Condition, ready: Callable[[], bool], timeout: float) -> bool:
+        return self.queue.run_until(ready, self.queue.now + timeout)
+
+    def every(self, seconds: float, action: Callable[[], None], *, until: threading.Event,
+              name: str) -> Callable[[float], None]:
+        def run() -> None:
+            if until.is_set() or not self.alive():
+                return
+            action()
+            self.queue.at(self.queue.now + seconds, run)
+
+        self.queue.at(self.queue.now + seconds, run)
+        return lambda timeout: None  # nothing runs between events
 
 
 class SimLink:
-    """The calls an island makes and is answered at once (join's start, pulls, heartbeats, leave):
-    direct calls on the synchronizer service, with the island's session."""
+    """The island's :class:`~lightning_diloco.learner.link.SynchronizerLink`: its calls are direct
+    calls on the synchronizer service, with the island's session, answered at once, but pushes,
+    which cross the simulated network (called on the leader's executor, they block until the
+    answer comes back), and the subscription, whose deliveries are events."""
 
     def __init__(self, service: Synchronizer, network: Network, session: str) -> None:
         self.service, self.network, self.session = service, network, session
@@ -84,10 +101,12 @@ class SimLink:
         return self.service.pull(fragment)
 
     def push(self, contribution: Contribution) -> PushAck:
-        raise AssertionError("a simulated island pushes through SimLeader, on the clock")
+        return self.network.send_push(contribution.island, dataclasses.replace(contribution, session=self.session))
 
-    def subscribe(self, island: int, versions: Callable[[], dict[int, int]], **_: Any) -> None:
-        self.network.subscribe(island, versions())
+    def subscribe(self, island: int, versions: Callable[[], dict[int, int]], *,
+                  on_request: Callable[[RoundRequest], None], on_version: Callable[[VersionUpdate], None],
+                  on_reconnect: Callable[[], None] = lambda: None) -> None:
+        self.network.subscribe(island, versions(), on_request, on_version)  # never reconnects
 
     def leave(self, island: int) -> None:
         self.service.leave(island, session=self.session)
@@ -96,67 +115,30 @@ class SimLink:
         pass
 
 
-class SimLeader(LeaderSync):
-    """The leader's pushes as events: encoded now (as the real pool does within the step), then
-    delivered to the synchronizer after the link's delay, the ack back after the other way's."""
-
-    def __init__(self, link: SimLink, *, island: int, config: RunConfig, layout_hash: str) -> None:
-        codec = config.codec
-        super().__init__(link, island=island, uplink=get_codec(codec.uplink, codec.block_size, codec.sparse_density), feedback=codec.uplink_feedback,
-                         layout_hash=layout_hash, workers=1, progress=lambda: (0, 0.0, 0))
-        self.sim_link = link
-
-    def start_heartbeat(self) -> None:
-        pass  # the simulation beats for it
-
-    def push(self, *, fragment: int, round: int, local: torch.Tensor | HostCopy, base: torch.Tensor | None, base_version: int,
-             tokens: float, steps: int, seq: int) -> Future:
-        payload = self.encode(fragment, local, base)
-        ack: Future = Future()
-        ack.add_done_callback(self._count_ack)
-        self.sim_link.network.send_push(self.island, Contribution(
-            island=self.island, fragment=fragment, round=round, base_version=base_version, tokens=max(tokens, 1.0),
-            steps=max(steps, 1), codec=self.uplink.name, seq=seq, payload=payload, layout_hash=self.layout_hash,
-            session=self.sim_link.session), ack)
-        return ack
-
-    def _count_ack(self, ack: Future) -> None:
-        if ack.exception() is None:
-            self.late += ack.result().late
-
-    def close(self) -> None:
-        self._leave()
-
-
 class SimIsland:
     """One incarnation of island ``index``: a fresh inner loop (model, optimizer, data from the
-    start) whose learner joins the service, pulls the global model and trains ``steps_left`` steps."""
+    start) whose learner joins the service, pulls the global model and trains ``steps_left`` steps.
+    ``alive()``: whether this incarnation still runs."""
 
     def __init__(self, index: int, loop: InnerLoop, service: Synchronizer, network: Network, num_islands: int,
-                 step_time: float) -> None:
-        self.index, self.loop, self.step_time = index, loop, step_time
+                 step_time: float, heartbeat_every: float, alive: Callable[[], bool]) -> None:
+        self.index, self.loop = index, loop
         specs = tensor_specs(loop.model)
         named = dict(loop.model.named_parameters())
         info = service.join(index, 1, specs, num_islands=num_islands)
-        config = info.config
-        layout = build_layout(specs, config.schedule.num_fragments)
-        link = SimLink(service, network, info.session)
-        self.learner = IslandLearner([named[s.name] for s in specs], layout, config, island=index, link=link,
-                                     push_wait=math.inf)
-        self.learner.leader = SimLeader(link, island=index, config=config, layout_hash=layout.hash)
-        self.learner.seq = 0  # a new session: its sequence numbers start afresh (the real one's come from the wall clock)
+        layout = build_layout(specs, info.config.schedule.num_fragments)
+        self.learner = IslandLearner(
+            [named[s.name] for s in specs], layout, info.config, island=index, link=SimLink(service, network, info.session),
+            heartbeat_every=heartbeat_every, push_wait=float("inf"), clock=IslandClock(network.queue, alive),
+            executor=TurnExecutor(network.turns, f"island{index}-sync"), step_time=step_time)
         with torch.no_grad():
             self.learner.start(run_step=info.run_step)
-        numels = [layout.fragment_numel(p) for p in range(layout.num_fragments)]
-        self.learner.inbox = SimInbox(self.learner.versions, numels, config.codec.block_size, network.queue, config.codec.sparse_density)
-        self.learner._step_time = step_time
 
     def train_step(self) -> None:
         with torch.enable_grad():  # it may run inside another island's wait, which holds no_grad
             tokens = self.loop.step()
         with torch.no_grad():
             self.learner.after_step(tokens)
-        self.learner._step_time = self.step_time  # virtual, not the wall clock's
 
     def finish(self) -> None:
         """The real end of an island's run: wait for its last rounds (on the clock), load the global

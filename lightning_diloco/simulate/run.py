@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -32,6 +31,7 @@ from lightning_diloco.core.protocol import Contribution, PushAck, RoundRequest, 
 from lightning_diloco.reasons import SynchronizerError
 from lightning_diloco.simulate.events import EventQueue
 from lightning_diloco.simulate.island import InnerLoop, SimIsland
+from lightning_diloco.simulate.turns import Answer, Turns
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 
@@ -118,12 +118,15 @@ class Simulation:
             raise ValueError(f"steps={steps}: each island must train at least one inner step")
         self.config, self.make_loop, self.plans, self.steps, self.sync_time = config, make_loop, plans, steps, sync_time
         self.queue = EventQueue()
+        self.turns = Turns()
         self.service = Synchronizer(config, clock=lambda: self.queue.now, liveness_timeout=LIVENESS_TIMEOUT,
                                     num_islands=len(plans))
         self.islands: dict[int, SimIsland] = {}  # the live incarnation of each island
         self.incarnation = [0] * len(plans)  # events of a dead incarnation are dropped
         self.trained = [0] * len(plans)
         self.delivered: dict[int, dict[int, int]] = {}
+        self.subscribers: dict[int, tuple[Callable[[RoundRequest], None], Callable[[VersionUpdate], None]]] = {}
+        self.unanswered: list[Answer] = []  # pushes on their way, or lost with their island's process
         self.link_free: dict[tuple[int, str], float] = {}
         self.polls: set[float] = set()
         self.restarts = 0
@@ -141,32 +144,38 @@ class Simulation:
         self.link_free[(island, direction)] = at
         return at
 
-    def send_push(self, island: int, contribution: Contribution, ack: Future) -> None:
+    def send_push(self, island: int, contribution: Contribution) -> PushAck:
+        """The island's push, on its leader's executor: it reaches the service after the uplink's
+        delay, and the answer comes back after the downlink's; meanwhile the clock runs."""
         incarnation = self.incarnation[island]
+        answer = Answer(self.turns)
+        self.unanswered.append(answer)
 
         def arrive() -> None:
             if self.incarnation[island] != incarnation:
                 return  # the process died with its connection
             try:
-                answer = self.service.push(contribution)
+                ack: PushAck | SynchronizerError = self.service.push(contribution)
             except Refusal as refusal:
-                error = SynchronizerError(None, refusal.reason, str(refusal))
-                self.queue.at(self._arrival(island, "down", 0), partial(self._answer, island, incarnation, ack, error))
-                return
-            self.queue.at(self._arrival(island, "down", 0), partial(self._answer, island, incarnation, ack, answer))
+                ack = SynchronizerError(None, refusal.reason, str(refusal))
+            self.queue.at(self._arrival(island, "down", 0), partial(self._answer, island, incarnation, answer, ack))
 
         self.queue.at(self._arrival(island, "up", payload_size(contribution.payload)), arrive)
+        return answer.wait()
 
-    def _answer(self, island: int, incarnation: int, ack: Future, answer: PushAck | SynchronizerError) -> None:
+    def _answer(self, island: int, incarnation: int, answer: Answer, ack: PushAck | SynchronizerError) -> None:
         if self.incarnation[island] != incarnation:
             return
-        if isinstance(answer, SynchronizerError):
-            ack.set_exception(answer)
+        self.unanswered.remove(answer)
+        if isinstance(ack, SynchronizerError):
+            answer.give(error=ack)
         else:
-            ack.set_result(answer)
+            answer.give(ack)
 
-    def subscribe(self, island: int, versions: dict[int, int]) -> None:
+    def subscribe(self, island: int, versions: dict[int, int], on_request: Callable[[RoundRequest], None],
+                  on_version: Callable[[VersionUpdate], None]) -> None:
         self.delivered[island] = dict(versions)
+        self.subscribers[island] = (on_request, on_version)
 
     def _deliver(self) -> None:
         """What each island's subscription would carry now (synchronizer/delivery.py's loop, one pass)."""
@@ -191,11 +200,11 @@ class Simulation:
         target = self.islands.get(island)
         if target is None or self.incarnation[island] != incarnation:
             return
-        inbox = target.learner.inbox
+        on_request, on_version = self.subscribers[island]
         if isinstance(event, VersionUpdate):
-            inbox.on_version(event)
+            on_version(event)
         else:
-            inbox.on_request(event)
+            on_request(event)
 
     # ---- the synchronizer's closers ---------------------------------------------------------------
 
@@ -223,23 +232,20 @@ class Simulation:
 
     def _join(self, island: int) -> None:
         self.incarnation[island] += 1
+        incarnation = self.incarnation[island]
         loop = self.make_loop(island)
-        sim_island = SimIsland(island, loop, self.service, self, len(self.plans), self.plans[island].step_time)
+        self._schedule_step(island, after=self.plans[island].setup)  # before its first heartbeat, at a tie
+        sim_island = SimIsland(island, loop, self.service, self, len(self.plans), self.plans[island].step_time,
+                               HEARTBEAT_EVERY, alive=lambda: self.incarnation[island] == incarnation)
         self.islands[island] = sim_island
         if island == 0 and self.first_model is None:
             self.first_model = loop.model
-        self._schedule_step(island, after=self.plans[island].setup)
-        self._schedule_beat(island)
 
     def _schedule_step(self, island: int, after: float = 0.0) -> None:
         """The island's next step ends a step time after ``after`` seconds from now."""
         incarnation, plan = self.incarnation[island], self.plans[island]
         factor = max(0.1, 1.0 + plan.jitter * self.step_draws[island].gauss(0.0, 1.0)) if plan.jitter else 1.0
         self.queue.at(self.queue.now + after + plan.step_time * factor, lambda: self._step(island, incarnation))
-
-    def _schedule_beat(self, island: int) -> None:
-        incarnation = self.incarnation[island]
-        self.queue.at(self.queue.now + HEARTBEAT_EVERY, lambda: self._beat(island, incarnation))
 
     def _step(self, island: int, incarnation: int) -> None:
         target = self.islands.get(island)
@@ -258,14 +264,6 @@ class Simulation:
             return
         self._schedule_step(island)
 
-    def _beat(self, island: int, incarnation: int) -> None:
-        target = self.islands.get(island)
-        if target is None or self.incarnation[island] != incarnation:
-            return
-        learner = target.learner
-        learner.link.heartbeat(island, learner.step, target.step_time, learner.schedule_step)
-        self._schedule_beat(island)
-
     def _die(self, island: int, down: float) -> None:
         if island not in self.islands:
             return  # already done
@@ -282,7 +280,12 @@ class Simulation:
             self.queue.at(plan.start, partial(self._join, island))
             for at, down in plan.failures:
                 self.queue.at(at, partial(self._die, island, down))
-        self.queue.run()
+        try:
+            self.queue.run()
+        finally:  # pushes of processes that died (or of a run that failed): their threads end now
+            for answer in self.unanswered:
+                answer.give(error=ConnectionError("the island's process died"))
+            self.turns.join()
         model = self.first_model
         assert model is not None
         with torch.no_grad():

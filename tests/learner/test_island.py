@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.core.fragments import build_layout, flatten_fragment
+from lightning_diloco.learner.clock import SystemClock
 from lightning_diloco.learner.inbox import Arrival
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.synchronizer.service import Synchronizer
@@ -35,7 +37,7 @@ def islands():
     """Makes islands on one in-process synchronizer (its closers running); closes everything after."""
     made, services = [], []
 
-    def make(config, island=0, service=None, seed=0):
+    def make(config, island=0, service=None, seed=0, **learner_settings):
         fresh = service is None
         if fresh:
             service = Synchronizer(config).start()
@@ -47,7 +49,7 @@ def islands():
         info = link.join(island, 1, SPECS)
         if fresh:  # a run past its first rounds (the join made them): a lone entry does not wait up
             with_peer_votes(service, range(4))  # to 10 s for a peer's; nothing here is about the first round
-        learner = IslandLearner(params, layout, config, island=island, link=link, heartbeat_every=60)
+        learner = IslandLearner(params, layout, config, island=island, link=link, heartbeat_every=60, **learner_settings)
         made.append(learner)
         learner.start(run_step=info.run_step)
         return learner, link, params, service
@@ -61,7 +63,11 @@ def islands():
 
 def _settle(learner):
     """Wait until every fragment in flight has the version of its round (or its push failed)."""
-    assert learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), WAIT_S)
+    settled = learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), WAIT_S)
+    flights = {p: (f.round, f.future.done() and (f.future.exception() or f.future.result()))
+               for p, f in learner.in_flight.items()}
+    assert settled, f"flights (round, ack) {flights}; versions received {learner.inbox.held()}, not yet taken " \
+                    f"{ {p: (a.version, a.round) for p, a in learner.inbox.fresh.items()} }"
 
 
 def _step(learner, params, delta=0.01, tokens=10.0):
@@ -199,6 +205,33 @@ def test_a_send_merged_into_an_earlier_open_round_ends_its_flight_with_that_roun
     assert second.in_flight == {} and second.counters["applied"] == 1 and second.versions == [1]
 
 
+def test_a_version_that_comes_before_its_sends_ack_waits_for_the_ack_and_ends_the_flight(islands):
+    """K = 1 closes the round as the push arrives: its version can reach the island before the
+    push's ack. Taken at its apply step without the ack, it could not end the flight, which then
+    waited for the next round's version (skipping that send; a test hung on it under load)."""
+    learner, link, params, _ = islands(_config(P=1, H=2, tau=1))
+    ack_back, push = threading.Event(), link.push
+
+    def push_answered_late(contribution):
+        ack = push(contribution)
+        ack_back.wait(WAIT_S)
+        return ack
+
+    link.push = push_answered_late
+    try:
+        for _ in range(2):
+            _step(learner, params)  # sends for round 1 at step 2
+        assert learner.inbox.wait(lambda: learner.inbox.received[0] == 1, WAIT_S)  # its version is here, its ack is not
+        _step(learner, params)  # step 3, the send's apply step: the version waits for the ack
+        assert learner.counters["received"] == learner.counters["applied"] == 0 and 0 in learner.in_flight
+    finally:
+        ack_back.set()
+    _settle(learner)
+    _step(learner, params)
+    assert learner.counters["applied"] == 1 and learner.counters["received"] == 0 and not learner.in_flight
+    assert learner.versions == [1]
+
+
 def test_a_non_contributor_takes_each_new_version_at_its_next_step(islands):
     config = _config(P=1, H=4, tau=1)
     first, _, params0, service = islands(config)
@@ -332,11 +365,44 @@ def test_finish_stops_waiting_once_a_send_is_acked_late_and_counts_it_unmerged(i
 
 
 def test_the_ends_wait_is_a_few_step_times(islands):
-    learner, _, _, _ = islands(_config(tau=2))
-    learner._step_time = 0.5
+    config = _config(tau=2)
+    learner, _, _, service = islands(config, step_time=0.5)
     assert learner.final_wait() == 4 * 3 * 0.5
-    learner._step_time = 0.001  # a tiny model: at least a few seconds for the network
-    assert learner.final_wait() == 3.0
+    tiny, _, _, _ = islands(config, island=1, service=service, step_time=0.001)  # at least a few seconds for the network
+    assert tiny.final_wait() == 3.0
+
+
+class SteppedClock(SystemClock):
+    """The machine's waits and heartbeat thread, with a time that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class CountingPool(ThreadPoolExecutor):
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.submitted = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_an_island_times_its_steps_on_its_clock_and_pushes_on_its_executor(islands):
+    clock, pool = SteppedClock(), CountingPool()
+    learner, _, params, _ = islands(_config(tau=2), clock=clock, executor=pool)
+    for _ in range(5):
+        clock.t += 0.5  # each inner step takes half a second on the island's clock
+        _step(learner, params)
+    assert learner.final_wait() == pytest.approx(4 * 3 * 0.5)  # what the end waits: a few of the steps measured
+    assert pool.submitted == learner.counters["sent"] == 2
+    learner.close()
+    with pytest.raises(RuntimeError, match="shutdown"):  # the island's executor ends with it
+        pool.submit(print)
 
 
 def _round_open(service, fragment):
@@ -425,7 +491,7 @@ def test_state_dict_round_trips_and_refuses_another_model(islands):
 
 def test_sync_threads_run_torch_single_threaded_and_leave_the_training_thread_alone(islands, two_torch_threads):
     learner, *_ = islands(_config())
-    assert learner.leader._pool.submit(torch.get_num_threads).result() == 1
+    assert learner.leader.executor.submit(torch.get_num_threads).result() == 1
     assert torch.get_num_threads() == 2
 
 

@@ -13,7 +13,7 @@ from lightning_diloco.core.apply import apply_global
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.fragments import build_layout
 from lightning_diloco.learner.collective import Collective
-from lightning_diloco.learner.leader import LeaderSync
+from lightning_diloco.learner.leader import LeaderSync, sync_pool
 from lightning_diloco.learner.shards import IslandShards
 from lightning_diloco.learner.staging import HostCopy, HostStaging
 from tests.helpers import SPECS
@@ -66,8 +66,8 @@ def test_a_host_copy_refuses_a_tensor_not_in_host_memory():
 
 def test_the_push_thread_reads_a_snapshot_only_after_its_copy_is_signalled_done():
     link = RecordingLink()
-    leader = LeaderSync(link, island=0, uplink=get_codec("fp32", 256), feedback=False, layout_hash="h", workers=1,
-                        progress=lambda: (0, 0.0, 0))
+    leader = LeaderSync(link, island=0, uplink=get_codec("fp32", 256), feedback=False, layout_hash="h",
+                        executor=sync_pool(0, 1), progress=lambda: (0, 0.0, 0))
     try:
         host, base = torch.full((8,), 3.0), torch.ones(8)
         done = ManualEvent()
@@ -80,7 +80,7 @@ def test_the_push_thread_reads_a_snapshot_only_after_its_copy_is_signalled_done(
         assert len(link.pushed) == 1
         assert torch.equal(get_codec("fp32", 256).decode(link.pushed[0], 8), host - base)
     finally:
-        leader._pool.shutdown(wait=True)
+        leader.executor.shutdown(wait=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

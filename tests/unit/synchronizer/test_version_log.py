@@ -10,7 +10,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.state import FragmentState
-from lightning_diloco.learner.leader import LeaderSync
+from lightning_diloco.learner.leader import LeaderSync, sync_pool
 from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.local_link import LocalLink
 from lightning_diloco.synchronizer.requests import Refusal
@@ -116,7 +116,7 @@ def test_an_island_leader_gives_back_the_fragment_it_holds_once_its_heartbeat_sh
     link.join(0, 1, SPECS)
     held = {0: (0, initial_fragments(config)[0]), 1: (2, pulled)}
     leader = LeaderSync(link, island=0, uplink=get_codec("int4"), feedback=False, layout_hash=layout(config).hash,
-                        workers=1, progress=lambda: (0, 0.0, 0), holds=held.get)
+                        executor=sync_pool(0, 1), progress=lambda: (0, 0.0, 0), holds=held.get)
     try:
         beat = link.heartbeat(0, 0, 0.0)
         leader._give_back([p for p, v in beat.versions.items() if v < 0])  # what its heartbeat thread does
