@@ -71,6 +71,17 @@ def _temporary_files() -> set[str]:
 _PRIVATE_TMP = pytest.StashKey[str]()
 
 
+# tests that set up network namespaces, veth pairs and a bridge with fixed names and addresses
+# (benchmarks/netns.py, tests/deploy/hosts.py): one xdist worker runs them, one after the other
+_FIXED_NETWORKS = ("tests/deploy/", "tests/unit/benchmarks/test_network_benchmarks.py", "tests/integration/test_container.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(part in item.nodeid for part in _FIXED_NETWORKS):
+            item.add_marker(pytest.mark.xdist_group("fixed-networks"))
+
+
 def pytest_configure(config):
     """Every temporary file of the session (ours, Lightning's, subprocesses') goes to one private
     directory, so a test that leaves one behind is seen, and nothing outlives the session."""
