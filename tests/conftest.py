@@ -76,10 +76,27 @@ _PRIVATE_TMP = pytest.StashKey[str]()
 _FIXED_NETWORKS = ("tests/deploy/", "tests/unit/benchmarks/test_network_benchmarks.py", "tests/integration/test_container.py")
 
 
+# end-to-end runs of a benchmark or a recipe at toy size, a minute or more each on this machine:
+# the `long` tier, out of the default run (pyproject addopts) so that the suite fits CI's 25
+# minutes; `bash scripts/test.sh -m long` runs them (before a GPU session: the GPU check's smoke run)
+_LONG = (
+    "tests/unit/benchmarks/test_inner_parallelism_benchmark.py", "tests/unit/benchmarks/test_chaos_benchmark.py",
+    "tests/unit/benchmarks/test_fabric_benchmark.py", "tests/unit/benchmarks/test_overhead_benchmark.py",
+    "tests/unit/benchmarks/test_network_benchmarks.py", "tests/unit/benchmarks/test_rounds_benchmark.py",
+    "tests/unit/benchmarks/test_fsdp_overhead_benchmark.py", "tests/unit/benchmarks/test_synchronizer_benchmark.py",
+    "tests/unit/benchmarks/test_gpu_check.py::test_the_smoke_run_in_a_bare_environment",
+    "tests/recipes/test_recipes_run.py::test_a_killed_fsdp2_island_resumes",  # tests/learner/test_fsdp_islands.py resumes one exactly
+    "tests/recipes/test_recipes_run.py::test_compare_runs_ddp_and_diloco",
+    "tests/recipes/test_litgpt_pretrain.py::test_litgpt_islands_learn",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(part in item.nodeid for part in _FIXED_NETWORKS):
             item.add_marker(pytest.mark.xdist_group("fixed-networks"))
+        if any(item.nodeid.startswith(prefix) for prefix in _LONG):
+            item.add_marker(pytest.mark.long)
 
 
 def pytest_configure(config):
