@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv (see setup.sh), lints (ruff, mypy) and runs the test suite. Extra arguments go to pytest,
-# e.g. `bash scripts/test.sh -m "not slow"` for the fast tier only, `-n 0` for one process.
+# e.g. `bash scripts/test.sh -m slow` for the multi-process tier, `-m long` for benchmarks and recipes end to
+# end, `-m ""` for every test, `-n 0` for one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
