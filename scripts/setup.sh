@@ -40,10 +40,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # LitGPT (recipes/litgpt_pretrain.py) without its dependencies: its pins (huggingface-hub<1.4,
   # jsonargparse<=4.41, psutil==7.2.2) would downgrade what transformers and LightningCLI use; what
   # its model imports is installed above (psutil by the recipes extra)
-  if ! "$VENV/bin/pip" install --progress-bar off --disable-pip-version-check --no-deps "litgpt==0.5.13" >>"$VENV/setup.log" 2>&1; then
+  # LitData (tests/learner/test_data_litdata.py) likewise: it requires torchvision, whose PyPI build
+  # requires the newest torch and would replace the CPU build with a multi-GB CUDA one (3 min 42 s
+  # here); it imports boto3 (the dev extra) and not torchvision
+  if ! "$VENV/bin/pip" install --progress-bar off --disable-pip-version-check --no-deps "litgpt==0.5.13" "litdata==0.2.76" >>"$VENV/setup.log" 2>&1; then
     cat "$VENV/setup.log" >&2
     exit 1
   fi
-  "$VENV/bin/python" -c "import lightning_diloco, litgpt.model" # fail here, not later, if the install broke
+  "$VENV/bin/python" -c "import lightning_diloco, litgpt.model, litdata" # fail here, not later, if the install broke
   echo "$want" > "$stamp"
 fi

@@ -10,8 +10,13 @@ island's ranks count from 0. So:
 
 - a Hugging Face ``datasets.IterableDataset`` is split here for the data rank, as the sampler
   splits a map-style dataset (``datasets`` is looked at only if the user's dataset is one of its);
+- a LitData ``StreamingDataset`` shards itself by the distributed environment it detects, which
+  is the island's ranks only: it is told the data rank instead, and shards by it as under DDP;
 - any other iterable dataset is the user's to split, by :func:`data_rank`; the strategy warns when
-  training starts if it was left whole.
+  training starts if it was left whole, as it does for a map-style dataset whose sampler is not
+  the run's (``Trainer(use_distributed_sampler=False)``, a sampler of the island's ranks).
+
+Neither library is a dependency: each is looked at only if the script has imported it.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def data_rank(trainer: Any) -> DataRank:
     Fabric, after ``fabric.launch()``), and split an iterable dataset by it, e.g.
     ``files[rank::world_size]``, or ``itertools.islice(samples, rank, None, world_size)``. Asking
     also tells the strategy that the script splits its data itself: it no longer warns about an
-    unsplit iterable dataset.
+    unsplit dataset.
 
     Args:
         trainer: The ``lightning.pytorch.Trainer`` (``self.trainer`` in a module or datamodule),
@@ -73,6 +78,8 @@ def split_for(dataloader: object, part: DataRank) -> object:
     ``part``; anything else unchanged."""
     if part.world_size == 1:
         return dataloader
+    for stream in _litdata_streams(dataloader.dataset if isinstance(dataloader, DataLoader) else dataloader):
+        _shard_litdata(stream, part)
     if _is_hf_iterable(dataloader):
         return _split_hf(dataloader, part)
     if isinstance(dataloader, DataLoader) and _is_hf_iterable(dataloader.dataset):
@@ -116,6 +123,35 @@ def _sharing_epoch(split: Any, dataset: Any) -> Any:
     return split
 
 
+# ---- LitData: told the run's data rank, it shards as it does under DDP -----------------------------
+
+
+def _litdata_streams(dataset: object) -> list[Any]:
+    """The LitData ``StreamingDataset`` s that ``dataset`` iterates: itself, or those a
+    ``CombinedStreamingDataset`` / ``ParallelStreamingDataset`` draws from (empty for anything else)."""
+    litdata = sys.modules.get("litdata")  # only if the script has imported it, as it has when its dataset is one
+    if litdata is None:
+        return []
+    if isinstance(dataset, litdata.StreamingDataset):
+        return [dataset]
+    if isinstance(dataset, (litdata.CombinedStreamingDataset, litdata.ParallelStreamingDataset)):
+        return [d for d in dataset._datasets if isinstance(d, litdata.StreamingDataset)]
+    return []
+
+
+def _shard_litdata(stream: Any, part: DataRank) -> None:
+    """``stream`` (a LitData ``StreamingDataset``) shards for ``part``: what it detected when it was
+    built (``torch.distributed``'s group, ``WORLD_SIZE`` / ``GLOBAL_RANK``) is the island's ranks
+    only, so every island read the same samples. Set in place, as its own detection sets it: it
+    reads the attribute at each ``__iter__`` and ``__len__``, in DataLoader workers too (they get a
+    copy of the dataset), and keeps its epoch counter and state dict. One node: LitData's node
+    grouping only keeps a node's chunks in its cache across epochs, and an island's data ranks
+    (i + r x M) are not contiguous."""
+    from litdata.utilities.env import _DistributedEnv
+
+    stream.distributed_env = _DistributedEnv(world_size=part.world_size, global_rank=part.rank, num_nodes=1)
+
+
 def _with_dataset(dataloader: DataLoader, dataset: Any) -> DataLoader:
     """The same loader (class, batch size, workers, collate function) over another dataset.
 
@@ -128,27 +164,48 @@ def _with_dataset(dataloader: DataLoader, dataset: Any) -> DataLoader:
     return split
 
 
-# ---- any other iterable dataset: the script splits it ---------------------------------------------
+# ---- what no one split: a warning that names the fix for its kind --------------------------------
 
 
-def unsplit_iterables(dataloaders: list[object]) -> list[str]:
-    """The type names of the iterable datasets among ``dataloaders`` that no one split for the run
-    (the strategy splits Hugging Face ones: it has done so by the time training starts)."""
-    names = []
+def unsplit_data_warnings(dataloaders: list[object], island: int, num_islands: int, part: DataRank) -> list[str]:
+    """One warning for each of ``dataloaders`` (an island's training loaders, once the strategy
+    processed them) whose data every island would train on whole or by the island's ranks only:
+    a plain iterable dataset no one split, or a map-style one whose sampler is not the run's.
+    Hugging Face and LitData iterables are split by the strategy (a Hugging Face one split by
+    other numbers is warned of where it is met: :func:`_split_hf`)."""
+    where = f"island {island} of {num_islands}"
+    ask = ("`rank, world_size = lightning_diloco.data_rank(self.trainer)` in train_dataloader() "
+           f"({part.rank} of {part.world_size} for this process; rank r of this island is {island} + r x {num_islands})")
+    warnings = []
     for loader in dataloaders:
         dataset = loader.dataset if isinstance(loader, DataLoader) else loader
-        if isinstance(dataset, IterableDataset) and not _is_hf_iterable(dataset):
-            names.append(type(dataset).__name__)
-    return names
+        name = type(dataset).__name__
+        if isinstance(dataset, IterableDataset):
+            if not _is_hf_iterable(dataset) and not _litdata_streams(dataset):
+                warnings.append(
+                    f"{where}: the training data ({name}) is an IterableDataset, which Lightning hands whole to "
+                    f"every rank: every island trains on the same samples. Split it by the run's data rank: {ask}, "
+                    "then e.g. files[rank::world_size] or itertools.islice(samples, rank, None, world_size) "
+                    "(docs/lightning.md#data-one-shard-per-island). trainer.global_rank and trainer.world_size count "
+                    "this island's ranks only: splitting by them repeats the data on every island.")
+        elif isinstance(loader, DataLoader):
+            sampler = _sampler_of(loader)
+            split = (getattr(sampler, "rank", None), getattr(sampler, "num_replicas", None))
+            if split != tuple(part):
+                by = ("takes every sample" if split[1] is None
+                      else f"takes part {split[0]} of {split[1]}, which repeats samples across islands")
+                warnings.append(
+                    f"{where}: the training data ({name}) is a map-style dataset whose loader's sampler "
+                    f"({type(sampler).__name__}) {by}: every island trains on the same samples. Leave "
+                    "Trainer(use_distributed_sampler=True) (the default) and give the loader no sampler of your "
+                    "own, or shuffle=True: Lightning gives it the run's, by data rank; or build it yourself: "
+                    f"{ask}, then DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=<the same "
+                    "on every island>) (docs/lightning.md#data-one-shard-per-island).")
+    return warnings
 
 
-def unsplit_warning(names: list[str], island: int, num_islands: int, part: DataRank) -> str:
-    return (
-        f"island {island} of {num_islands}: the training data ({', '.join(names)}) is an IterableDataset, which "
-        f"Lightning hands whole to every rank: every island trains on the same samples. Split it by the run's data "
-        f"rank, {part.rank} of {part.world_size} for this process (rank r of this island: {island} + r x "
-        f"{num_islands}): `rank, world_size = lightning_diloco.data_rank(self.trainer)` in train_dataloader(), "
-        "then e.g. files[rank::world_size] or itertools.islice(samples, rank, None, world_size) "
-        "(docs/lightning.md#data-one-shard-per-island). trainer.global_rank and trainer.world_size count "
-        "this island's ranks only: splitting by them repeats the data on every island."
-    )
+def _sampler_of(loader: DataLoader) -> object:
+    """The sampler that picks ``loader``'s samples: its batch sampler's, if that has one (Lightning
+    injects its distributed sampler there when the loader was given a batch sampler)."""
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    return inner if inner is not None else loader.sampler

@@ -29,7 +29,7 @@ from lightning_diloco.core.fragments import build_layout, tensor_specs, trainabl
 from lightning_diloco.core.settings import run_settings, value_of
 from lightning_diloco.learner.arguments import IslandSettings
 from lightning_diloco.learner.collective import Collective, TorchCollective
-from lightning_diloco.learner.data import DataRank, unsplit_iterables, unsplit_warning
+from lightning_diloco.learner.data import DataRank, unsplit_data_warnings
 from lightning_diloco.learner.fsdp_island import bases_from_names, reshard
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.learner.sigterm import SigtermStop
@@ -70,7 +70,7 @@ class IslandMembership:
         self.tokens = 0.0  # counted since the last inner step
         self.resume: dict | None = None  # the outer state of a restored checkpoint
         self.sigterm = SigtermStop()
-        self.data_split_by_script = False  # set by lightning_diloco.data_rank(): the script splits its iterables
+        self.data_split_by_script = False  # set by lightning_diloco.data_rank(): the script splits its data
 
     # ---- data: island i of M trains on shard i of M (learner/data.py) -------------------------
 
@@ -88,13 +88,14 @@ class IslandMembership:
                 "seed": config.data.seed}
 
     def warn_of_unsplit_data(self, loaders: list[object], part: DataRank) -> None:
-        """An iterable dataset no one split trains every island on the same samples, and nothing
-        else would show it."""
-        names = unsplit_iterables(loaders)
-        if names and part.world_size > 1 and not self.data_split_by_script:
-            from lightning.fabric.utilities.rank_zero import rank_zero_warn
+        """Data no one split for the run trains every island on the same samples, and nothing
+        else would show it (learner/data.py)."""
+        if part.world_size == 1 or self.data_split_by_script:
+            return
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-            rank_zero_warn(unsplit_warning(names, self.settings.island, self.settings.num_islands, part))
+        for warning in unsplit_data_warnings(loaders, self.settings.island, self.settings.num_islands, part):
+            rank_zero_warn(warning)
 
     def count(self, batch: Any) -> None:
         self.tokens += self.settings.tokens_per_batch(batch)
