@@ -7,12 +7,6 @@ lightning_diloco.data_rank, and one left whole is warned about when training sta
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from collections import Counter
-from pathlib import Path
-
 import datasets
 import pytest
 import torch
@@ -24,7 +18,6 @@ from lightning_diloco.core.config import CodecConfig, RunConfig, ScheduleConfig
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from tests.learner.models import TinyRegressor, trainer
-from tests.learner.test_islands_multiprocess import _env, _run
 
 CONFIG = RunConfig(schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1),
                    codec=CodecConfig(uplink="fp32", downlink="fp32"))
@@ -133,27 +126,21 @@ def test_a_plain_iterable_dataset_left_whole_is_warned_of_and_data_rank_splits_i
 
 
 @pytest.mark.slow
-def test_two_islands_of_two_ranks_see_every_sample_once_per_epoch(tmp_path):
-    """2 islands x 2 DDP ranks over a Hugging Face stream of a local JSON file (given whole) and a
-    plain IterableDataset split by data_rank: each epoch, each sample once across the run."""
-    jsonl = tmp_path / "data.jsonl"
-    jsonl.write_text("".join(json.dumps({"id": i, "x": i}) + "\n" for i in range(64)))
-    server = SynchronizerServer(Synchronizer(CONFIG)).start()
-    script = Path(__file__).with_name("data_script.py")
-    try:
-        procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / f"island{i}"), str(jsonl)],
-                                  env=_env(DILOCO_SYNCHRONIZER=server.address, DILOCO_ISLAND=str(i), DILOCO_NUM_ISLANDS="2",
-                                           HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf")),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in range(2)]
-        outputs = _run(procs)
-    finally:
-        server.stop(grace=0)
-    assert not any("is an IterableDataset" in out for out in outputs)
-    ranks = {(i, r): torch.load(tmp_path / f"island{i}" / f"rank{r}.pt", weights_only=False) for i in range(2) for r in range(2)}
+def test_two_islands_of_two_ranks_see_every_sample_once_per_epoch_of_each_kind_split_for_the_run(tmp_path):
+    """docs/lightning.md's table (tests/learner/data_table.py), 2 islands x 2 DDP ranks, 3 epochs:
+    a map-style dataset, a Hugging Face stream and a LitData stream given whole, and a plain
+    IterableDataset split by data_rank see each sample once per epoch across the run, the first
+    three in another order each epoch; split by the island's ranks or left whole, it repeats."""
+    from tests.learner.data_table import figures, measure, table
+
+    run = measure(tmp_path)
+    assert not any("the training data" in out for out in run["outputs"])  # the script asked data_rank: no warning
+    ranks = run["ranks"]
     assert {key: rank["data_rank"] for key, rank in ranks.items()} == {(0, 0): (0, 4), (1, 0): (1, 4), (0, 1): (2, 4), (1, 1): (3, 4)}
-    for name, ids in (("hf", range(64)), ("plain", range(1000, 1064))):
-        for epoch in range(2):
-            seen = Counter(i for rank in ranks.values() for i in rank["seen"][name][epoch])
-            assert seen == Counter(ids), (name, epoch)  # every sample, once
-            assert all(len(rank["seen"][name][epoch]) == 16 for rank in ranks.values())
+    rows = figures(ranks)
+    print(table(rows))
+    for kind in ("map-style", "hf", "litdata", "plain, data_rank"):
+        assert rows[kind]["per island"] == [32, 32] and rows[kind]["each once"], (kind, rows[kind])
+        assert rows[kind]["order changes"] == (kind != "plain, data_rank"), (kind, rows[kind])
+    assert rows["plain, global_rank"]["in total"] == 128 and rows["plain, whole"]["in total"] == 256
+    assert not rows["plain, global_rank"]["each once"] and rows["plain, whole"]["distinct"] == 64
