@@ -4,7 +4,7 @@ A LitData ``StreamingDataset`` shards itself by the distributed environment it d
 island's ranks only, so every island read the same samples. The strategy tells it the run's data
 rank instead (learner/data.py). The chunks here are written by LitData's ``BinaryWriter``, which
 ``litdata.optimize`` writes with, in-process (optimize's worker processes take about 20 s here);
-tests/learner/data_kinds.py writes its with ``optimize`` itself.
+tests/learner/data_table.py writes its with ``optimize`` itself.
 """
 
 from __future__ import annotations
