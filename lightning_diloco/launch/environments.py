@@ -58,6 +58,10 @@ def island_warnings(user: str | None) -> str:
     return ",".join([*UPSTREAM_WARNINGS, *([user] if user else [])])
 
 
+LINES_ENV = "DILOCO_PROGRESS_LINES"  # seconds between an island's progress lines (launch/progress.py)
+LINE_EVERY_S = 10.0  # a line per island every 10 s, in its log or behind its [island i] prefix
+
+
 def island_environment(options: RunOptions, island: int, workdir: Path, synchronizer: str | None) -> dict[str, str]:
     """Island ``island``'s environment (with ``--baseline ddp``: the one DDP job's, ``island`` 0);
     ``synchronizer`` is the address the islands join."""
@@ -70,6 +74,8 @@ def island_environment(options: RunOptions, island: int, workdir: Path, synchron
         "DILOCO_PROGRESS_FILE": str(progress_file(workdir, island)),
         "DILOCO_CHECKPOINT_DIR": str(checkpoint_folder(workdir, island)),
         "PYTHONWARNINGS": island_warnings(os.environ.get("PYTHONWARNINGS")),
+        # its output is a pipe: the progress bar as lines (launch/progress.py), as often as the user says
+        LINES_ENV: os.environ.get(LINES_ENV, f"{LINE_EVERY_S:g}"),
     }
     if "OMP_NUM_THREADS" not in os.environ:
         # Every island process shares this host's cores. Left unset, Lightning gives each
