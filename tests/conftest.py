@@ -91,12 +91,30 @@ _LONG = (
 )
 
 
+# slow (multi-process) tests that guard what a user relies on, run by the default tier all the
+# same (pyproject addopts): the README's and the Lightning page's commands as written, DDP, Fabric
+# and FSDP2 islands on one synchronizer, a Fabric FSDP2 island resumed from its checkpoint, the
+# synchronizer SIGKILLed under load, the chaos run (kills, a pause, a synchronizer restart). About
+# 9.5 minutes of test time, under 5 on two workers (2026-11-28, this machine at load 8)
+_GUARDS = (
+    "tests/docs/test_commands.py::test_the_commands_of_a_page_run_as_written[README.md]",
+    "tests/docs/test_commands.py::test_the_commands_of_a_page_run_as_written[docs/lightning.md]",
+    "tests/learner/test_islands_multiprocess.py::test_two_islands_contribute_and_the_last_to_end_holds_the_final_global_model",
+    "tests/learner/test_fabric_strategy.py::test_two_fabric_islands_share_one_synchronizer_and_end_on_the_global_model",
+    "tests/learner/test_fabric_fsdp.py::test_a_fabric_fsdp_island_trains_on_a_synchronizer_ends_on_the_global_model_and_resumes",
+    "tests/adversarial/test_crash.py::test_sigkill_under_load_loses_no_version_handed_out",
+    "tests/launch/test_run_chaos.py::test_three_islands_survive_kills_a_pause_and_a_synchronizer_restart",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(part in item.nodeid for part in _FIXED_NETWORKS):
             item.add_marker(pytest.mark.xdist_group("fixed-networks"))
         if any(item.nodeid.startswith(prefix) for prefix in _LONG):
             item.add_marker(pytest.mark.long)
+        if any(item.nodeid.startswith(prefix) for prefix in _GUARDS):
+            item.add_marker(pytest.mark.guard)
 
 
 def pytest_configure(config):
