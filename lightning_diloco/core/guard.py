@@ -76,6 +76,7 @@ PRESENT_ROUNDS = 4  # closed rounds: a peer with no share in them is away, not a
 STEP_RATIO = 2.0  # x the mean outer step so far: a linear ramp of honest steps (the learning rate's warm-up) fits under it
 STEP_WARMUP = 4  # outer steps of a fragment before the step budget applies: its mean is its first steps' own
 OPPOSED_AT = math.sqrt(0.75)  # opposition_scale: |sum w u|^2 >= 3/4 sum w^2 leaves the step untouched (two entries: cosine >= -0.25)
+STEP_MEASURES = "movement"  # what StepBudget's mean is of, in its checkpoint: the fragment's movement per outer step
 BUDGET_RATIO = 1.5  # x the peers' influence over the window: above WEIGHT_RATIO (1.0 trimmed honest islands of unequal tokens)
 
 
@@ -296,10 +297,16 @@ class StepBudget:
             self.steps += 1
             self.mean += (norm - self.mean) / self.steps
 
-    def state_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, "mean": self.mean}
+    def state_dict(self) -> dict[str, float | str]:
+        return {"steps": self.steps, "mean": self.mean, "measures": STEP_MEASURES}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("measures") != STEP_MEASURES:
+            # a checkpoint of the merged outer gradient's lengths (before 2026-11-28's second part):
+            # with outer momentum a movement is several of them, and held steps no longer raise the
+            # mean, so that mean would have held every honest step from then on. It warms up again
+            self.steps, self.mean = 0, 0.0
+            return
         self.steps, self.mean = int(state.get("steps", 0)), float(state.get("mean", 0.0))
         if self.steps < 0 or not (math.isfinite(self.mean) and self.mean >= 0.0):
             raise ValueError(f"step budget state {state!r} must have steps >= 0 and a finite mean >= 0")

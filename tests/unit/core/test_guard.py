@@ -174,7 +174,11 @@ def test_the_step_budget_is_part_of_the_guards_checkpoint():
     older.load_state_dict({k: v for k, v in guard.state_dict().items() if k != "step_budget"})
     assert older.step_budget.cap() is None  # a checkpoint from before the budget: it warms up again
     with pytest.raises(ValueError, match="finite mean"):
-        older.load_state_dict({"step_budget": {"steps": 3, "mean": float("nan")}})
+        older.load_state_dict({"step_budget": {"steps": 3, "mean": float("nan"), "measures": "movement"}})
+    # a budget of merged outer gradients' lengths (before it bounded the movement) warms up again:
+    # with outer momentum its mean, a fraction of a movement, would have held every honest step
+    older.load_state_dict({"step_budget": {"steps": 40, "mean": 0.1}})
+    assert older.step_budget.cap() is None
 
 
 def test_an_entry_over_its_influence_budget_loses_its_pull_on_the_direction_too():
