@@ -75,6 +75,8 @@ ROUND_NORM_RATIO = 1.4
 PRESENT_ROUNDS = 4  # closed rounds: a peer with no share in them is away, not a yardstick
 STEP_RATIO = 2.0  # x the mean outer step so far: a linear ramp of honest steps (the learning rate's warm-up) fits under it
 STEP_WARMUP = 4  # outer steps of a fragment before the step budget applies: its mean is its first steps' own
+OPPOSED_AT = math.sqrt(0.75)  # opposition_scale: |sum w u|^2 >= 3/4 sum w^2 leaves the step untouched (two entries: cosine >= -0.25)
+STEP_MEASURES = "movement"  # what StepBudget's mean is of, in its checkpoint: the fragment's movement per outer step
 BUDGET_RATIO = 1.5  # x the peers' influence over the window: above WEIGHT_RATIO (1.0 trimmed honest islands of unequal tokens)
 
 
@@ -216,18 +218,52 @@ def agreeing(weights: list[float], gradients: list[torch.Tensor], norms: list[fl
     return kept if any(kept) else list(weights)
 
 
-class StepBudget:
-    """How long one outer step of a fragment may be, in absolute terms: ``ratio`` x the mean
-    length of its outer steps so far (their merged outer gradients, as taken), once ``warmup``
-    steps have set that mean. A longer step is scaled down to it (its direction is kept).
+def opposition_scale(weights: Sequence[float], gradients: Sequence[torch.Tensor], norms: Sequence[float]) -> float:
+    """The factor (at most 1) a merged step is shortened by when its entries oppose one another.
 
-    Every step counts once in the mean, the first ones as much as the last, so no sequence of
-    steps can raise it faster than mean x (ratio - 1) / n at the n-th step: at the budget every
-    step, the budget grows linearly with n. A window or an exponential average would let a feedback
-    loop (steps that grow because the model moved) grow it geometrically, at a slow but fixed rate.
-    Honest steps are largest early and shrink as training converges: their running mean sits above
-    the latest, and a steady one passes untouched; a linear ramp (x_n = a n: mean a (n + 1) / 2)
-    fits under 2x.
+    RDA (core/merge.py) keeps the typical step length however much the entries' directions
+    cancel, which is right when their disagreement is independent noise: n independent directions
+    sum to about sqrt(n) unit lengths, and RDA's length makes up for it. Entries that *oppose*
+    each other are no such noise, and there RDA turned a tug-of-war into a whole step for the side
+    with the slight edge in weight: one flipped island against one honest one, in every round (the
+    grace window's), drove the model from 10 to 55 from its target in 15 s, one honest island alone
+    2.2 (issue 48). So the step keeps its length only as far as the entries are about independent
+    or agree: the factor is |sum w_m u_m| / sqrt(sum w_m^2) (u_m: unit directions; 1 for independent
+    ones), over ``OPPOSED_AT``, capped at 1. Entries heading the same way, as honest islands' do,
+    and independent ones (with a margin: two entries at a cosine of -0.25 or more) are untouched;
+    two sides that cancel shorten it toward 0. ``norms``: the gradients' norms; entries with no
+    weight or no length take no part. One pass over the entries, no copy of them.
+    """
+    live = [(w, g, n) for w, g, n in zip(weights, gradients, norms) if w > 0 and math.isfinite(n) and n > 1e-300]
+    if len(live) < 2:
+        return 1.0
+    top = max(w for w, _, _ in live)  # weights relative to the largest: products of 1e30 weights stay finite
+    directions = torch.zeros_like(live[0][1], dtype=torch.float32)
+    scale = common_scale([w / top / n for w, _, n in live])  # (as in agreeing: a subnormal gradient's 1 / |g|)
+    for w, g, n in live:
+        directions.add_(g, alpha=w / top / n * scale)
+    independent = math.sqrt(sum((w / top) ** 2 for w, _, _ in live))
+    return min(1.0, norm64(directions) / scale / (independent * OPPOSED_AT))
+
+
+class StepBudget:
+    """How far one outer step may move a fragment, in absolute terms: ``ratio`` x the mean length
+    of its steps so far (the fragment's movement, the outer momentum's part included), once
+    ``warmup`` steps have set that mean. A longer step is scaled down to it (its direction kept).
+
+    What is bounded is the movement, not the merged outer gradient: with outer momentum a round
+    whose own entries the other rules had cut to nothing still moved the fragment by the momentum,
+    and two colluding islands that opened rounds of their own ahead of the clock replayed it in
+    each (two flippers of four: 335-835x the honest-only distance in 30 s with the gradient bounded).
+
+    A step the budget scaled counts in the mean as the mean, not as its length: it says how fast
+    the run was pushed, not how fast it trained. Steps at the budget, counted at their length,
+    raised the mean by mean x (ratio - 1) / n at the n-th step, linearly in n, and the drift grew
+    quadratically; now a feed-back loop that keeps pushing past the budget holds it where it is,
+    and the fragment drifts at most at the speed its unscaled steps set. Steps within the budget
+    count at their length (each raises the mean by at most mean x (ratio - 1) / n, as before), so
+    honest steps that grow (a learning rate's warm-up: a linear ramp x_n = a n has mean
+    a (n + 1) / 2) raise it, and steps that shrink as training converges lower it.
     """
 
     def __init__(self, ratio: float = STEP_RATIO, warmup: int = STEP_WARMUP) -> None:
@@ -244,16 +280,33 @@ class StepBudget:
         cap = self.cap()
         return 1.0 if cap is None or norm <= cap else cap / norm
 
-    def record(self, norm: float) -> None:
-        """A step taken, of length ``norm`` (after :meth:`scale`)."""
+    def record(self, norm: float, *, held: bool = False, opposed: float = 1.0) -> None:
+        """A step taken, of length ``norm`` (after :meth:`scale`). ``held``: the budget scaled it (it
+        counts as the mean). ``opposed``: the factor its entries' opposition shortened it by
+        (:func:`opposition_scale`): it counts at the length they stated, ``norm`` / ``opposed``,
+        within the budget. Counted short, a tug-of-war's steps lowered the budget until it held the
+        next honest steps to a fraction of theirs (one flipper of two, grace window: the model
+        stayed at the start, 4.5x one honest island's distance); within the budget they raise it no
+        faster than any step does. In the warm-up (no budget yet) it counts at ``norm``."""
         if math.isfinite(norm):
+            cap = self.cap()
+            if held:
+                norm = self.mean
+            elif cap is not None and 0.0 < opposed < 1.0:
+                norm = min(norm / opposed, cap)
             self.steps += 1
             self.mean += (norm - self.mean) / self.steps
 
-    def state_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, "mean": self.mean}
+    def state_dict(self) -> dict[str, float | str]:
+        return {"steps": self.steps, "mean": self.mean, "measures": STEP_MEASURES}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("measures") != STEP_MEASURES:
+            # a checkpoint of the merged outer gradient's lengths (before 2026-11-28's second part):
+            # with outer momentum a movement is several of them, and held steps no longer raise the
+            # mean, so that mean would have held every honest step from then on. It warms up again
+            self.steps, self.mean = 0, 0.0
+            return
         self.steps, self.mean = int(state.get("steps", 0)), float(state.get("mean", 0.0))
         if self.steps < 0 or not (math.isfinite(self.mean) and self.mean >= 0.0):
             raise ValueError(f"step budget state {state!r} must have steps >= 0 and a finite mean >= 0")

@@ -18,6 +18,7 @@ from lightning_diloco.core.codecs import NonFiniteError, get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.downlink import PublishedChain, whole
 from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment
+from lightning_diloco.core.merge import norm64
 from lightning_diloco.core.outer import OuterOptimizer
 from lightning_diloco.core.protocol import VersionUpdate
 
@@ -54,7 +55,8 @@ class FragmentState:
         synchronizer's write-ahead version log, synchronizer/version_log.py); an error it raises
         leaves the state as it was, as any failed step does."""
 
-    def apply(self, outer_gradient: torch.Tensor, share: float = 1.0) -> int | None:
+    def apply(self, outer_gradient: torch.Tensor, share: float = 1.0,
+              bound: Callable[[float], float] | None = None) -> int | None:
         """One outer step; publishes and returns the new version. Keeps what the last S versions
         (the ``history`` setting, whatever the number of islands: keeping one per member
         measured 2 GB after 2,000 made-up joins) need to be sent the new one as deltas: the exact
@@ -65,6 +67,9 @@ class FragmentState:
         cannot carry (a value near fp32's largest), is not taken: the state stays exactly as it
         was and None is returned. Any other error in the step also leaves the state as it was.
         ``share``: the part of the islands taking part that the step merged (the outer optimizer's).
+        ``bound``: given the length the step moves the value (its momentum part included), the
+        factor it may take of it (core/guard.py StepBudget; below 1 the step and the momentum are
+        scaled by it); called once, before the step is published.
         """
         saved = (self.value.clone(), self.outer.state_dict())
         chain = self.published
@@ -72,6 +77,8 @@ class FragmentState:
         saved_chain = None if chain is None else (chain.value, chain.version, chain.first, dict(chain.steps))
         try:
             self.outer.step(outer_gradient, share)
+            if bound is not None:
+                self._bound_movement(saved[0], bound)
             momentum = self.outer.momentum_buffer
             if not (all_finite(self.value) and (momentum is None or all_finite(momentum))):
                 raise NonFiniteError("the outer step is not finite")
@@ -97,6 +104,20 @@ class FragmentState:
             del self.history[old]
         self._deltas.clear()
         return self.version
+
+    def _bound_movement(self, before: torch.Tensor, bound: Callable[[float], float]) -> None:
+        """Scale the outer step just taken (from ``before``) by ``bound(its length)`` where that is
+        below 1: the value moves that part of the way, and the momentum is scaled alike, so the
+        next steps do not carry on what this one was not allowed to take."""
+        moved = self.value - before
+        scale = bound(norm64(moved))
+        if scale < 1.0:
+            self.value.copy_(before).add_(moved, alpha=scale)
+            state = self.outer.state_dict()
+            for key in ("momentum", "pending"):
+                if state[key] is not None:
+                    state[key] = state[key] * scale
+            self.outer.load_state_dict(state)
 
     def downlink(self, fragment: int, have: int) -> list[VersionUpdate]:
         """What an island holding version ``have`` of this fragment (``fragment``) is sent to hold

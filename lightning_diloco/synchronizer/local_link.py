@@ -70,7 +70,7 @@ class LocalShards:
         """A copy, the island's to change; for the island's session, as the server's Pull."""
         def call() -> tuple[int, torch.Tensor]:
             self.service.admit_pull(island, fragment, session)
-            return self.service.pull(fragment)
+            return self.service.pull(fragment, island=island)
 
         return refused_as_transport(call)
 

@@ -19,6 +19,7 @@ All methods take ``now`` (monotonic seconds) from the caller; the object holds n
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence, Set
@@ -28,7 +29,7 @@ import torch
 
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import TensorSpec, split_fragment
-from lightning_diloco.core.guard import InfluenceGuard
+from lightning_diloco.core.guard import InfluenceGuard, opposition_scale
 from lightning_diloco.core.merge import merge_outer_gradients, norm64
 from lightning_diloco.core.protocol import LastClose, PushAck, RoundStatus, VersionUpdate
 from lightning_diloco.core.quorum import Decision, RoundView, decide, slack_steps
@@ -90,7 +91,9 @@ class ClosedRound:
     reason: str
     closed_at: float
     step_scale: float = 1.0
-    """The factor the step budget scaled the merged step by (core/guard.py StepBudget; 1.0: untouched)."""
+    """The factor the step budget scaled the fragment's movement by (core/guard.py StepBudget; 1.0: untouched)."""
+    opposed: float = 1.0
+    """The factor the step was shortened by because its entries opposed each other (core/guard.py opposition_scale)."""
 
     def summary(self) -> LastClose:
         return LastClose(round=self.round, version=self.version, contributors=len(self.islands), late=self.late,
@@ -306,21 +309,25 @@ class FragmentRounds:
         bounded = self.guard.bound_round(entries, fragment=frag.value, version=frag.version,
                                          staleness_discount=self.config.merge.staleness_discount)
         gradients, weights, clipped, shares = bounded.gradients, bounded.weights, bounded.clipped, bounded.shares
-        version, step_norm, step_scale = None, 0.0, 1.0
+        version, step_norm, step_scale, opposed = None, 0.0, 1.0, 1.0
         kept = list(range(len(entries)))
         while kept and version is None:
             step = torch.empty(frag.value.numel())
             merge_outer_gradients([split_fragment(gradients[i], self.specs) for i in kept],
                                   [weights[i] for i in kept], [s.role for s in self.specs], self.config.merge.method,
                                   out=split_fragment(step, self.specs))
-            # the merged step's own bound, in absolute terms (core/guard.py StepBudget): the rules
-            # above hold each entry to its peers, which a hostile half of the run can be
-            step_norm = norm64(step)
-            step_scale = self.guard.step_budget.scale(step_norm)
-            if step_scale < 1.0:
-                step.mul_(step_scale)
+            # the merged step's own bounds, in absolute terms (core/guard.py): the rules above hold
+            # each entry to its peers, which a hostile half of the run can be. Entries that oppose
+            # each other shorten the step; the step budget bounds how far it moves the fragment
+            opposed = opposition_scale([weights[i] for i in kept], [gradients[i] for i in kept],
+                                       [norm64(gradients[i]) for i in kept])
+            if opposed < 1.0:
+                step.mul_(opposed)
             merged_islands = {entries[i].island for i in kept}
-            version = frag.apply(step, share=min(1.0, len(merged_islands) / max(taking_part or 0, len(merged_islands))))
+            moved: dict[str, float] = {}
+            version = frag.apply(step, share=min(1.0, len(merged_islands) / max(taking_part or 0, len(merged_islands))),
+                                 bound=functools.partial(self._within_step_budget, moved=moved))
+            step_norm, step_scale = moved.get("length", 0.0), moved.get("scale", 1.0)
             if version is None:
                 kept.remove(max(kept, key=lambda i: entries[i].norm))
         grace = max(0.0, now - self.quorum_at) if self.quorum_at is not None else 0.0
@@ -337,16 +344,22 @@ class FragmentRounds:
         late = sum(e.sent_for < index for e in merged)
         self.last = ClosedRound(fragment=self.fragment, round=index, version=frag.version, islands=islands, late=late,
                                 clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now,
-                                step_scale=step_scale if version is not None else 1.0)
+                                step_scale=step_scale if version is not None else 1.0, opposed=opposed)
         each_part(self.last, [
             ("merged-in versions", lambda: self.merged_in.update({e.island: frag.version for e in merged})),
             ("influence guard's history", lambda: self._record(merged, shares)),
-            ("step budget", lambda: self.guard.step_budget.record(step_norm * step_scale) if version is not None else None),
+            ("step budget", lambda: self.guard.step_budget.record(step_norm * step_scale, held=step_scale < 1.0, opposed=opposed)
+             if version is not None else None),
             ("versions' rounds", lambda: self._remember_round(version, index)),
             ("round totals", lambda: self._count(len(merged), late, clipped, dropped, grace)),
         ])
         self.cond.notify_all()
         return self.last
+
+    def _within_step_budget(self, length: float, moved: dict[str, float]) -> float:
+        """The factor the step budget allows a step that moves the fragment ``length``; notes both in ``moved``."""
+        moved["length"], moved["scale"] = length, self.guard.step_budget.scale(length)
+        return moved["scale"]
 
     def _settle(self, entries: list[Entry], index: int) -> dict[int, _Settled]:
         """The islands' settled records once ``entries`` close round ``index`` (not applied here)."""

@@ -320,7 +320,8 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.service.admit_pull(request.island, request.fragment, request.session)
         # gRPC sends a reply as fast as its client reads it: one never read holds its worker
         release = self._island_long_call(request.island, "pull", PULLS_PER_ISLAND)
-        return self._whole_fragment(context, request.fragment, self.service.pull, release)
+        return self._whole_fragment(context, request.fragment, functools.partial(self.service.pull, island=request.island),
+                                    release)
 
     @_handler
     def Heartbeat(self, request, context, caller):

@@ -570,14 +570,35 @@ class Synchronizer:
         self._rounds(fragment)
         self._check_session(island, session, "pull")
 
-    def pull(self, fragment: int) -> tuple[int, torch.Tensor]:
+    def pull(self, fragment: int, island: int | None = None) -> tuple[int, torch.Tensor]:
         """(version, fp32 copy) of a fragment as the islands hold it (with a lossy downlink the
         published value, core/downlink.py, so the next version's delta lands on it): what a
-        joining island starts from (new versions reach it through its subscription)."""
+        joining island starts from (new versions reach it through its subscription).
+
+        A fragment recovering after a restart is refused (``not_seeded``: an island that holds its
+        last version gives it back when told so), unless ``island`` has offered what it holds and
+        that was not the last version: it has nothing to give back (a brand-new island offers its
+        own first weights, and was refused its first pull), so its pull waits for the recovery to
+        end, up to ``RECOVERY_PULL_WAIT`` s, and is served then."""
         rounds = self._rounds(fragment)
+        if island is not None:
+            self._wait_for_recovery(rounds, island)
         with rounds.cond:
             frag = self._seeded(rounds)
             return frag.version, frag.published_value()
+
+    def _wait_for_recovery(self, rounds: FragmentRounds, island: int) -> None:
+        """While ``rounds`` recovers and ``island`` offered a value other than its last version, wait
+        (in real time, a pull's) for the recovery to end: another island's give-back, or the
+        restart's settling on an older one (:meth:`_fall_back_if_overdue`, looked at here too)."""
+        until = time.monotonic() + version_log.RECOVERY_PULL_WAIT
+        while True:
+            self._fall_back_if_overdue()  # (outside the fragment's lock: it takes each fragment's in turn)
+            with rounds.cond:
+                left = until - time.monotonic()
+                if rounds.recovering is None or island not in rounds.offered_by or left <= 0:
+                    return
+                rounds.cond.wait(min(left, 0.25))
 
     # ---- the operator's export -----------------------------------------------------------
 

@@ -13,7 +13,9 @@ logged the same way.
 At restart, a fragment whose last logged version is newer than its checkpoint's is *recovering*
 (service.py): it is served to no one until an island offers that value (a seed whose bytes have
 the logged digest), which the synchronizer then takes as the version: a value with another digest,
-an island's own or a hostile one, is not taken. The log is compacted to its last line per
+an island's own or a hostile one, is not taken. An island whose offer was not the last version (a
+brand-new one offers its own first weights) has nothing to give back: its pull waits for the
+recovery to end (``RECOVERY_PULL_WAIT``) instead of being refused. The log is compacted to its last line per
 fragment after each checkpoint, so it holds the fragments' count of lines plus those since.
 
 A line cut short by a kill was never fsync'd, so its version was never seen: reading skips it.
@@ -37,6 +39,10 @@ RECOVERY_SETTLE = 5.0
 """Seconds after a restart that an offer of an older logged version waits for one of the last (an
 island that held the last may rejoin a little later than one that held an older one); past them
 the newest offered is taken."""
+RECOVERY_PULL_WAIT = 10.0
+"""Real seconds a pull of a recovering fragment waits for the recovery to end, when its island has
+already offered what it holds and that was not the last version (a brand-new island offers its own
+first weights): it has nothing to give back, so it waits to be served instead of being refused."""
 RECOVERY_WAIT = 300.0
 """Seconds a restarted synchronizer waits for an island to give back a version its log holds and
 its checkpoint lacks, before it serves the checkpoint's (and says the versions lost)."""

@@ -96,13 +96,15 @@ def test_one_far_place_flipper_of_two_cannot_drive_the_model_away(seed, grace_ga
     grew geometrically as the honest island's corrections grew (15 s: 5,900-17,000 from the target,
     one honest island alone 2.1). With the step budget and the influence budget's weight cut
     (core/guard.py) it ends within 3x one honest island's distance when rounds close at their
-    first send (1.1x-2.2x over 5 seeds), and bounded with the grace window (2.3x-25x at 15 s, back
-    to 3-15 from the target at 30 s)."""
+    first send. With the grace window both islands are in every round, and RDA made a whole step
+    of their tug-of-war for the flipper, whose claimed fresh base outweighs the honest island's
+    (2.3x-25x at 15 s); entries that oppose each other now shorten the step, and the step budget
+    bounds the fragment's movement, momentum included, without being raised by the steps it held."""
     arena = Arena(1, 1, seed, grace_gamma=grace_gamma)
     arena.kinds = {i: "far_flip" for i in arena.hostile}
     report = arena.run(TICKS // 2)
     start = report.start_distance
-    if grace_gamma == 0.0:
-        assert report.distance <= 3.0 * honest_distance(1, seed, TICKS // 2), report
+    ratio = 3.0 if grace_gamma == 0.0 else 4.0  # nothing tells the two apart: a tie leaves the model near its start (4.7x)
+    assert report.distance <= ratio * honest_distance(1, seed, TICKS // 2, grace_gamma=grace_gamma), report
     report = arena.run(TICKS - TICKS // 2)
     assert math.isfinite(report.distance) and report.distance < BOUNDED * start, report

@@ -35,9 +35,9 @@ def test_islands_hold_the_published_values_of_a_lossy_downlink(monkeypatch):
     bounds: dict[tuple[int, int], torch.Tensor] = {}
     real_apply = FragmentState.apply
 
-    def recording_apply(self, outer_gradient, share=1.0):
+    def recording_apply(self, outer_gradient, share=1.0, bound=None):
         before = self.published_value()
-        version = real_apply(self, outer_gradient, share)
+        version = real_apply(self, outer_gradient, share, bound)
         if version is not None:
             published[id(self), version] = self.published_value()
             exact[id(self), version] = self.value.clone()

@@ -285,7 +285,7 @@ def test_a_closer_that_keeps_failing_backs_off_however_many_pushes_notify_it():
     with_peer_votes(sync, range(3))  # island 0's entry alone in its round does not wait for a peer's
     looks, failed = [], threading.Event()
 
-    def failing_apply(outer_gradient, share=1.0):
+    def failing_apply(outer_gradient, share=1.0, bound=None):
         looks.append(time.monotonic())
         failed.set()
         raise RuntimeError("injected failure that persists")

@@ -4,6 +4,7 @@ came before its checkpoint, taken back from an island that holds it, and only wi
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -171,3 +172,45 @@ def test_islands_holding_only_the_checkpoints_version_have_it_served_once_the_re
     assert restarted.seed(0, 1, FP32.encode(initial_fragments(config)[1])) is True
     assert restarted.versions()[1] == 0
     restarted.shutdown()
+
+
+def test_a_brand_new_island_joining_during_a_recovery_is_served_its_first_pull_once_the_version_is_given_back(tmp_path):
+    """A new island's start offers its own first weights (its heartbeat shows the fragment waiting)
+    and pulls: the pull was refused, and it could not start. It has nothing to give back, so it
+    waits for an island that has, and starts from the version given back."""
+    config = run_config(downlink="int4")
+    pulled = _killed_after_versions(tmp_path, config, 3)
+    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60)
+    restarted.join(0, 1, SPECS)
+    fresh = LocalLink(restarted)
+    fresh.join(5, 1, SPECS)
+    got: dict = {}
+    try:
+        assert fresh.seed(5, 1, torch.randn_like(pulled)) == (False, -1)  # its own first weights: not version 3
+        waiting = threading.Thread(target=lambda: got.update(pull=fresh.pull(1)), name="diloco-test-fresh-pull")
+        waiting.start()
+        assert restarted.seed(0, 1, FP32.encode(pulled)) is True  # island 0 holds version 3: given back
+        waiting.join(30)
+        version, value = got["pull"]
+        assert version == 3 and torch.equal(value, pulled)
+    finally:
+        fresh.close()
+        restarted.shutdown()
+
+
+def test_a_pull_waits_for_a_recovery_no_longer_than_its_bound_and_only_from_an_island_with_nothing_to_give(
+        tmp_path, monkeypatch):
+    config = run_config(downlink="int4")
+    pulled = _killed_after_versions(tmp_path, config, 2)
+    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60)
+    monkeypatch.setattr(version_log, "RECOVERY_PULL_WAIT", 0.3)
+    try:
+        for island in (0, 5):
+            restarted.join(island, 1, SPECS)
+        with pytest.raises(Refusal, match="give back its version 2"):  # it may hold version 2: told at once
+            restarted.pull(1, island=0)
+        assert restarted.seed(5, 1, FP32.encode(pulled + 1.0)) is False
+        with pytest.raises(Refusal, match="give back its version 2"):  # nobody gives it back: refused after the wait
+            restarted.pull(1, island=5)
+    finally:
+        restarted.shutdown()
