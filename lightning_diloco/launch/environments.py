@@ -16,6 +16,7 @@ from pathlib import Path
 from lightning_diloco.launch.options import RunOptions
 from lightning_diloco.launch.supervisor import clean_environment
 from lightning_diloco.launch.workdir import checkpoint_folder, progress_file
+from lightning_diloco.learner.arguments import PROGRESS_LINES_ENV
 from lightning_diloco.synchronizer.credentials import island_credential
 
 
@@ -58,7 +59,6 @@ def island_warnings(user: str | None) -> str:
     return ",".join([*UPSTREAM_WARNINGS, *([user] if user else [])])
 
 
-LINES_ENV = "DILOCO_PROGRESS_LINES"  # seconds between an island's progress lines (launch/progress.py)
 LINE_EVERY_S = 10.0  # a line per island every 10 s, in its log or behind its [island i] prefix
 
 
@@ -74,8 +74,8 @@ def island_environment(options: RunOptions, island: int, workdir: Path, synchron
         "DILOCO_PROGRESS_FILE": str(progress_file(workdir, island)),
         "DILOCO_CHECKPOINT_DIR": str(checkpoint_folder(workdir, island)),
         "PYTHONWARNINGS": island_warnings(os.environ.get("PYTHONWARNINGS")),
-        # its output is a pipe: the progress bar as lines (launch/progress.py), as often as the user says
-        LINES_ENV: os.environ.get(LINES_ENV, f"{LINE_EVERY_S:g}"),
+        # its output is a pipe: the progress bar as lines (learner/line_progress.py), as often as the user says
+        PROGRESS_LINES_ENV: os.environ.get(PROGRESS_LINES_ENV, f"{LINE_EVERY_S:g}"),
     }
     if "OMP_NUM_THREADS" not in os.environ:
         # Every island process shares this host's cores. Left unset, Lightning gives each

@@ -25,6 +25,10 @@ from lightning_diloco.core.settings import config_with, load_run_config, run_set
 from lightning_diloco.core.token_options import read_token
 from lightning_diloco.learner.tokens import default_tokens_per_batch
 
+PROGRESS_LINES_ENV = "DILOCO_PROGRESS_LINES"
+"""Seconds between an island's progress lines when its output is not a terminal
+(learner/line_progress.py); the launcher sets it for every island it starts."""
+
 
 @dataclass(kw_only=True)
 class IslandSettings:

@@ -26,7 +26,7 @@ class TrainerIsland(IslandMembership):
         # overwrite the global weights the join writes: it joins when training starts instead
         from lightning.pytorch.trainer.states import TrainerFn
 
-        from lightning_diloco.launch.progress import use_line_progress
+        from lightning_diloco.learner.line_progress import use_line_progress
 
         use_line_progress(trainer)  # under the launcher: its output is a pipe
         if trainer.state.fn == TrainerFn.FITTING and not self.host.restore_checkpoint_after_setup:
