@@ -232,7 +232,9 @@ def opposition_scale(weights: Sequence[float], gradients: Sequence[torch.Tensor]
     ones), over ``OPPOSED_AT``, capped at 1. Entries heading the same way, as honest islands' do,
     and independent ones (with a margin: two entries at a cosine of -0.25 or more) are untouched;
     two sides that cancel shorten it toward 0. ``norms``: the gradients' norms; entries with no
-    weight or no length take no part. One pass over the entries, no copy of them.
+    weight or no length take no part. One pass over the entries, no copy of them. Applied to RDA
+    merges only (synchronizer/rounds.py): a plain weighted mean is shortened by the cancellation
+    itself, and shortening it again took two honest islands of different data off DiLoCo's step.
     """
     live = [(w, g, n) for w, g, n in zip(weights, gradients, norms) if w > 0 and math.isfinite(n) and n > 1e-300]
     if len(live) < 2:

@@ -318,9 +318,12 @@ class FragmentRounds:
                                   out=split_fragment(step, self.specs))
             # the merged step's own bounds, in absolute terms (core/guard.py): the rules above hold
             # each entry to its peers, which a hostile half of the run can be. Entries that oppose
-            # each other shorten the step; the step budget bounds how far it moves the fragment
-            opposed = opposition_scale([weights[i] for i in kept], [gradients[i] for i in kept],
-                                       [norm64(gradients[i]) for i in kept])
+            # each other shorten an RDA step (which keeps its length however much they cancel; a
+            # plain mean is short already: shortened again, two honest islands of different data
+            # no longer merged as DiLoCo does, tests/simulate); the step budget bounds how far it
+            # moves the fragment
+            opposed = 1.0 if self.config.merge.method != "rda" else opposition_scale(
+                [weights[i] for i in kept], [gradients[i] for i in kept], [norm64(gradients[i]) for i in kept])
             if opposed < 1.0:
                 step.mul_(opposed)
             merged_islands = {entries[i].island for i in kept}
