@@ -40,5 +40,3 @@ class ProgressFile(Callback):
         tmp.write_text(Progress(trainer.global_step, trainer.max_steps, self._loss).line())
         os.replace(tmp, self.path)  # readers never see a half-written line
 
-
-# ---- the progress bar as lines: what an island prints under the launcher -------------------------
