@@ -66,8 +66,8 @@ class Contribution:
 
     Built once by the island's leader (learner/leader.py) and passed along as it is: through the
     link (either one), the wire (its fields but ``payload`` are the ``PushHeader``'s, converted by
-    name in transport/messages.py), the service, push admission and the intake, which makes the
-    round's entry of it (synchronizer/intake.py)."""
+    name in transport/messages.py), the service and its fragment's owner, which admits it and
+    makes the round's entry of it (synchronizer/fragment.py)."""
 
     island: int
     fragment: int

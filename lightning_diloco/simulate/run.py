@@ -1,8 +1,9 @@
 """A deterministic run of Decoupled DiLoCo on a virtual clock, in one process.
 
-The synchronizer is the package's own service (``synchronizer/service.py``: intake, rounds,
-quorum and grace window, guard, merge, outer step, published downlink), given the virtual clock
-and polled as its closer threads would poll it; the islands are the package's own learners
+The synchronizer is the package's own service (``synchronizer/service.py`` and each fragment's
+``synchronizer/fragment.py``: seeds and pushes, rounds, quorum and grace window, guard, merge,
+outer step, published downlink), given the virtual clock and polled as its closer threads would
+poll it; the islands are the package's own learners
 (simulate/island.py). What the simulation decides is only *when* things happen: each island's
 step time, start, failures and link delays are parameters, and events at one time run in the
 order they were scheduled. One seed (the model's, the data's) and one plan reproduce a run
@@ -185,10 +186,9 @@ class Simulation:
             with membership.changed:
                 requests = membership.take_requests(island, now)
             events: list[RoundRequest | VersionUpdate] = list(requests)
-            for p, rounds in self.service.rounds.items():
-                if rounds.frag is not None and rounds.frag.version != delivered.get(p, -1):
-                    with rounds.cond:
-                        updates = rounds.publish(island, delivered.get(p, -1))
+            for p, fragment in self.service.fragments.items():
+                if fragment.state is not None and fragment.state.version != delivered.get(p, -1):
+                    updates = fragment.updates_for(island, delivered.get(p, -1))
                     for update in updates:
                         delivered[p] = update.version
                     events += updates
@@ -215,9 +215,9 @@ class Simulation:
         self._deliver()
         live = self.service.live_islands(now)
         step_time = self.service.membership.step_time(live)
-        for rounds in self.service.rounds.values():
-            with rounds.cond:
-                decision = rounds.decide(now, live, step_time, self.sync_time, self.service._quorum())
+        for fragment in self.service.fragments.values():
+            with fragment.cond:
+                decision = fragment.rounds.decide(fragment.state, now, live, step_time, self.sync_time, self.service.quorum())
             if decision.deadline is not None and decision.deadline > now and decision.deadline not in self.polls:
                 self.polls.add(decision.deadline)
                 self.queue.at(decision.deadline, partial(self.polls.discard, decision.deadline))
@@ -299,7 +299,7 @@ class Simulation:
                     tensor.copy_(value[offset:offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
         status = self.service.status()
-        rounds = [r.status() for r in self.service.rounds.values()]
+        rounds = [fragment.round_status() for fragment in self.service.fragments.values()]
         return SimResult(global_model=model, virtual_s=self.queue.now, outer_steps=status.outer_steps,
                          contributions=sum(r.merged_entries for r in rounds), late=sum(r.merged_late for r in rounds),
                          superseded=sum(r.superseded for r in rounds), clipped=sum(r.clipped for r in rounds),

@@ -1,11 +1,9 @@
 """One closer thread per fragment: it closes the fragment's round when the quorum and grace
-rules say so (rounds.py decides), whether or not any caller is waiting, and steps the outer
-optimizer through the round's close. Tests call :meth:`Closers.poll` with a fake clock instead.
-
-What a closed round changes beyond its fragment (counters, membership credit, a checkpoint due)
-is the synchronizer's: it is handed to ``on_closed``, under the fragment's lock. A failure there
-is logged and never retried: the round is closed and stepped, and a closer that looked again
-would find nothing to close.
+rules say so (rounds.py decides), whether or not any caller is waiting, with the fragment's own
+:meth:`~lightning_diloco.synchronizer.fragment.Fragment.close` (the outer step, then what the
+close changes beyond the fragment: a failure there is logged and never retried, since the round is
+closed and stepped and a closer that looked again would find nothing to close). Tests call
+:meth:`Closers.poll` with a fake clock instead.
 """
 
 from __future__ import annotations
@@ -16,8 +14,9 @@ import time
 from collections.abc import Callable, Mapping
 
 from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.synchronizer.fragment import Fragment
 from lightning_diloco.synchronizer.membership import Membership
-from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
+from lightning_diloco.synchronizer.rounds import ClosedRound
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +37,13 @@ def retry_wait(failures: int) -> float:
 
 
 class Closers:
-    def __init__(self, rounds: Mapping[int, FragmentRounds], membership: Membership, *, clock: Callable[[], float],
-                 closing: threading.Event, on_closed: Callable[[ClosedRound, float], None],
-                 quorum: Callable[[], int]) -> None:
-        """``rounds``: the owned fragments' rounds (fragments appear on the first join);
-        ``membership``: who is live and how fast; ``on_closed(closed, now)``: called with the
-        fragment's lock held after each close; ``quorum()``: the contributors a round needs now
-        (fewer than K once islands left the run)."""
-        self.rounds, self.membership, self.clock, self.closing = rounds, membership, clock, closing
-        self.on_closed, self.quorum = on_closed, quorum
+    def __init__(self, fragments: Mapping[int, Fragment], membership: Membership, *, clock: Callable[[], float],
+                 closing: threading.Event, quorum: Callable[[], int]) -> None:
+        """``fragments``: the owned fragments (they appear on the first join); ``membership``: who
+        is live and how fast; ``quorum()``: the contributors a round needs now (fewer than K once
+        islands left the run)."""
+        self.fragments, self.membership, self.clock, self.closing = fragments, membership, clock, closing
+        self.quorum = quorum
         self.threads: list[threading.Thread] = []
         self.sync_time = 0.0
         """Smoothed seconds a close takes: the grace window leaves room for it."""
@@ -54,7 +51,7 @@ class Closers:
     def start(self) -> None:
         """A thread for every owned fragment that has none yet."""
         running = {t.name for t in self.threads}
-        for p in self.rounds:
+        for p in self.fragments:
             name = f"diloco-closer-{p}"
             if name not in running:
                 thread = threading.Thread(target=self._loop, args=(p,), name=name, daemon=True)
@@ -69,11 +66,11 @@ class Closers:
 
     def _loop(self, fragment: int) -> None:
         single_threaded_torch()  # embedded in a training process: no OpenMP team of its own
-        rounds, failures = self.rounds[fragment], 0
+        owned, failures = self.fragments[fragment], 0
         while not self.closing.is_set():
-            with rounds.cond:
+            with owned.cond:
                 try:
-                    wait = self._poll_fragment(rounds, self.clock())
+                    wait = self._poll_fragment(owned, self.clock())
                     failures = 0
                 except Exception:  # noqa: BLE001 - a closer that died would stop its fragment for good
                     wait = retry_wait(failures)
@@ -83,42 +80,34 @@ class Closers:
                 if failures:  # the whole back-off: every push notifies the condition (one failure logged a push)
                     deadline = time.monotonic() + wait
                     while not self.closing.is_set() and (left := deadline - time.monotonic()) > 0:
-                        rounds.cond.wait(left)
+                        owned.cond.wait(left)
                 elif wait > 0 and not self.closing.is_set():
-                    rounds.cond.wait(wait)
+                    owned.cond.wait(wait)
 
     def poll(self, now: float) -> list[ClosedRound]:
         """Close every round that is due to close at ``now``, on the caller's thread."""
         closed = []
-        for rounds in self.rounds.values():
-            with rounds.cond:
-                before = rounds.last
-                self._poll_fragment(rounds, now)
-                if rounds.last is not before:
-                    closed.append(rounds.last)
+        for fragment in self.fragments.values():
+            with fragment.cond:
+                before = fragment.rounds.last
+                self._poll_fragment(fragment, now)
+                if fragment.rounds.last is not before:
+                    closed.append(fragment.rounds.last)
         return closed
 
-    def _poll_fragment(self, rounds: FragmentRounds, now: float) -> float:
+    def _poll_fragment(self, fragment: Fragment, now: float) -> float:
         """Close the fragment's round if it is time; returns seconds to wait before looking again
         unless notified (0 when it just closed one). Called with the fragment's lock held."""
         live = self.membership.live(now)
-        decision = rounds.decide(now, live, self.membership.step_time(live), self.sync_time, self.quorum())
+        rounds = fragment.rounds
+        decision = rounds.decide(fragment.state, now, live, self.membership.step_time(live), self.sync_time, self.quorum())
         if decision.close:
-            self._close(rounds, decision.reason, now, taking_part=len(live | rounds.islands()))
+            started = time.perf_counter()
+            fragment.close(now, decision.reason, taking_part=len(live | rounds.islands()))
+            elapsed = time.perf_counter() - started
+            self.sync_time = elapsed if not self.sync_time else 0.8 * self.sync_time + 0.2 * elapsed
             return 0.0
         if decision.deadline is None:  # not open, or short of quorum: waits for a push
             return IDLE_WAIT
         # in the grace window an island's death may close the round early: look at liveness often
         return min(max(0.0, decision.deadline - now), CLOSER_TICK)
-
-    def _close(self, rounds: FragmentRounds, reason: str, now: float, taking_part: int) -> None:
-        started = time.perf_counter()
-        closed = rounds.close(now, reason, taking_part=taking_part)
-        elapsed = time.perf_counter() - started
-        self.sync_time = elapsed if not self.sync_time else 0.8 * self.sync_time + 0.2 * elapsed
-        if closed.dropped:
-            log.warning("fragment %d round %d: %d contribution(s) left out, the step with them was not finite",
-                        closed.fragment, closed.round, closed.dropped)
-        log.debug("fragment %d round %d -> version %d from islands %s (%s)", closed.fragment, closed.round,
-                  closed.version, closed.islands, reason)
-        each_part(closed, [("bookkeeping beyond its fragment", lambda: self.on_closed(closed, now))])

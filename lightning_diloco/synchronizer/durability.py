@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from lightning_diloco.core import checkpoints
@@ -24,7 +24,7 @@ from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.synchronizer.admission import layout_pin_problem
-from lightning_diloco.synchronizer.rounds import FragmentRounds
+from lightning_diloco.synchronizer.fragment import Fragment
 from lightning_diloco.synchronizer.version_log import VersionLog
 
 log = logging.getLogger(__name__)
@@ -69,20 +69,15 @@ def resume(directory: Path | None, identity: dict, layout_hash: str | None) -> S
 
 
 def snapshot_of(layout: FragmentLayout, config: RunConfig, identity: dict, num_islands: int, left: list[int],
-                rounds: dict[int, FragmentRounds]) -> SynchronizerState:
+                fragments: Mapping[int, Fragment]) -> SynchronizerState:
     """What a checkpoint saves of a running synchronizer, fragment by fragment: each is copied under
     its own lock (fragments are independent, so a snapshot never stalls every round at once)."""
     snapshot = SynchronizerState(config, layout, {})
     snapshot.identity = dict(identity)
     snapshot.num_islands = num_islands
     snapshot.left = left
-    for p, fragment_rounds in rounds.items():
-        with fragment_rounds.cond:
-            frag = fragment_rounds.frag if fragment_rounds.recovering is None else fragment_rounds.held_back
-            if frag is not None:
-                snapshot.seed(p, frag.value)
-                snapshot.fragments[p].load_state_dict(frag.state_dict())
-                snapshot.memory[p] = fragment_rounds.memory()
+    for fragment in fragments.values():
+        fragment.save_into(snapshot)
     return snapshot
 
 

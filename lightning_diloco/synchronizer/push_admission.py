@@ -1,7 +1,7 @@
 """Push admission: every rule a push is refused by, in the order it is checked, with its reason.
 
-A push is admitted once, from its header, before a byte of its payload is read (:meth:`PushAdmission.admit`:
-a stream from no session, or for no fragment, holds no worker while its bytes trickle in); its
+A push is admitted once, from its header, before a byte of its payload is read (steps 1-8: a
+stream from no session, or for no fragment, holds no worker while its bytes trickle in); its
 payload is then received and checked as it is decoded, and the push is put into its round. The
 order, and the reason each refusal carries (Status counts them):
 
@@ -26,8 +26,10 @@ step  what is checked                                             refused as
 12    the round has room for one more island                      ``busy``
 ====  ==========================================================  =================================
 
-Steps 1-3 are the checks every request of an island passes (the service's, given here); the
-server authenticates the caller, and checks the island it acts as, before step 1. Nothing is
+Where each is checked, in this order: steps 1-3, the checks every request of an island passes, in
+``Synchronizer.push`` (service.py); steps 4-8 in ``Fragment.admit`` and 9-12 in ``Fragment.push``
+(fragment.py), with the functions below. The server authenticates the caller, and checks the
+island it acts as, before step 1. Nothing is
 refused after step 12: a push sent for a round the run has not reached is taken for the latest
 round it admits (:func:`admitted_round`), so no island can open a round ahead of the run.
 
@@ -45,20 +47,9 @@ round, so its next round stays admitted.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
-
-from lightning_diloco.core.codecs import DEFAULT_DENSITY, NonFiniteError, Payload, get_codec
-from lightning_diloco.core.config import CODECS
-from lightning_diloco.core.fragments import FragmentLayout
-from lightning_diloco.core.protocol import Contribution, PushAck
+from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.core.schedule import latest_round
-from lightning_diloco.core.state import FragmentState
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer.requests import Refusal
-from lightning_diloco.synchronizer.rounds import Entry, FragmentRounds, RoundFull, SequenceError
 
 # A contribution weighs tokens**2 / steps: past these bounds no real island reports, and within
 # them the weight stays finite in float64 however a client fills the fields. Below MIN_TOKENS the
@@ -68,80 +59,6 @@ from lightning_diloco.synchronizer.rounds import Entry, FragmentRounds, RoundFul
 MIN_TOKENS = 1e-6
 MAX_TOKENS = 1e15
 MAX_STEPS = 10**9
-
-
-@dataclass(frozen=True)
-class AdmittedPush:
-    """A push whose header passed steps 1-8: what taking it in needs, found once."""
-
-    header: Contribution
-    """The push's fields; its ``payload`` is not looked at (the server's is empty)."""
-    rounds: FragmentRounds
-    numel: int
-    """Values in its fragment."""
-    payload_bytes: int
-    """Bytes its payload must have in its codec."""
-
-
-class PushAdmission:
-    """Steps 1-12 above, in that order. ``fragment_rounds(fragment)``, ``check_session(island,
-    session, what)`` and ``seeded(rounds)`` are the service's checks of every request (steps 1-3
-    and 10), each raising a :class:`~lightning_diloco.synchronizer.requests.Refusal`; ``layout()``
-    is the run's layout (asked only once step 2 passed); ``refuse(reason, message)`` counts and
-    logs a refusal and returns it to raise."""
-
-    def __init__(self, *, fragment_rounds: Callable[[int], FragmentRounds],
-                 check_session: Callable[[int, str | None, str], None], seeded: Callable[[FragmentRounds], FragmentState],
-                 layout: Callable[[], FragmentLayout], refuse: Callable[[Reason, str], Refusal], block_size: int,
-                 sparse_density: float = DEFAULT_DENSITY) -> None:
-        self.fragment_rounds, self.check_session, self.seeded = fragment_rounds, check_session, seeded
-        self.layout, self.refuse, self.block_size, self.sparse_density = layout, refuse, block_size, sparse_density
-
-    def admit(self, c: Contribution, declared_bytes: int | None = None) -> AdmittedPush:
-        """Steps 1-8, from the header alone; ``declared_bytes``: the payload size a stream's header
-        declares (None: an in-process push, whose payload is at hand and sized at step 9)."""
-        rounds = self.fragment_rounds(c.fragment)
-        self.check_session(c.island, c.session, "push")
-        problem = contribution_problem(c, self.layout().hash)
-        if problem:
-            raise self.refuse(*problem)
-        expected = self.payload_bytes(c.codec, c.fragment)
-        if declared_bytes is not None:
-            wrong_size = declared_size_problem(f"push of fragment {c.fragment}", declared_bytes, expected)
-            if wrong_size:
-                raise self.refuse(Reason.BAD_PAYLOAD, wrong_size)
-        return AdmittedPush(header=c, rounds=rounds, numel=self.layout().fragment_numel(c.fragment), payload_bytes=expected)
-
-    def payload_bytes(self, codec_name: str, fragment: int) -> int:
-        """Bytes a payload of ``fragment`` must have in ``codec_name`` (step 7 refuses unknown codecs).
-        The fragment must have passed step 1."""
-        self.check_codec(codec_name)
-        return get_codec(codec_name, self.block_size, self.sparse_density).encoded_size(self.layout().fragment_numel(fragment))
-
-    def check_codec(self, codec_name: str) -> None:
-        """Step 7."""
-        if codec_name not in CODECS:
-            raise self.refuse(Reason.UNKNOWN_CODEC, f"codec {codec_name[:40]!r} is not one of {', '.join(CODECS)}")
-
-    def decode(self, codec_name: str, payload: Payload, numel: int) -> torch.Tensor:
-        """Step 9 (a seed's too, in EXACT): the payload's values, or a refusal naming what is wrong."""
-        self.check_codec(codec_name)
-        try:
-            return get_codec(codec_name, self.block_size, self.sparse_density).decode(payload, numel)
-        except ValueError as err:
-            raise self.refuse(Reason.NON_FINITE if isinstance(err, NonFiniteError) else Reason.BAD_PAYLOAD, str(err)) from None
-
-    def into_round(self, rounds: FragmentRounds, entry: Entry, now: float, clock_round: int,
-                   lead_steps: int = 0) -> tuple[PushAck, bool]:
-        """Steps 10-12, with ``rounds.cond`` held: the push's answer, and whether it opened its
-        round (:meth:`~lightning_diloco.synchronizer.rounds.FragmentRounds.add`)."""
-        self.seeded(rounds)
-        try:
-            return rounds.add(entry, now, clock_round, lead_steps)
-        except SequenceError as err:
-            raise self.refuse(Reason.SEQUENCE_REUSED if err.reused else Reason.OLD_SEQUENCE, str(err)) from None
-        except RoundFull as err:
-            raise self.refuse(Reason.BUSY, f"{err}; retry once it closes") from None
 
 
 def contribution_problem(c: Contribution, layout_hash: str) -> tuple[Reason, str] | None:

@@ -1,19 +1,24 @@
 """The refusal that answers a bad request (what a push is refused by, and in what order:
-push_admission.py), how refusals are said in the log, and what a retry's payload and an island's
-layout are compared by. A contribution itself is a core/protocol.py record.
+push_admission.py), how refusals are said in the log and counted (:class:`Tally`), and what a
+retry's payload and an island's layout are compared by. A contribution itself is a
+core/protocol.py record.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import zlib
+from collections import Counter
 
 import torch
 
 from lightning_diloco.core.codecs import Payload, payload_size
 from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.reasons import Reason
+
+log = logging.getLogger(__name__)
 
 
 class Refusal(Exception):
@@ -48,6 +53,45 @@ class RefusalLog:
                 return None
             self.said_at[reason] = now
             return self.left_out.pop(reason, 0)
+
+
+class Tally:
+    """What Status counts of a synchronizer's requests: those accepted (by kind), those refused
+    (by reason), and the payload bytes in and out. ``lock`` is a leaf: nothing is taken under it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.accepted: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()
+        self.bytes_in = self.bytes_out = 0
+        self.refusal_log = RefusalLog()
+
+    def refuse(self, reason: Reason, message: str) -> Refusal:
+        """Count a refusal for ``reason``, say it in the log (:class:`RefusalLog`) and return it to raise."""
+        with self.lock:
+            self.refused[reason.value] += 1
+        left_out = self.refusal_log.due(reason.value)
+        if left_out is not None:
+            more = f" ({left_out} more refused for this reason since its last line, not logged)" if left_out else ""
+            log.warning("refused (%s): %s%s", reason, message, more)
+        return Refusal(reason, message)
+
+    def accept(self, kind: str) -> None:
+        with self.lock:
+            self.accepted[kind] += 1
+
+    def count_closed(self, merged: int, dropped: int) -> None:
+        """A closed round's entries: those merged, and those left out because the step with them
+        was not finite (refused, and not said in the log: the closer says it)."""
+        with self.lock:
+            self.accepted["merged"] += merged
+            if dropped:
+                self.refused[Reason.NON_FINITE_STEP.value] += dropped
+
+    def add_bytes(self, *, received: int = 0, sent: int = 0) -> None:
+        with self.lock:
+            self.bytes_in += received
+            self.bytes_out += sent
 
 
 def payload_digest(payload: Payload) -> bytes:

@@ -14,14 +14,15 @@ An island has at most one entry in a round, on time or late: a newer one replace
 work, measured from a base that never held the older, contains it), so one island is one vote
 however many pushes it makes.
 
-All methods take ``now`` (monotonic seconds) from the caller; the object holds no clock.
+All methods take ``now`` (monotonic seconds) from the caller, and the fragment's state (the
+value a round steps), which the fragment's owner holds (fragment.py), as its lock; the object
+holds no clock, no state of the fragment and no lock.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, replace
 
@@ -144,24 +145,18 @@ def _retry(entry: Entry, seq: int, digest: bytes) -> bool:
     return entry.seq == seq and entry.digest == digest
 
 
+def round_index(frag: FragmentState | None) -> int:
+    """The round of a fragment in state ``frag`` collecting contributions now (-1 before the
+    first send, or unseeded)."""
+    return frag.next_round if frag is not None else -1
+
+
 class FragmentRounds:
-    """The rounds of one fragment. Every method must be called with ``cond`` held."""
+    """The rounds of one fragment. Every method must be called with the fragment's lock held
+    (fragment.py), and ``frag`` is the fragment's state as it holds it."""
 
     def __init__(self, fragment: int, specs: Sequence[TensorSpec], config: RunConfig) -> None:
         self.fragment, self.specs, self.config = fragment, list(specs), config
-        self.cond = threading.Condition()
-        self.frag: FragmentState | None = None  # set once the fragment is seeded (or, recovering, taken back)
-        self.recovering: dict[int, str] | None = None
-        """Version -> digest of the versions the version log holds and the checkpoint lacks: until an
-        island gives one back (service.py) no one is served this fragment."""
-        self.offered: tuple[int, torch.Tensor] | None = None
-        """While recovering: the newest of those versions offered, if not the last one (taken once
-        the restart has settled, unless the last one comes)."""
-        self.offered_by: set[int] = set()
-        """While recovering: the islands that offered a value and did not hold the last version."""
-        self.held_back: FragmentState | None = None
-        """While recovering: the checkpoint's state of the fragment (None: it had none), checkpointed
-        as it is and served if no island gives the version back in time."""
         self.opened_at: float | None = None
         self.opened_lead = 0
         """Steps the round's due step was ahead of the run's clock when it opened."""
@@ -177,15 +172,11 @@ class FragmentRounds:
 
     # ---- the round now collecting ------------------------------------------------------------
 
-    @property
-    def index(self) -> int:
-        """The round collecting contributions now (-1 before the first send)."""
-        return self.frag.next_round if self.frag is not None else -1
-
     def islands(self) -> set[int]:
         return set(self.entries)
 
-    def add(self, entry: Entry, now: float, clock_round: int = -1, lead_steps: int = 0) -> tuple[PushAck, bool]:
+    def add(self, frag: FragmentState, entry: Entry, now: float, clock_round: int = -1,
+            lead_steps: int = 0) -> tuple[PushAck, bool]:
         """Put a validated contribution into the round it belongs to; returns the push's answer
         and whether this contribution made its round due (the other islands are asked to send).
 
@@ -204,8 +195,7 @@ class FragmentRounds:
         meanwhile (a restart noticed by its heartbeat), and that used to merge the contribution a
         second time. One entry per island waits in a round: a newer one replaces it.
         """
-        assert self.frag is not None, "a fragment takes contributions only once seeded"
-        frag, island = self.frag, entry.island
+        island = entry.island
         settled = self.settled.get(island)
         if settled is not None and (_retry(entry, settled.seq, settled.digest) or
                                     (settled.session == entry.session and entry.seq <= settled.seq)):
@@ -219,11 +209,11 @@ class FragmentRounds:
                                     (waiting.session == entry.session and entry.seq <= waiting.seq)):
             if entry.seq == waiting.seq:
                 self._same_payload(entry, waiting.digest)
-                return PushAck(fragment=self.fragment, round=self.index, late=waiting.sent_for < self.index, duplicate=True,
-                               version=frag.version), False
+                return PushAck(fragment=self.fragment, round=frag.next_round, late=waiting.sent_for < frag.next_round,
+                               duplicate=True, version=frag.version), False
             raise SequenceError(f"sequence {entry.seq} of island {island} is older than one already waiting ({waiting.seq})")
         if waiting is None and len(self.entries) >= MAX_WAITING:
-            raise RoundFull(f"round {self.index} of fragment {self.fragment} already holds {MAX_WAITING} islands' entries")
+            raise RoundFull(f"round {frag.next_round} of fragment {self.fragment} already holds {MAX_WAITING} islands' entries")
         if frag.next_round < 0:
             frag.next_round = entry.sent_for  # a fresh run: the first send names the round
         on_time = entry.sent_for >= max(frag.next_round, clock_round)
@@ -238,7 +228,6 @@ class FragmentRounds:
         self.entries[island] = entry
         if self.opened_at is not None and self.quorum_at is None and len(self.entries) >= self.config.merge.min_quorum:
             self.quorum_at = now
-        self.cond.notify_all()
         return PushAck(fragment=self.fragment, round=frag.next_round, late=not on_time, duplicate=False,
                        version=frag.version), opened
 
@@ -248,16 +237,18 @@ class FragmentRounds:
             raise SequenceError(f"sequence {entry.seq} of island {entry.island} came before with another payload; "
                                 "a retry must resend the same bytes, new work needs a new sequence number", reused=True)
 
-    def decide(self, now: float, live: Set[int], step_time: float, sync_time: float, quorum: int) -> Decision:
+    def decide(self, frag: FragmentState | None, now: float, live: Set[int], step_time: float, sync_time: float,
+               quorum: int) -> Decision:
         """``quorum``: the contributors the round needs now (core/quorum.py ``quorum_in_run``: K,
         lowered while islands that left leave fewer than K in the run)."""
-        if self.frag is not None and self.opened_at is None and self.entries and live <= set(self.entries):
+        index = round_index(frag)
+        if frag is not None and self.opened_at is None and self.entries and live <= set(self.entries):
             # only late entries, and every island still in the run has one here: the islands that
             # would have sent on time have left. Only an on-time send opened a round, so a slow
             # starter (a compile warm-up) that ended alone had none of its work merged (0 of 8)
             self.opened_at, self.opened_lead = now, 0
-        if self.frag is None or self.opened_at is None:
-            return Decision(False, f"round {self.index} not due yet")
+        if frag is None or self.opened_at is None:
+            return Decision(False, f"round {index} not due yet")
         if len(self.entries) == 1 and (live - set(self.entries)):
             (only,) = self.entries
             # an entry alone in a round before any other island's was merged has no peer to be
@@ -270,7 +261,7 @@ class FragmentRounds:
             wait = self.config.schedule.sync_every * step_time if step_time > 0 else PEER_WAIT_S
             if not self.guard.knows_a_peer_of(only) and now < self.opened_at + wait:
                 self.quorum_at = None
-                return Decision(False, f"round {self.index}: island {only}'s contribution waits for another live "
+                return Decision(False, f"round {index}: island {only}'s contribution waits for another live "
                                        "island's, which bounds it (none merged yet)", self.opened_at + wait)
         if self.quorum_at is None and len(self.entries) >= quorum:
             self.quorum_at = now  # reached by islands leaving, not by a contribution
@@ -279,7 +270,7 @@ class FragmentRounds:
         # islands in phase, the late entries of three islands plus one on-time send looked like
         # "every live island contributed", so the round closed before the others' sends and they
         # were late for the next one in turn (76% of contributions merged a round late, 2026-11-27)
-        on_time = frozenset(i for i, e in self.entries.items() if e.sent_for >= self.index)
+        on_time = frozenset(i for i, e in self.entries.items() if e.sent_for >= index)
         view = RoundView(contributors=frozenset(self.islands()), on_time=on_time, live=frozenset(live), opened_at=self.opened_at,
                          quorum_at=self.quorum_at, lead_steps=self.opened_lead)
         sched = self.config.schedule
@@ -287,7 +278,7 @@ class FragmentRounds:
         return decide(view, now, min_quorum=quorum, gamma=merge.grace_gamma, slack_steps=slack, step_time=step_time,
                       sync_time=sync_time)
 
-    def close(self, now: float, reason: str, taking_part: int | None = None) -> ClosedRound:
+    def close(self, frag: FragmentState, now: float, reason: str, taking_part: int | None = None) -> ClosedRound:
         """Merge every entry into one outer step and publish the new version. ``taking_part``: the
         islands live or in the round (the delayed Nesterov step's N; None: the round's own).
 
@@ -299,8 +290,8 @@ class FragmentRounds:
         taken the round is closed, and each part of its bookkeeping is applied once, whatever
         another part does (:func:`each_part`): no failure after the step raises.
         """
-        assert self.frag is not None and self.entries, "only an open round with entries can close"
-        frag, index = self.frag, self.frag.next_round
+        assert self.entries, "only an open round with entries can close"
+        index = frag.next_round
         entries = sorted(self.entries.values(), key=lambda e: (e.island, e.seq))
         # what a retry of each entry is answered with is made before the step and recorded with
         # it, not as a part after it: a settlement that failed there left no record, and the
@@ -353,10 +344,9 @@ class FragmentRounds:
             ("influence guard's history", lambda: self._record(merged, shares)),
             ("step budget", lambda: self.guard.step_budget.record(step_norm * step_scale, held=step_scale < 1.0, opposed=opposed)
              if version is not None else None),
-            ("versions' rounds", lambda: self._remember_round(version, index)),
+            ("versions' rounds", lambda: self._remember_round(frag, version, index)),
             ("round totals", lambda: self._count(len(merged), late, clipped, dropped, grace)),
         ])
-        self.cond.notify_all()
         return self.last
 
     def _within_step_budget(self, length: float, moved: dict[str, float]) -> float:
@@ -378,10 +368,10 @@ class FragmentRounds:
             self.guard.record(e.island, e.norm, e.tokens, e.steps)
         self.guard.record_round({e.island: shares[e.island] for e in merged})
 
-    def _remember_round(self, version: int | None, index: int) -> None:
+    def _remember_round(self, frag: FragmentState, version: int | None, index: int) -> None:
         if version is not None:
             self.rounds_of[version] = index
-        for old in [v for v in self.rounds_of if v <= self.frag.version - self.frag.depth]:  # no island is sent them again
+        for old in [v for v in self.rounds_of if v <= frag.version - frag.depth]:  # no island is sent them again
             del self.rounds_of[old]
 
     def _count(self, merged: int, late: int, clipped: int, dropped: int, grace: float) -> None:
@@ -391,18 +381,17 @@ class FragmentRounds:
         t.grace_wait_s += grace
         t.grace_wait_max_s = max(t.grace_wait_max_s, grace)
 
-    def publish(self, island: int, have: int) -> list[VersionUpdate]:
+    def publish(self, frag: FragmentState, island: int, have: int) -> list[VersionUpdate]:
         """What an island holding version ``have`` is sent to hold the current version, in order:
         deltas in the downlink codec (each encoded once, whatever the number of islands), or the
         value the islands hold, whole in fp32, when this fragment no longer keeps (or never
         issued) ``have`` (core/state.py, core/downlink.py)."""
-        frag = self.frag
         merged = self.merged_in.get(island, -1)
         updates = []
         for d in frag.downlink(self.fragment, have):
             since = have if d.base_version < 0 else d.base_version
             current = d.version == frag.version
-            produced_by = self.rounds_of.get(d.version, max(-1, self.index - 1) if current else -1)
+            produced_by = self.rounds_of.get(d.version, max(-1, frag.next_round - 1) if current else -1)
             updates.append(replace(d, round=produced_by, included=since < merged <= d.version))
         return updates
 
@@ -420,11 +409,11 @@ class FragmentRounds:
         self.settled = {int(i): _Settled(seq=int(s["seq"]), round=int(s["round"]), digest=bytes.fromhex(s["digest"]),
                                          session=str(s["session"])) for i, s in memory.get("settled", {}).items()}
 
-    def status(self) -> RoundStatus:
-        t = self.totals
+    def status(self, frag: FragmentState | None) -> RoundStatus:
+        t, index = self.totals, round_index(frag)
         return RoundStatus(
-            round=self.index, open=self.opened_at is not None, open_contributors=len(self.islands()),
-            waiting_late=sum(e.sent_for < self.index for e in self.entries.values()),
+            round=index, open=self.opened_at is not None, open_contributors=len(self.islands()),
+            waiting_late=sum(e.sent_for < index for e in self.entries.values()),
             closed=t.closed, merged_entries=t.entries, merged_late=t.late, superseded=t.superseded,
             clipped=t.clipped, dropped=t.dropped, grace_wait_total_s=t.grace_wait_s,
             grace_wait_max_s=t.grace_wait_max_s, last=self.last.summary() if self.last else None,

@@ -80,7 +80,7 @@ def _handler(method):
         except Refusal as refusal:
             _abort(context, refusal)
         except StopIteration:  # a client stream that ended before its first message
-            _abort(context, self.service.refuse(Reason.BAD_PAYLOAD, f"the {method.__name__} stream carried no message"))
+            _abort(context, self.service.tally.refuse(Reason.BAD_PAYLOAD, f"the {method.__name__} stream carried no message"))
 
     return wrapper
 
@@ -122,7 +122,7 @@ class IslandStreams:
         with self.lock:
             if self.held[key] >= slots:
                 who = "the operator" if island == OPERATOR else f"island {island}"
-                raise self.service.refuse(Reason.BUSY, f"{who} already holds {slots} {kind} streams, the most "
+                raise self.service.tally.refuse(Reason.BUSY, f"{who} already holds {slots} {kind} streams, the most "
                                           "it may; retry once one has ended (each ends by its deadline)")
             self.held[key] += 1
 
@@ -177,7 +177,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         if release is None:
             share = (f"subscriptions may take (all but {self.long_calls.reserved}, kept for pulls)"
                      if what == "subscription" else "long calls")
-            raise self.service.refuse(Reason.BUSY, f"every worker {share} is taken; the {what} is refused, retry later "
+            raise self.service.tally.refuse(Reason.BUSY, f"every worker {share} is taken; the {what} is refused, retry later "
                                       "(or start the synchronizer with more --max-workers)")
         return release
 
@@ -205,21 +205,21 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         given = metadata.get("authorization", "")
         caller = identify(self.token, given[len("Bearer "):]) if given.startswith("Bearer ") else None
         if caller is None:
-            raise self.service.refuse(Reason.UNAUTHENTICATED, "missing or wrong token; pass the run's token or this island's "
+            raise self.service.tally.refuse(Reason.UNAUTHENTICATED, "missing or wrong token; pass the run's token or this island's "
                                       "credential (DILOCO_TOKEN; `lightning-diloco credential --island I` prints it)")
         return caller
 
     def acting_as(self, caller: Caller, island: int) -> None:
         """Refuse a call for ``island`` whose credential is another island's."""
         if not caller.may_act_as(island):
-            raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot act as island "
+            raise self.service.tally.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot act as island "
                                       f"{island}; each island presents its own (`lightning-diloco credential --island {island}`)")
 
     def operator_only(self, caller: Caller, what: str) -> None:
         """Refuse ``what`` to an island credential: the export reads the whole global model, a
         copy of every fragment, which is the operator's to take (the run's token), not an island's."""
         if caller.island is not None:
-            raise self.service.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot {what}: "
+            raise self.service.tally.refuse(Reason.UNAUTHENTICATED, f"the credential of island {caller.island} cannot {what}: "
                                       "it takes the run's token (the operator's; --token-file or $DILOCO_TOKEN)")
 
     def _payload(self, context, first, rest, island: int, expected: int, what: str) -> memoryview:
@@ -232,9 +232,9 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         try:
             return assemble(first, rest, expected, what)
         except ValueError as err:
-            raise self.service.refuse(Reason.BAD_PAYLOAD, str(err)) from None
+            raise self.service.tally.refuse(Reason.BAD_PAYLOAD, str(err)) from None
         except grpc.RpcError:  # cancelled by its deadline (or by the client): counted, the stream is gone
-            raise self.service.refuse(Reason.BAD_PAYLOAD, f"{what}: its {expected} bytes did not arrive within "
+            raise self.service.tally.refuse(Reason.BAD_PAYLOAD, f"{what}: its {expected} bytes did not arrive within "
                                       f"{seconds:.0f} s; a link this slow needs smaller fragments") from None
         finally:
             done()
@@ -265,7 +265,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
             reply = self.service.join(request.island, request.world_size, specs, num_islands=request.num_islands,
                                       previous_session=request.previous_session)
         except ValueError as err:  # a malformed spec, e.g. an unknown role
-            raise self.service.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
+            raise self.service.tally.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         return join_reply(reply, shard=self.service.shard, num_shards=self.service.num_shards)
 
     @_handler
@@ -278,7 +278,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         expected = self.service.seed_payload_bytes(h.fragment)
         problem = declared_size_problem(what, h.payload_bytes, expected)
         if problem:
-            raise self.service.refuse(Reason.BAD_PAYLOAD, problem)
+            raise self.service.tally.refuse(Reason.BAD_PAYLOAD, problem)
         if version is not None:  # the first offer won: answered from the header, the payload never read
             return pb.SeedReply(seeded=False, version=version)
         payload = self._payload(context, first, request_iterator, h.island, expected, what)

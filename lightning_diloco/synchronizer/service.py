@@ -1,11 +1,15 @@
-"""The synchronizer: validates requests and wires rounds, membership and state together.
+"""The synchronizer: validates requests and routes each to the fragment it is for.
 
 Transport-agnostic: the gRPC server and in-process callers drive the same object.
 
-- A push is admitted once, from its header (push_admission.py: every rule it can be refused
-  by, in order), then its payload is received and the push taken in, measured against its base
-  and put into its fragment's round: one call, :meth:`push`. Seeds and pushes are taken in by an
-  :class:`~lightning_diloco.synchronizer.intake.Intake` this service holds (intake.py).
+- The run: its settings, layout and island count (fixed by the first joiners or the operator),
+  its membership and clock (membership.py), its checkpoints (durability.py) and Status.
+- Each owned fragment is one :class:`~lightning_diloco.synchronizer.fragment.Fragment`
+  (fragment.py), which owns its state, rounds, lock, recovery after a restart and what it takes
+  in. A seed, a push or a pull is checked here for what every request of an island passes (the
+  fragment is one of this shard's and the run has a layout, the caller's session) and handed to
+  its fragment: a push is one call, :meth:`push` (every rule it can be refused by, in order:
+  push_admission.py).
 - Each fragment has one closer thread (:meth:`start`; closers.py) that closes its round when the
   quorum and grace rules say so, whether or not anyone is waiting; tests move a fake clock and
   call :meth:`poll` instead.
@@ -13,18 +17,16 @@ Transport-agnostic: the gRPC server and in-process callers drive the same object
   delta against the version that island last received.
 
 Every refusal is a :class:`~lightning_diloco.synchronizer.requests.Refusal` with a
-:class:`~lightning_diloco.reasons.Reason` that Status counts.
+:class:`~lightning_diloco.reasons.Reason` that :attr:`Synchronizer.tally` counts (requests.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from lightning_diloco.core.protocol import Beat, Contribution, JoinInfo, PushAck
 from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.settings import run_settings, value_of
-from lightning_diloco.core.state import FragmentState, SynchronizerState, owned_by_shard, shard_of
+from lightning_diloco.core.state import SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.admission import (
@@ -52,12 +54,11 @@ from lightning_diloco.synchronizer.admission import (
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume, snapshot_of
-from lightning_diloco.synchronizer.intake import Intake
+from lightning_diloco.synchronizer.fragment import Fragment, Shared
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
-from lightning_diloco.synchronizer.push_admission import PushAdmission
-from lightning_diloco.synchronizer.requests import Refusal, RefusalLog, layout_difference
-from lightning_diloco.synchronizer.rounds import ClosedRound, FragmentRounds, each_part
-from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE, RECOVERY_WAIT, VersionLog, value_digest
+from lightning_diloco.synchronizer.requests import Tally, layout_difference
+from lightning_diloco.synchronizer.rounds import ClosedRound
+from lightning_diloco.synchronizer.version_log import RECOVERY_PULL_WAIT, RECOVERY_SETTLE, RECOVERY_WAIT, VersionLog
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +116,10 @@ class Synchronizer:
         self.incarnation = uuid.uuid4().hex[:12]  # per-process counters (accepted, refused) restart with it
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.clock = clock
-        self.lock = threading.RLock()  # counters, layout adoption
+        self.lock = threading.RLock()  # layout adoption, the run's island count, start
         self.membership = Membership(liveness_timeout, lead_steps=config.schedule.sync_every)
         self.closing = threading.Event()  # set on shutdown: waiting calls return at once
-        self.accepted: Counter[str] = Counter()
-        self.refused: Counter[str] = Counter()
-        self.refusal_log = RefusalLog()
-        self.bytes_in = self.bytes_out = 0
+        self.tally = Tally()
         self.state: SynchronizerState | None = state
         self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
         self.identity = {"run_id": run_id, "shard": shard, "num_shards": num_shards}
@@ -139,9 +137,8 @@ class Synchronizer:
         # every published version's digest, logged before it is seen: what a restart gets back
         self.logged = version_log.read(self.checkpoint_dir)
         self.version_log = VersionLog(self.checkpoint_dir) if self.checkpoint_dir is not None else None
-        self.recovery_deadline = clock() + recovery_wait
-        self.recovery_settled_at = clock() + min(RECOVERY_SETTLE, recovery_wait)
-        self.recovery_wait = recovery_wait
+        recovery_deadline = clock() + recovery_wait
+        recovery_settled_at = clock() + min(RECOVERY_SETTLE, recovery_wait)
         if loaded is not None:
             self.state = loaded
             self.membership.restore_left(loaded.left, self.clock())
@@ -154,19 +151,17 @@ class Synchronizer:
         self.stated_counts: dict[int, int] = {}  # island -> the num_islands it was started with, while the run's is not known
         sched = self.config.schedule
         self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
-        self.rounds: dict[int, FragmentRounds] = {}
+        self.fragments: dict[int, Fragment] = {}  # the owned ones, once the run has a layout
         self._started = False
-        self.admission = PushAdmission(fragment_rounds=self._rounds, check_session=self._check_session, seeded=self._seeded,
-                                       layout=lambda: self.state.layout, refuse=self.refuse,
-                                       block_size=self.config.codec.block_size, sparse_density=self.config.codec.sparse_density)
-        self.intake: Intake | None = None  # once the run has a layout (_make_rounds)
         self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint_every, snapshot=self._snapshot_or_none,
                                          outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing,
                                          versions=self.version_log)
-        self.closers = Closers(self.rounds, self.membership, clock=self.clock, closing=self.closing,
-                               on_closed=self._round_closed, quorum=self._quorum)
+        self.shared = Shared(self.membership, self.tally, clock, self.version_log, self.checkpointer.due,
+                             recovery_settled_at=recovery_settled_at, recovery_deadline=recovery_deadline,
+                             recovery_wait=recovery_wait)
+        self.closers = Closers(self.fragments, self.membership, clock=self.clock, closing=self.closing, quorum=self.quorum)
         if self.state is not None:
-            self._make_rounds(self.state.layout)
+            self._make_fragments(self.state.layout)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -183,9 +178,7 @@ class Synchronizer:
         then the checkpoint directory, unless ``keep_checkpoint_dir`` (a final checkpoint is to
         be written: then :meth:`release_checkpoint_dir` after it)."""
         self.closing.set()
-        for rounds in self.rounds.values():
-            with rounds.cond:
-                rounds.cond.notify_all()
+        self._wake_closers()
         self.membership.wake()
         self.checkpointer.stop()
         self.closers.stop()
@@ -200,47 +193,14 @@ class Synchronizer:
                 self.version_log.close()
             self.directory_lock.release()
 
-    def _make_rounds(self, layout: FragmentLayout) -> None:
+    def _make_fragments(self, layout: FragmentLayout) -> None:
         """(Once the run's state, layout and schedule are settled.)"""
-        state = self.state
-        if self.intake is None:
-            self.intake = Intake(state=state, membership=self.membership, admission=self.admission, offsets=self.offsets,
-                                 sync_every=self.config.schedule.sync_every, clock=self.clock,
-                                 count_accepted=self._count_accepted, count_bytes_in=self._count_bytes_in,
-                                 versions=self.version_log)
         for p in range(layout.num_fragments):
-            if self.owned(p) and p not in self.rounds:
-                rounds = FragmentRounds(p, layout.fragment_specs(p), self.config)
-                frag = state.fragments.get(p)
-                checkpointed = frag.version if frag is not None else -1
-                newer = {v: digest for v, digest in self.logged.get(p, []) if v > checkpointed}
-                if newer:
-                    # islands were given versions the checkpoint lacks: they are theirs to give back
-                    if frag is not None:  # islands holding only the checkpoint's say so by offering it
-                        newer[frag.version] = value_digest(frag.published_value_view())
-                    rounds.recovering, rounds.held_back = newer, frag
-                    log.warning("fragment %d: version %d was published but the checkpoint holds %s; it is served to no "
-                                "one until an island that holds it gives it back (at most %.0f s, --recovery-wait)", p,
-                                max(newer), "no version" if frag is None else f"version {frag.version}",
-                                self.recovery_wait)
-                elif frag is not None:
-                    self._serve(rounds, frag)
-                if p in state.memory:  # from a checkpoint
-                    rounds.restore(state.memory[p])
-                self.rounds[p] = rounds
+            if self.owned(p) and p not in self.fragments:
+                self.fragments[p] = Fragment(p, layout.fragment_specs(p), self.offsets[p], self.config, self.state,
+                                             self.shared, self.logged.get(p, []))
         if self._started:
             self.closers.start()
-
-    # ---- refusals -------------------------------------------------------------------------
-
-    def refuse(self, reason: Reason, message: str) -> Refusal:
-        with self.lock:
-            self.refused[reason.value] += 1
-        left_out = self.refusal_log.due(reason.value)
-        if left_out is not None:
-            more = f" ({left_out} more refused for this reason since its last line, not logged)" if left_out else ""
-            log.warning("refused (%s): %s%s", reason, message, more)
-        return Refusal(reason, message)
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -249,7 +209,7 @@ class Synchronizer:
         state = self.state
         problem = tensor_count_problem(tensors, None if state is None else len(state.layout.specs))
         if problem:
-            raise self.refuse(Reason.LAYOUT_MISMATCH, problem)
+            raise self.tally.refuse(Reason.LAYOUT_MISMATCH, problem)
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], *, num_islands: int = 0,
              previous_session: str | None = None) -> JoinInfo:
@@ -264,35 +224,35 @@ class Synchronizer:
         running as is refused (membership.py)."""
         problem = join_problem(island, world_size, num_islands)
         if problem:
-            raise self.refuse(Reason.BAD_ISLAND, problem)
+            raise self.tally.refuse(Reason.BAD_ISLAND, problem)
         with self.lock:
             if self.state is None and 0 < len(specs) < self.config.schedule.num_fragments:
                 self._fit_fragments(len(specs))
         try:
             layout = build_layout(list(specs), self.config.schedule.num_fragments)
         except ValueError as err:
-            raise self.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
+            raise self.tally.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
         with self.lock:
             problem = num_islands_problem(island, num_islands, self.num_islands)
             if problem:  # before the layout is adopted: a refused joiner decides nothing
-                raise self.refuse(Reason.NUM_ISLANDS_MISMATCH, problem)
+                raise self.tally.refuse(Reason.NUM_ISLANDS_MISMATCH, problem)
             if self.state is None:
                 problem = layout_pin_problem(self.layout_hash, layout.hash)
                 if problem:
-                    raise self.refuse(Reason.LAYOUT_MISMATCH, problem)
+                    raise self.tally.refuse(Reason.LAYOUT_MISMATCH, problem)
                 self.state = SynchronizerState(self.config, layout, {})
-                self._make_rounds(layout)
+                self._make_fragments(layout)
                 log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
             elif self.state.layout.hash != layout.hash:
-                raise self.refuse(Reason.LAYOUT_MISMATCH, layout_difference(self.state.layout, layout))
+                raise self.tally.refuse(Reason.LAYOUT_MISMATCH, layout_difference(self.state.layout, layout))
         now = self.clock()
         run_step = self.run_step(now)
         try:
             session = self.membership.join(island, world_size, now, at_step=run_step, previous_session=previous_session)
         except OverflowError as err:
-            raise self.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
+            raise self.tally.refuse(Reason.TOO_MANY_ISLANDS, str(err)) from None
         except IslandRunning as running:
-            raise self.refuse(Reason.ISLAND_RUNNING, running_message(running)) from None
+            raise self.tally.refuse(Reason.ISLAND_RUNNING, running_message(running)) from None
         if num_islands:
             self._count_stated(island, num_islands)
         return JoinInfo(config=self.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
@@ -340,10 +300,10 @@ class Synchronizer:
         try:
             (check or self.membership.check)(island, session)
         except SessionError:
-            raise self.refuse(Reason.WRONG_SESSION, f"island {island} joined again since this client's session began, so its "
+            raise self.tally.refuse(Reason.WRONG_SESSION, f"island {island} joined again since this client's session began, so its "
                               f"{what} is refused; a client rejoins to get the current session") from None
         except KeyError:
-            raise self.refuse(Reason.NOT_JOINED, f"island {island} sent a {what} before joining; call Join first") from None
+            raise self.tally.refuse(Reason.NOT_JOINED, f"island {island} sent a {what} before joining; call Join first") from None
 
     def heartbeat(self, island: int, steps: int, step_time: float, schedule_step: int | None = None,
                   session: str | None = None) -> Beat:
@@ -367,12 +327,11 @@ class Synchronizer:
         self._wake_closers()  # a round short of the quorum, or waiting for this island, may close now
 
     def _wake_closers(self) -> None:
-        """Liveness or the quorum changed: every round looks again at what it waits for."""
-        for rounds in self.rounds.values():
-            with rounds.cond:
-                rounds.cond.notify_all()
+        """Liveness or the quorum changed (or shutdown): every round looks again at what it waits for."""
+        for fragment in self.fragments.values():
+            fragment.wake()
 
-    def _quorum(self) -> int:
+    def quorum(self) -> int:
         """The contributors a round needs now: K, at most the islands still in the run."""
         return quorum_in_run(self.config.merge.min_quorum, num_islands=self.num_islands, left=self.membership.left_count())
 
@@ -401,130 +360,51 @@ class Synchronizer:
     def versions(self) -> dict[int, int]:
         """Fragment versions this shard owns; -1 for a fragment not seeded yet."""
         self._fall_back_if_overdue()
-        state = self.state
         owned = [p for p in range(self.config.schedule.num_fragments) if self.owned(p)]
-        return {p: (state.fragments[p].version if state and p in state.fragments and self._served(p) else -1) for p in owned}
+        return {p: self.fragments[p].version() if p in self.fragments else -1 for p in owned}
 
-    def _served(self, fragment: int) -> bool:
-        rounds = self.rounds.get(fragment)
-        return rounds is None or rounds.recovering is None
+    def _fall_back_if_overdue(self) -> None:
+        """Each recovering fragment falls back once the restart settled or its wait is over (fragment.py)."""
+        now = self.clock()
+        for fragment in list(self.fragments.values()):
+            fragment.fall_back_if_overdue(now)
 
-    # ---- seeds and pushes (intake.py) ----------------------------------------------------------
+    # ---- seeds, pushes and pulls: checked here, taken by their fragment (fragment.py) -------------
+
+    def _fragment(self, fragment: int) -> Fragment:
+        """The owned fragment ``fragment``, once the run has a layout (push admission steps 1-2)."""
+        num_fragments = self.config.schedule.num_fragments
+        if not 0 <= fragment < num_fragments:  # (no shard owns it: saying one did sent clients to the wrong one)
+            raise self.tally.refuse(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} is not one of the run's fragments "
+                                    f"0..{num_fragments - 1}")
+        if not self.owned(fragment):
+            raise self.tally.refuse(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} is not owned by shard {self.shard} of "
+                                    f"{self.num_shards}; shard {shard_of(fragment, self.num_shards)} owns it")
+        owned = self.fragments.get(fragment)
+        if self.state is None or owned is None:
+            raise self.tally.refuse(Reason.NOT_JOINED, "no island has joined yet; call Join first")
+        return owned
 
     def admit_seed(self, island: int, fragment: int, session: str | None) -> int | None:
         """A seed's header checks, before its payload is read; the fragment's version when it is
         seeded already (the first offer won: the server answers so without reading the payload,
         where 200 held seeds of a seeded fragment were each read in full, 1.7 GB, to be ignored),
         else None."""
-        rounds = self._rounds(fragment)
+        owned = self._fragment(fragment)
         self._check_session(island, session, "seed")
-        with rounds.cond:
-            return None if rounds.frag is None else rounds.frag.version
+        return owned.seeded_version()
 
     def seed_payload_bytes(self, fragment: int) -> int:
         """Bytes a seed of ``fragment`` must have (fp32)."""
-        self._rounds(fragment)
-        return self.admission.payload_bytes(EXACT, fragment)
+        return self._fragment(fragment).payload_bytes(EXACT)
 
     def seed(self, island: int, fragment: int, payload: Payload, session: str | None = None) -> bool:
         """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored.
         For a fragment recovering after a restart, the offer of the version the log holds: taken
         if its bytes have the logged digest, ignored (False) if not."""
-        rounds = self._rounds(fragment)
+        owned = self._fragment(fragment)
         self._check_session(island, session, "seed")
-        if rounds.recovering is not None:
-            return self._take_back(rounds, island, payload)
-        return self.intake.seed(rounds, island, payload)
-
-    # ---- recovery after a restart (version_log.py) ----------------------------------------------
-
-    def _serve(self, rounds: FragmentRounds, frag: FragmentState) -> None:
-        """Make ``frag`` the fragment's served state, its new versions logged before they are seen."""
-        if self.version_log is not None:
-            frag.publish_hook = functools.partial(self.version_log.record, rounds.fragment)
-        rounds.frag = frag
-        rounds.recovering = rounds.held_back = rounds.offered = None
-        rounds.offered_by = set()
-
-    def _take_back(self, rounds: FragmentRounds, island: int, payload: Payload) -> bool:
-        p = rounds.fragment
-        value = self.admission.decode(EXACT, payload, self.state.layout.fragment_numel(p)).clone()
-        digest = value_digest(value)
-        with rounds.cond:
-            if rounds.recovering is None:  # another island's offer, or the fallback, came first
-                return False
-            newest = max(rounds.recovering)
-            version = next((v for v, expected in rounds.recovering.items() if expected == digest), None)
-            if version != newest:
-                rounds.offered_by.add(island)
-            if version is None:
-                log.warning("island %d offered fragment %d, but not the value of a version it published since its "
-                            "checkpoint (another digest): not taken", island, p)
-            elif version < newest and (rounds.offered is None or rounds.offered[0] < version):
-                rounds.offered = (version, value)
-            if version != newest:
-                # an island holding the newest may still come back: the newest offered is taken once
-                # the restart has settled, or at once when every island of the run has offered
-                if not (rounds.offered is not None and self.num_islands
-                        and len(rounds.offered_by) >= self.num_islands - self.membership.left_count()):
-                    return False
-                mine, (version, value) = version, rounds.offered
-            else:
-                mine = version
-            self._recover(rounds, version, value, island)
-        self.membership.wake()
-        return mine == version
-
-    def _recover(self, rounds: FragmentRounds, version: int, value: torch.Tensor, island: int | None) -> None:
-        """(With ``rounds.cond`` held.) Serve ``value``, whose digest is logged ``version``'s."""
-        p, newest = rounds.fragment, max(rounds.recovering)
-        if version < newest and self.version_log is not None:  # the log's last line is what is served
-            self.version_log.record(p, version, value)
-        frag = rounds.held_back if rounds.held_back is not None else FragmentState(value, self.config, version)
-        if frag.version != version:  # (the checkpoint's own version is served as it is)
-            frag.recover(value, version)
-        self.state.fragments[p] = frag
-        self._serve(rounds, frag)
-        rounds.cond.notify_all()
-        if version == newest:
-            log.warning("fragment %d: version %d taken back from island %d (its digest matches the version log)", p,
-                        version, island)
-        else:
-            log.error("fragment %d: version %d taken back, the newest an island offered; versions %d-%d are LOST: no "
-                      "island that rejoined held them", p, version, version + 1, newest)
-
-    def _fall_back_if_overdue(self) -> None:
-        """Once the restart has settled (RECOVERY_SETTLE s), serve each fragment recovering whose
-        newest offer was an older logged version at that version; past the recovery wait, serve
-        the others at their checkpoint's version (or leave one the checkpoint lacked to be seeded
-        again), logged as the log's last line."""
-        now = self.clock()
-        if now < self.recovery_settled_at:
-            return
-        for p, rounds in list(self.rounds.items()):
-            if rounds.recovering is None:
-                continue
-            with rounds.cond:
-                if rounds.recovering is None or (rounds.offered is None and now < self.recovery_deadline):
-                    continue
-                if rounds.offered is not None:
-                    self._recover(rounds, *rounds.offered, island=None)
-                    self.membership.wake()
-                    continue
-                version, frag = max(rounds.recovering), rounds.held_back
-                if frag is not None and self.version_log is not None:
-                    self.version_log.record(p, frag.version, frag.published_value_view())
-                if frag is None:
-                    rounds.recovering = None
-                    self.state.fragments.pop(p, None)
-                else:
-                    self._serve(rounds, frag)
-                rounds.cond.notify_all()
-            log.error("fragment %d: no island gave back its version %d within --recovery-wait %.0f s; serving the "
-                      "checkpoint's %s: the versions after it are LOST, and islands holding them are sent it whole", p,
-                      version, self.recovery_wait, "no version (the next seed starts it again)" if frag is None else
-                      f"version {frag.version}")
-            self.membership.wake()
+        return owned.seed(island, payload, self.num_islands)
 
     def push(self, c: Contribution, *, declared_bytes: int | None = None,
              receive: Callable[[int], Payload] | None = None) -> PushAck:
@@ -536,38 +416,16 @@ class Synchronizer:
         header is admitted (the server reads it from its stream then, so a stream from no session,
         or for no fragment, holds no worker while its bytes trickle in); None: ``c.payload`` is
         it. ``declared_bytes``: the payload size a stream's header declares, checked first."""
-        admitted = self.admission.admit(c, declared_bytes)
-        payload = c.payload if receive is None else receive(admitted.payload_bytes)
-        return self.intake.push(admitted, payload)
-
-    # ---- fragments and pulling -------------------------------------------------------------
-
-    def _rounds(self, fragment: int) -> FragmentRounds:
-        num_fragments = self.config.schedule.num_fragments
-        if not 0 <= fragment < num_fragments:  # (no shard owns it: saying one did sent clients to the wrong one)
-            raise self.refuse(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} is not one of the run's fragments "
-                              f"0..{num_fragments - 1}")
-        if not self.owned(fragment):
-            raise self.refuse(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} is not owned by shard {self.shard} of "
-                              f"{self.num_shards}; shard {shard_of(fragment, self.num_shards)} owns it")
-        rounds = self.rounds.get(fragment)
-        if self.state is None or rounds is None:
-            raise self.refuse(Reason.NOT_JOINED, "no island has joined yet; call Join first")
-        return rounds
-
-    def _seeded(self, rounds: FragmentRounds) -> FragmentState:
-        if rounds.recovering is not None:
-            raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} waits for an island to give back its version "
-                              f"{max(rounds.recovering)}, published before this synchronizer restarted; an island holding "
-                              "it offers it as a seed (at most --recovery-wait s, then the checkpoint's is served)")
-        if rounds.frag is None:
-            raise self.refuse(Reason.NOT_SEEDED, f"fragment {rounds.fragment} has no value yet; seed it first")
-        return rounds.frag
+        fragment = self._fragment(c.fragment)  # steps 1-2
+        self._check_session(c.island, c.session, "push")  # step 3
+        expected = fragment.admit(c, declared_bytes)  # steps 4-8
+        payload = c.payload if receive is None else receive(expected)
+        return fragment.push(c, payload)  # steps 9-12
 
     def admit_pull(self, island: int, fragment: int, session: str | None) -> None:
         """A pull's checks: a fragment of this shard, for a joined island's session. A pull copies
         its fragment, so only a member may ask (unjoined pulls never read held 1 GB per 300)."""
-        self._rounds(fragment)
+        self._fragment(fragment)
         self._check_session(island, session, "pull")
 
     def pull(self, fragment: int, island: int | None = None) -> tuple[int, torch.Tensor]:
@@ -579,26 +437,15 @@ class Synchronizer:
         last version gives it back when told so), unless ``island`` has offered what it holds and
         that was not the last version: it has nothing to give back (a brand-new island offers its
         own first weights, and was refused its first pull), so its pull waits for the recovery to
-        end, up to ``RECOVERY_PULL_WAIT`` s, and is served then."""
-        rounds = self._rounds(fragment)
+        end, up to ``RECOVERY_PULL_WAIT`` s, and is served then (another island's give-back, or
+        the restart's settling on an older one, looked at here too, outside the fragment's lock)."""
+        owned = self._fragment(fragment)
         if island is not None:
-            self._wait_for_recovery(rounds, island)
-        with rounds.cond:
-            frag = self._seeded(rounds)
-            return frag.version, frag.published_value()
-
-    def _wait_for_recovery(self, rounds: FragmentRounds, island: int) -> None:
-        """While ``rounds`` recovers and ``island`` offered a value other than its last version, wait
-        (in real time, a pull's) for the recovery to end: another island's give-back, or the
-        restart's settling on an older one (:meth:`_fall_back_if_overdue`, looked at here too)."""
-        until = time.monotonic() + version_log.RECOVERY_PULL_WAIT
-        while True:
-            self._fall_back_if_overdue()  # (outside the fragment's lock: it takes each fragment's in turn)
-            with rounds.cond:
-                left = until - time.monotonic()
-                if rounds.recovering is None or island not in rounds.offered_by or left <= 0:
-                    return
-                rounds.cond.wait(min(left, 0.25))
+            until = time.monotonic() + RECOVERY_PULL_WAIT
+            self._fall_back_if_overdue()
+            while owned.awaits_recovery(island, until):
+                self._fall_back_if_overdue()
+        return owned.pull()
 
     # ---- the operator's export -----------------------------------------------------------
 
@@ -606,7 +453,7 @@ class Synchronizer:
         """The run's layout and this shard's versions, for the operator's export (server.py)."""
         state = self.state
         if state is None:
-            raise self.refuse(Reason.NOT_JOINED, "no island has joined this synchronizer yet: the run has no model to "
+            raise self.tally.refuse(Reason.NOT_JOINED, "no island has joined this synchronizer yet: the run has no model to "
                               "export; export once its islands have started")
         return state.layout, self.versions()
 
@@ -614,10 +461,7 @@ class Synchronizer:
         """(version, fp32 copy) of a fragment's exact global value, the one its outer steps move
         (a pull gets what the islands hold, which a lossy downlink makes an approximation of it).
         Reads only: no island's membership, round or counter changes."""
-        rounds = self._rounds(fragment)
-        with rounds.cond:
-            frag = self._seeded(rounds)
-            return frag.version, frag.value.clone()
+        return self._fragment(fragment).export()
 
     # ---- closing rounds ------------------------------------------------------------------------
 
@@ -628,25 +472,6 @@ class Synchronizer:
         if closed:  # outside the fragments' locks: a checkpoint takes each of them in turn
             self.checkpointer.write_if_due()
         return closed
-
-    def _round_closed(self, closed: ClosedRound, now: float) -> None:
-        """Everything a closed round changes beyond its fragment, in one place, each part applied
-        even if another fails (rounds.py each_part). Called by its closer with the fragment's
-        lock held (the lock order: rounds.cond, then self.lock and the membership's)."""
-        each_part(closed, [
-            ("counters", lambda: self._count_closed(closed)),
-            ("membership credit", lambda: self.membership.credit(closed.islands, now)),
-            # also wakes the subscriptions
-            ("withdrawal of its requests", lambda: self.membership.withdraw(closed.fragment, closed.round)),
-            # written on its own thread: rounds never wait for the disk
-            ("checkpoint-due signal", lambda: self.checkpointer.due.set()),
-        ])
-
-    def _count_closed(self, closed: ClosedRound) -> None:
-        with self.lock:
-            self.accepted["merged"] += len(closed.islands)
-            if closed.dropped:
-                self.refused[Reason.NON_FINITE_STEP.value] += closed.dropped
 
     # ---- subscriptions ---------------------------------------------------------------------
 
@@ -660,26 +485,14 @@ class Synchronizer:
         Refuses at once, before the first event, an island that has not joined.
         """
         self._check_session(island, session, "subscription")
-        delivered = {p: int(versions.get(p, -1)) for p in self.rounds}
-        return island_events(island, self.membership.subscribed(island), delivered, self.membership, self.rounds,
-                             self._count_bytes_out, lambda: active() and not self.closing.is_set(), tick, self.clock)
+        delivered = {p: int(versions.get(p, -1)) for p in self.fragments}
+        return island_events(island, self.membership.subscribed(island), delivered, self.fragments, self.shared,
+                             lambda: active() and not self.closing.is_set(), tick)
 
     def wake_subscriptions(self) -> None:
         """Wake every subscription where it waits for news, so that one whose ``active()`` turned
         False ends now rather than at its next tick (an in-process reader told to stop)."""
         self.membership.wake()
-
-    def _count_bytes_out(self, n: int) -> None:
-        with self.lock:
-            self.bytes_out += n
-
-    def _count_bytes_in(self, n: int) -> None:
-        with self.lock:
-            self.bytes_in += n
-
-    def _count_accepted(self, kind: str) -> None:
-        with self.lock:
-            self.accepted[kind] += 1
 
     # ---- durability and status ----------------------------------------------------------------
 
@@ -698,25 +511,23 @@ class Synchronizer:
         if self.state is None:
             return None
         return snapshot_of(self.state.layout, self.config, self.identity, self.num_islands, self.membership.left_islands(),
-                           self.rounds)
+                           self.fragments)
 
     def status(self) -> SynchronizerStatus:
         now = self.clock()
         live, islands = self.live_islands(now), self.membership.status(now)
         versions, run_step = self.versions(), self.run_step(now)
-        rounds = {}
-        for p, r in self.rounds.items():
-            with r.cond:
-                rounds[p] = r.status()
-        with self.lock:
+        rounds = {p: fragment.round_status() for p, fragment in self.fragments.items()}
+        tally = self.tally
+        with tally.lock:
             return SynchronizerStatus(
                 shard=self.shard, num_shards=self.num_shards, incarnation=self.incarnation,
                 layout_hash=self.state.layout.hash if self.state else "",
                 outer_steps=self.state.outer_steps if self.state else 0, run_step=run_step,
                 sync_every=self.config.schedule.sync_every, num_fragments=self.config.schedule.num_fragments,
-                min_quorum=self.config.merge.min_quorum, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+                min_quorum=self.config.merge.min_quorum, bytes_in=tally.bytes_in, bytes_out=tally.bytes_out,
                 checkpoint_failures=self.checkpointer.failures, last_checkpoint_error=self.checkpointer.last_error,
                 last_checkpoint_outer_steps=self.checkpointer.last_steps, versions=versions,
-                live_islands=sorted(live), islands=islands, rounds=rounds, accepted=dict(self.accepted),
-                refused=dict(self.refused), adjustments=list(self.adjustments),
+                live_islands=sorted(live), islands=islands, rounds=rounds, accepted=dict(tally.accepted),
+                refused=dict(tally.refused), adjustments=list(self.adjustments),
             )

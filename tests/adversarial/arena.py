@@ -259,10 +259,9 @@ class Arena:
             pass
 
     def _hostile_push(self, island: int) -> None:
-        rounds = self.sync.rounds[0]
         own = max(h.schedule_step for h in self.honest) // H
         choice = self.rng.choice(ROUND_CHOICES)
-        round_index = {"own": own, "next": max(0, rounds.index), "ahead": own + 4, "huge": 2**40}[choice]
+        round_index = {"own": own, "next": max(0, self.sync.fragments[0].state.next_round), "ahead": own + 4, "huge": 2**40}[choice]
         counters = self.rng.choice(COUNTERS)
         tokens, steps = {"honest": (TOKENS_PER_STEP * H, H), "max_tokens": (1e15, 1), "one_step": (TOKENS_PER_STEP, 1),
                          "many_steps": (1e12, 10**6)}[counters]
@@ -299,7 +298,7 @@ class Arena:
     def _observe(self) -> None:
         furthest_own = max(h.steps for h in self.honest)
         self.clock_lead = max(self.clock_lead, self.sync.run_step() - furthest_own)
-        self.largest_round = max(self.largest_round, len(self.sync.rounds[0].entries))
+        self.largest_round = max(self.largest_round, len(self.sync.fragments[0].rounds.entries))
         with self.sync.membership.lock:
             pending = max((len(m.requests) for m in self.sync.membership.members.values()), default=0)
         self.largest_requests = max(self.largest_requests, pending)

@@ -71,7 +71,7 @@ def test_many_late_entries_of_one_island_are_one_vote():
     numel = initial_fragments(config)[0].numel()
     for seq in range(150):
         sync.push(contribution(config, 1, 0, torch.full((numel,), -1.0), round=0, seq=seq))
-    assert sync.status().rounds[0].open_contributors == 1 and len(sync.rounds[0].entries) == 1
+    assert sync.status().rounds[0].open_contributors == 1 and len(sync.fragments[0].rounds.entries) == 1
     sync.push(contribution(config, 0, 0, torch.full((numel,), 0.01), round=0, seq=0))
     [closed] = sync.poll()
     assert closed.islands == (0, 1) and sync.status().rounds[0].merged_entries == 2
@@ -99,7 +99,7 @@ def _flooded(flood: int, seed: int = 0) -> tuple[int, float]:
         for k in range(flood):
             clock.advance(0.01)
             version, theta = sync.pull(0)
-            sync.push(contribution(config, 3, 0, -0.1 * (target - theta), round=sync.rounds[0].index, base_version=version,
+            sync.push(contribution(config, 3, 0, -0.1 * (target - theta), round=sync.fragments[0].state.next_round, base_version=version,
                                    seq=1000 * r + k + 1))
             sync.poll()
     return sync.versions()[0], float((sync.pull(0)[1] - target).norm())

@@ -135,7 +135,7 @@ def test_an_island_credential_or_a_wrong_token_is_refused(shards):
         read_global_model(synchronizer=_address(shards), token=island_credential(TOKEN, 0))
     with pytest.raises(ValueError, match="unauthenticated: missing or wrong token.*the export takes the run's token"):
         read_global_model(synchronizer=_address(shards), token="wrong")
-    assert shards[0].service.refused["unauthenticated"] == 2  # each refused by the server, at its first call
+    assert shards[0].service.tally.refused["unauthenticated"] == 2  # each refused by the server, at its first call
 
 
 def test_the_shards_must_all_be_given_in_order(shards):

@@ -21,6 +21,7 @@ from lightning_diloco.core.merge import contribution_weight, merge_outer_gradien
 from lightning_diloco.core.outer import OuterOptimizer
 from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer.fragment import Fragment
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport import synchronizer_pb2 as pb
@@ -160,7 +161,7 @@ def test_an_island_behind_on_an_int4_downlink_gets_the_steps_since_and_holds_wha
     frag = server.service.state.fragments[1]
     assert version == 3 and torch.equal(held, pulled) and torch.equal(pulled, frag.published_value())
     assert 0 < float((pulled - frag.value).abs().max()) < 0.05  # outer steps here move values by ~0.2
-    assert client.bytes_received > 0 and server.service.bytes_out == 3 * get_codec("int4").encoded_size(numel)
+    assert client.bytes_received > 0 and server.service.tally.bytes_out == 3 * get_codec("int4").encoded_size(numel)
 
 
 def test_a_large_fragment_is_streamed_in_chunks(started):
@@ -238,13 +239,13 @@ class _Calls:
 
 def test_a_push_over_grpc_is_one_call_into_the_service_and_one_admission(started, monkeypatch):
     """The header is admitted once, then the payload is read and handed over with the admission's
-    result (push_admission.py); Push used to call the service 3 times, and admit its header twice."""
+    result (push_admission.py, fragment.py); Push used to call the service 3 times, and admit its header twice."""
     config = run_config()
     server, client = started(config)
     _seeded(client, config)
     admitted = []
-    admit = server.service.admission.admit
-    monkeypatch.setattr(server.service.admission, "admit", lambda *args: admitted.append(args) or admit(*args))
+    admit = Fragment.admit
+    monkeypatch.setattr(Fragment, "admit", lambda *args: admitted.append(args) or admit(*args))
     calls = _Calls(server.service)
     monkeypatch.setattr(server.servicer, "service", calls)
     ack = _push(client, config, 0, 0, torch.full((layout(config).fragment_numel(0),), 0.01))

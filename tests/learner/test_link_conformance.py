@@ -116,7 +116,7 @@ def test_every_link_refuses_a_bad_payload_with_the_servers_reason(link, payload,
         link.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
                   payload=payload, layout_hash=layout(CONFIG).hash))
     assert refused.value.reason == reason
-    assert service.refused[reason.value] == 1 and service.versions()[0] == 0  # counted, nothing merged
+    assert service.tally.refused[reason.value] == 1 and service.versions()[0] == 0  # counted, nothing merged
 
 
 def test_every_link_refuses_an_islands_calls_before_it_joined(link):

@@ -107,7 +107,7 @@ def test_a_left_island_is_not_joined_until_it_joins_again_then_counts_as_before(
     session = sync.join(1, 1, SPECS, num_islands=2, previous_session="").session
     assert sync.live_islands() == {0, 1} and not sync.status().islands[1].left
     _push(sync, config, 1, session, seq=2)  # one entry per island: its newer work replaces the old
-    assert sync.rounds[0].islands() == {1}
+    assert sync.fragments[0].rounds.islands() == {1}
     assert sync.poll() == []  # the quorum is 2 again
     _push(sync, config, 0, sessions[0])
     [closed] = sync.poll()

@@ -1,10 +1,10 @@
 """The synchronizer's lock order (docs/design.md#locks-and-their-order), checked on every
 acquisition of a join, seed, push, refusal, close, subscription, status and checkpoint.
 
-Order: ``Checkpointer.lock`` before any fragment's ``rounds.cond``, which comes before
+Order: ``Checkpointer.lock`` before any fragment's ``Fragment.cond``, which comes before
 ``Synchronizer.lock`` and ``Membership.lock``; those two are never held together, and two
-fragments' ``cond`` never at once. A lock taken against this order can deadlock with a thread
-that follows it.
+fragments' ``cond`` never at once; ``Tally.lock`` (the counters) is last of all. A lock taken
+against this order can deadlock with a thread that follows it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
 
-RANK = {"checkpointer": 0, "rounds": 1, "service": 2, "membership": 2}
+RANK = {"checkpointer": 0, "fragment": 1, "service": 2, "membership": 2, "counters": 3}
 
 
 class Acquisitions:
@@ -103,9 +103,10 @@ class TrackedRLock(TrackedLock):
 
 def _instrumented(sync: Synchronizer) -> Acquisitions:
     log = Acquisitions()
-    for p, rounds in sync.rounds.items():
-        rounds.cond = threading.Condition(TrackedRLock(f"rounds[{p}]", log))
+    for p, fragment in sync.fragments.items():
+        fragment.cond = threading.Condition(TrackedRLock(f"fragment[{p}]", log))
     sync.lock = TrackedRLock("service", log)
+    sync.tally.lock = TrackedLock("counters", log)
     membership = sync.membership
     membership.lock = TrackedLock("membership", log)
     membership.changed = threading.Condition(membership.lock)
@@ -116,7 +117,7 @@ def _instrumented(sync: Synchronizer) -> Acquisitions:
 def test_every_lock_is_taken_in_the_documented_order(tmp_path):
     config = run_config(min_quorum=2, num_fragments=2)
     sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, checkpoint_every=1)
-    sync.join(0, 1, SPECS)  # the first join builds the rounds: instrument them before anything else
+    sync.join(0, 1, SPECS)  # the first join builds the fragments: instrument them before anything else
     log = _instrumented(sync)
     sync.join(1, 1, SPECS)
     sync.join(2, 1, SPECS)
@@ -151,4 +152,4 @@ def test_every_lock_is_taken_in_the_documented_order(tmp_path):
 
     assert log.violations == []
     # the test saw the nestings it guards, so it would see one against the order
-    assert {("rounds", "membership"), ("rounds", "service"), ("checkpointer", "rounds")} <= log.pairs
+    assert {("fragment", "membership"), ("fragment", "counters"), ("checkpointer", "fragment")} <= log.pairs

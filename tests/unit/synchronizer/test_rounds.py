@@ -52,7 +52,7 @@ def test_a_round_closes_once_and_a_contribution_after_it_goes_into_the_next_roun
     sync, clock = _started(config, 2, peer_votes=True)
     _place(sync, clock, 5 * 4, [0, 1])
     first = sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=5, seq=1))
-    assert (first.round, first.late) == (5, False) and sync.rounds[0].opened_at is not None  # it opened round 5
+    assert (first.round, first.late) == (5, False) and sync.fragments[0].rounds.opened_at is not None  # it opened round 5
     [closed] = sync.poll()
     assert (closed.round, closed.version, closed.islands) == (5, 1, (0,))
     clock.advance(0.5)
@@ -292,7 +292,7 @@ def test_a_send_for_a_round_the_run_has_passed_is_late_even_after_a_restart():
     sync, clock = _started(config, 2)
     _place(sync, clock, 4 * 40 + 2, [0, 1])  # the run is at round 40 of fragment 0
     retried = sync.push(contribution(config, 1, 0, torch.zeros(_numel(config)), round=31))  # sent before a restart
-    assert retried.late and sync.rounds[0].opened_at is None and sync.poll() == []
+    assert retried.late and sync.fragments[0].rounds.opened_at is None and sync.poll() == []
     sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=40))
     [closed] = sync.poll()
     assert (closed.round, closed.islands, closed.late) == (40, (0, 1), 1)
@@ -330,7 +330,7 @@ def _raise(*args):
 
 # parts of a closed round's bookkeeping: the object and the method that make each fail
 FAILING_PARTS = {
-    "influence guard's history": (lambda sync: sync.rounds[0].guard, "record"),
+    "influence guard's history": (lambda sync: sync.fragments[0].rounds.guard, "record"),
     "membership credit": (lambda sync: sync.membership, "credit"),
     "withdrawal of its requests": (lambda sync: sync.membership, "withdraw"),
     "checkpoint-due signal": (lambda sync: sync.checkpointer.due, "set"),
@@ -368,7 +368,7 @@ def test_a_failure_in_a_closed_rounds_bookkeeping_skips_none_of_the_rest_and_the
     monkeypatch.setattr(owner(sync), method, _raise)
     [closed] = sync.poll()  # nothing raised: the round is closed
     assert (closed.round, closed.version, closed.islands) == (1, 1, (0,))
-    assert sync.poll() == [] and not sync.rounds[0].entries  # looking again finds nothing to merge
+    assert sync.poll() == [] and not sync.fragments[0].rounds.entries  # looking again finds nothing to merge
     effects = _round_effects(sync)
     assert {k: v for k, v in effects.items() if k != failing} == {k: v for k, v in ALL_APPLIED.items() if k != failing}
     if failing in effects:  # the failed part stays short: it is not applied later, nor twice
@@ -391,7 +391,7 @@ def _clipped_round(fail):
     _place(sync, clock, 16, [0, 1])
     sync.push(contribution(config, 1, 0, torch.full((numel,), 10.0), round=4, base_version=3, seq=0))
     if fail is not None:
-        fail(sync.rounds[0].frag)
+        fail(sync.fragments[0].state)
         with pytest.raises(RuntimeError, match="injected"):
             sync.poll()
     [closed] = sync.poll()
@@ -432,7 +432,7 @@ def _next_round_opened_by_another_island(sync, config):
     """Island 1 sends for the fragment's next round, which opens and closes: the round's islands."""
     delta = torch.full((_numel(config),), 0.02)
     sync.clock.advance(1.0)  # time for island 1 to reach that round (a place advances at a bounded rate)
-    sync.push(contribution(config, 1, 0, delta, round=sync.rounds[0].index, base_version=sync.versions()[0], seq=100))
+    sync.push(contribution(config, 1, 0, delta, round=sync.fragments[0].state.next_round, base_version=sync.versions()[0], seq=100))
     [closed] = sync.poll()
     return closed.islands
 
@@ -447,13 +447,13 @@ def test_a_failure_while_closing_never_lets_the_retry_of_a_merged_push_merge_aga
     sync, _ = _started(config, 2, peer_votes=True)
     push = contribution(config, 0, 0, torch.full((_numel(config),), 0.01), seq=1)
     sync.push(push)
-    _fails_once(sync.rounds[0] if failing == "_settle" else sync.rounds[0].guard, failing)
+    _fails_once(sync.fragments[0].rounds if failing == "_settle" else sync.fragments[0].rounds.guard, failing)
     try:
         sync.poll()
     except RuntimeError:  # a close that fails before its step raises to its closer, which looks again
         pass
     sync.poll()
-    assert sync.versions()[0] == 1 and sync.rounds[0].last.islands == (0,)
+    assert sync.versions()[0] == 1 and sync.fragments[0].rounds.last.islands == (0,)
     retry = sync.push(push)  # the client's retry of a push whose answer it lost
     assert retry.duplicate and _next_round_opened_by_another_island(sync, config) == (1,)
     assert sync.status().rounds[0].merged_entries == 2

@@ -104,7 +104,7 @@ def test_closer_threads_close_rounds_with_nobody_waiting_and_stop_on_shutdown():
 def test_a_closer_whose_close_failed_logs_it_and_closes_the_round_on_its_next_look(caplog):
     config = run_config(min_quorum=1)
     sync = _started(config, 1, clock=time.monotonic)
-    rounds, real_close, calls = sync.rounds[1], sync.rounds[1].close, []
+    rounds, real_close, calls = sync.fragments[1].rounds, sync.fragments[1].rounds.close, []
 
     def close_failing_once(*args, **kwargs):
         calls.append(args)
@@ -236,7 +236,7 @@ def test_a_standalone_synchronizer_fits_its_fragments_to_the_first_islands_model
     config = replace(run_config(), schedule=ScheduleConfig(num_fragments=24, sync_every=24, overlap_steps=1))
     sync = Synchronizer(config, clock=FakeClock())
     reply = sync.join(0, 1, SPECS)
-    assert reply.config.schedule.num_fragments == 4 == len(sync.rounds)
+    assert reply.config.schedule.num_fragments == 4 == len(sync.fragments)
     said = sync.status().adjustments[0]
     assert "num_fragments lowered from 24 to 4" in said
     assert "num_fragments=" in said and "--num-fragments" in said  # an embedded run has no flags: both spellings
@@ -290,7 +290,7 @@ def test_a_closer_that_keeps_failing_backs_off_however_many_pushes_notify_it():
         failed.set()
         raise RuntimeError("injected failure that persists")
 
-    sync.rounds[0].frag.apply = failing_apply
+    sync.fragments[0].state.apply = failing_apply
     numel = layout(config).fragment_numel(0)
     sync.start()
     try:

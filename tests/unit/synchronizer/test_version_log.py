@@ -66,7 +66,7 @@ def test_a_version_published_after_the_checkpoint_is_taken_back_only_from_an_isl
     # islands holding version 3 are sent the next one as a step from it, not whole
     restarted.push(contribution(config, 0, 1, torch.full_like(pulled, 0.01), round=4, base_version=3, seq=11))
     restarted.poll()
-    [update] = restarted.rounds[1].publish(0, 3)
+    [update] = restarted.fragments[1].updates_for(0, 3)
     assert (update.version, update.base_version) == (4, 3)
     # the next checkpoint compacts the log to one line per fragment
     restarted.checkpoint()
