@@ -16,19 +16,29 @@ anything is bounded by what the run itself makes plausible, not only by its sign
   the run's islands was started with (:func:`count_agreed`), never one island's: the first
   island to say a count used to fix it for the run and its checkpoint (island 3 joining first
   with 10000 got islands 0-2, started with 4, refused; island 0 saying 1 locked out 1-3).
+- The run's settings: a first island's model with fewer tensors than fragments asked for sets
+  the fragment count (tensors are never split: :func:`fitted_to_model`), and a resumed run keeps
+  the settings its checkpoint holds (:func:`resumed_settings`).
 - Schedule steps and step times: membership.py (a robust clock and a rate bound); wait times:
   server.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import MAX_TENSORS
+from lightning_diloco.core.settings import run_settings, value_of
+from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.synchronizer.membership import MAX_ISLANDS, IslandRunning
+
+log = logging.getLogger(__name__)
 
 MAX_WORLD_SIZE = 1 << 20  # processes per island: past this it is not a world size
 MAX_SEED_ABS = 1e6  # no model starts with a weight this large; a seed beyond it is not one
@@ -112,3 +122,32 @@ def running_message(running: IslandRunning) -> str:
             f"heartbeats every second), and this join comes from another process. Give each island its own index "
             f"(DILOCO_ISLAND); to restart island {i}, stop its running process: the restart is let in once the old one "
             f"has been silent for {running.window:g} s (its client retries meanwhile)")
+
+
+def fitted_to_model(config: RunConfig, tensors: int) -> RunConfig:
+    """``config`` with at most one fragment per tensor of a model of ``tensors`` trainable
+    tensors (tensors are never split): the run's settings the synchronizer takes for it."""
+    if not 0 < tensors < config.schedule.num_fragments:
+        return config
+    return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, num_fragments=tensors))
+
+
+def fragments_lowered(wanted: int, tensors: int) -> str:
+    return (f"num_fragments lowered from {wanted} to {tensors}: the first island's model has {tensors} trainable "
+            "tensors (the strategy's num_fragments=, or the synchronizer's --num-fragments, sets fewer)")
+
+
+def resumed_settings(given: RunConfig, restored: SynchronizerState) -> tuple[RunConfig, str | None]:
+    """The restored run's settings, which its checkpoint holds as the run went, and what the
+    synchronizer chose itself (a fragment count lowered to the model's tensors), said again as it
+    was the first time (None: nothing); a setting given otherwise is named in a warning."""
+    tensors = len(restored.layout.specs)
+    fitted = fitted_to_model(given, tensors)
+    lowered = fitted != given and restored.config.schedule.num_fragments == tensors
+    differ = [f"{s.name}={value_of(restored.config, s.name)!r} (given: {value_of(fitted, s.name)!r})"
+              for s in run_settings() if value_of(restored.config, s.name) != value_of(fitted, s.name)]
+    if differ:
+        log.warning("resuming with the run's settings as its checkpoint holds them, which differ from the ones "
+                    "given: %s; a run's settings are fixed when it starts (a new run needs a new checkpoint)",
+                    ", ".join(differ))
+    return restored.config, fragments_lowered(given.schedule.num_fragments, tensors) if lowered else None

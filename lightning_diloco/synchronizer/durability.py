@@ -23,7 +23,7 @@ from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.core.threads import single_threaded_torch
-from lightning_diloco.synchronizer.admission import layout_pin_problem
+from lightning_diloco.synchronizer.admission import layout_pin_problem, pinned_num_islands
 from lightning_diloco.synchronizer.fragment import Fragment
 from lightning_diloco.synchronizer.version_log import VersionLog
 
@@ -66,6 +66,23 @@ def resume(directory: Path | None, identity: dict, layout_hash: str | None) -> S
     log.info("resumed run %s from %s after %d outer steps (versions %s); a new run needs a new --checkpoint-dir",
              identity["run_id"] or "(unnamed)", directory, loaded.outer_steps, loaded.versions())
     return loaded
+
+
+def open_directory(directory: Path | None, identity: dict, layout_hash: str | None, given: SynchronizerState | None,
+                   num_islands: int | None) -> tuple[DirectoryLock | None, SynchronizerState | None, int]:
+    """What a synchronizer starts from in ``directory``: its lock (:func:`hold`), the checkpoint
+    there (:func:`resume`; None: none) and the run's island count, fixed by the operator
+    (``num_islands``), the checkpoint or ``given``, the state it was given (0: not yet, admission.py).
+    A refused start leaves the directory to the next try."""
+    lock = hold(directory, identity)
+    try:
+        loaded = resume(directory, identity, layout_hash)  # refused at start, not after the first merges
+        restored = loaded if loaded is not None else given
+        return lock, loaded, pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0, directory)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 def snapshot_of(layout: FragmentLayout, config: RunConfig, identity: dict, num_islands: int, left: list[int],

@@ -58,16 +58,11 @@ class Shared:
     membership: Membership
     tally: Tally
     clock: Callable[[], float]
-    versions: VersionLog | None
-    """The version log a new version is written to before it is seen (None: no checkpoint directory)."""
-    checkpoint_due: threading.Event
-    """Set after each close: the checkpointer (durability.py) writes one if it is due."""
-    recovery_settled_at: float
-    """Clock time after which a recovering fragment takes the newest older version offered."""
-    recovery_deadline: float
-    """Clock time after which a recovering fragment no island gave back is served its checkpoint's."""
-    recovery_wait: float
-    """Seconds of that wait (--recovery-wait), for the log."""
+    versions: VersionLog | None  # a new version is logged before it is seen (None: no checkpoint directory)
+    checkpoint_due: threading.Event  # set after each close: the checkpointer writes one if it is due
+    recovery_settled_at: float  # clock time after which a recovering fragment takes the newest older version offered
+    recovery_deadline: float  # clock time after which one no island gave back is served its checkpoint's version
+    recovery_wait: float  # seconds of that wait (--recovery-wait), for the log
 
 
 class Fragment:
@@ -118,7 +113,8 @@ class Fragment:
     # ---- what is served ---------------------------------------------------------------------
 
     def version(self) -> int:
-        """The version served; -1 while unseeded or recovering."""
+        """The version served; -1 while unseeded or recovering. Read without the lock (one
+        reference read): a heartbeat never waits for a close."""
         state = self.state
         return state.version if state is not None else -1
 
@@ -216,10 +212,6 @@ class Fragment:
             log.info("fragment %d seeded by island %d", self.number, island)
             self.shared.membership.wake()
         return seeded
-
-    def seeded_version(self) -> int | None:
-        with self.cond:
-            return None if self.state is None else self.state.version
 
     def admit(self, c: Contribution, declared_bytes: int | None = None) -> int:
         """Push admission steps 4-8, from the header alone: the bytes its payload must have.

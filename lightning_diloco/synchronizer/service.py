@@ -22,7 +22,6 @@ Every refusal is a :class:`~lightning_diloco.synchronizer.requests.Refusal` with
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -38,22 +37,23 @@ from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_la
 from lightning_diloco.core.protocol import Beat, Contribution, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
-from lightning_diloco.core.settings import run_settings, value_of
 from lightning_diloco.core.state import SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.admission import (
     count_agreed,
+    fitted_to_model,
+    fragments_lowered,
     join_problem,
     layout_pin_problem,
     num_islands_problem,
-    pinned_num_islands,
+    resumed_settings,
     running_message,
     tensor_count_problem,
 )
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer, hold, resume, snapshot_of
+from lightning_diloco.synchronizer.durability import Checkpointer, open_directory, snapshot_of
 from lightning_diloco.synchronizer.fragment import Fragment, Shared
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
 from lightning_diloco.synchronizer.requests import Tally, layout_difference
@@ -61,19 +61,6 @@ from lightning_diloco.synchronizer.rounds import ClosedRound
 from lightning_diloco.synchronizer.version_log import RECOVERY_PULL_WAIT, RECOVERY_SETTLE, RECOVERY_WAIT, VersionLog
 
 log = logging.getLogger(__name__)
-
-
-def fitted_to_model(config: RunConfig, tensors: int) -> RunConfig:
-    """``config`` with at most one fragment per tensor of a model of ``tensors`` trainable
-    tensors (tensors are never split): the run's settings the synchronizer takes for it."""
-    if not 0 < tensors < config.schedule.num_fragments:
-        return config
-    return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, num_fragments=tensors))
-
-
-def fragments_lowered(wanted: int, tensors: int) -> str:
-    return (f"num_fragments lowered from {wanted} to {tensors}: the first island's model has {tensors} trainable "
-            "tensors (the strategy's num_fragments=, or the synchronizer's --num-fragments, sets fewer)")
 
 
 class Synchronizer:
@@ -123,17 +110,10 @@ class Synchronizer:
         self.state: SynchronizerState | None = state
         self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
         self.identity = {"run_id": run_id, "shard": shard, "num_shards": num_shards}
-        # the directory is this synchronizer's until shutdown: a second shard on it is refused here
-        self.directory_lock = hold(self.checkpoint_dir, self.identity)
-        try:
-            loaded = resume(self.checkpoint_dir, self.identity, layout_hash)  # refused at start, not after the first merges
-            restored = loaded if loaded is not None else state
-            # the run's island count, fixed by the operator or a quorum of the islands (0: not yet)
-            self.num_islands = pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0,
-                                                  self.checkpoint_dir)
-        except BaseException:
-            self.release_checkpoint_dir()  # a refused start leaves the directory to the next try
-            raise
+        # the directory is this synchronizer's until shutdown: a second shard on it is refused here; the
+        # run's island count, fixed by the operator or a quorum of the islands (0: not yet)
+        self.directory_lock, loaded, self.num_islands = open_directory(self.checkpoint_dir, self.identity, layout_hash,
+                                                                       state, num_islands)
         # every published version's digest, logged before it is seen: what a restart gets back
         self.logged = version_log.read(self.checkpoint_dir)
         self.version_log = VersionLog(self.checkpoint_dir) if self.checkpoint_dir is not None else None
@@ -143,7 +123,8 @@ class Synchronizer:
             self.state = loaded
             self.membership.restore_left(loaded.left, self.clock())
         if self.state is not None:  # a resumed run keeps the settings it ran with, those it chose itself included
-            self.config = self._resumed_config(config, self.state)
+            self.config, lowered = resumed_settings(config, self.state)
+            self.adjustments += [lowered] if lowered else []
         self.identity["run_id"] = self.identity["run_id"] or uuid.uuid4().hex[:16]
         if self.directory_lock is not None:  # now with the run's id, for the message of a second one
             self.directory_lock.record(self.identity)
@@ -278,30 +259,14 @@ class Synchronizer:
         self.adjustments.append(fragments_lowered(wanted, tensors))
         log.warning("%s", self.adjustments[-1])
 
-    def _resumed_config(self, given: RunConfig, restored: SynchronizerState) -> RunConfig:
-        """The restored run's settings, which its checkpoint holds as the run went: what the
-        synchronizer chose itself (a fragment count lowered to the model's tensors) is taken again
-        and said as it was the first time; a setting given otherwise is named in a warning."""
-        tensors = len(restored.layout.specs)
-        fitted = fitted_to_model(given, tensors)
-        if fitted != given and restored.config.schedule.num_fragments == tensors:
-            self.adjustments.append(fragments_lowered(given.schedule.num_fragments, tensors))
-        differ = [f"{s.name}={value_of(restored.config, s.name)!r} (given: {value_of(fitted, s.name)!r})"
-                  for s in run_settings() if value_of(restored.config, s.name) != value_of(fitted, s.name)]
-        if differ:
-            log.warning("resuming with the run's settings as its checkpoint holds them, which differ from the ones "
-                        "given: %s; a run's settings are fixed when it starts (a new run needs a new checkpoint)",
-                        ", ".join(differ))
-        return restored.config
-
     def _check_session(self, island: int, session: str | None, what: str,
                        check: Callable[[int, str | None], None] | None = None) -> None:
         """``check`` (membership's :meth:`~Membership.check` unless given) raises as it does."""
         try:
             (check or self.membership.check)(island, session)
         except SessionError:
-            raise self.tally.refuse(Reason.WRONG_SESSION, f"island {island} joined again since this client's session began, so its "
-                              f"{what} is refused; a client rejoins to get the current session") from None
+            raise self.tally.refuse(Reason.WRONG_SESSION, f"island {island} joined again since this client's session began, "
+                                    f"so its {what} is refused; a client rejoins to get the current session") from None
         except KeyError:
             raise self.tally.refuse(Reason.NOT_JOINED, f"island {island} sent a {what} before joining; call Join first") from None
 
@@ -392,7 +357,8 @@ class Synchronizer:
         else None."""
         owned = self._fragment(fragment)
         self._check_session(island, session, "seed")
-        return owned.seeded_version()
+        version = owned.version()
+        return version if version >= 0 else None
 
     def seed_payload_bytes(self, fragment: int) -> int:
         """Bytes a seed of ``fragment`` must have (fp32)."""
@@ -433,12 +399,10 @@ class Synchronizer:
         published value, core/downlink.py, so the next version's delta lands on it): what a
         joining island starts from (new versions reach it through its subscription).
 
-        A fragment recovering after a restart is refused (``not_seeded``: an island that holds its
-        last version gives it back when told so), unless ``island`` has offered what it holds and
-        that was not the last version: it has nothing to give back (a brand-new island offers its
-        own first weights, and was refused its first pull), so its pull waits for the recovery to
-        end, up to ``RECOVERY_PULL_WAIT`` s, and is served then (another island's give-back, or
-        the restart's settling on an older one, looked at here too, outside the fragment's lock)."""
+        A fragment recovering after a restart is refused (``not_seeded``), unless ``island`` offered
+        what it holds and that was not the last version: it has nothing to give back, so its pull
+        waits for the recovery to end (fragment.py ``awaits_recovery``; the restart's settling is
+        looked at here, outside the fragment's lock) and is served then."""
         owned = self._fragment(fragment)
         if island is not None:
             until = time.monotonic() + RECOVERY_PULL_WAIT
@@ -454,7 +418,7 @@ class Synchronizer:
         state = self.state
         if state is None:
             raise self.tally.refuse(Reason.NOT_JOINED, "no island has joined this synchronizer yet: the run has no model to "
-                              "export; export once its islands have started")
+                                    "export; export once its islands have started")
         return state.layout, self.versions()
 
     def export(self, fragment: int) -> tuple[int, torch.Tensor]:
