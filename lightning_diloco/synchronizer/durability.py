@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 from lightning_diloco.core import checkpoints
 from lightning_diloco.core.checkpoints import DirectoryLock, describe_owner
-from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.synchronizer.admission import layout_pin_problem, pinned_num_islands
-from lightning_diloco.synchronizer.fragment import Fragment
 from lightning_diloco.synchronizer.version_log import VersionLog
 
 log = logging.getLogger(__name__)
@@ -83,19 +80,6 @@ def open_directory(directory: Path | None, identity: dict, layout_hash: str | No
         if lock is not None:
             lock.release()
         raise
-
-
-def snapshot_of(layout: FragmentLayout, config: RunConfig, identity: dict, num_islands: int, left: list[int],
-                fragments: Mapping[int, Fragment]) -> SynchronizerState:
-    """What a checkpoint saves of a running synchronizer, fragment by fragment: each is copied under
-    its own lock (fragments are independent, so a snapshot never stalls every round at once)."""
-    snapshot = SynchronizerState(config, layout, {})
-    snapshot.identity = dict(identity)
-    snapshot.num_islands = num_islands
-    snapshot.left = left
-    for fragment in fragments.values():
-        fragment.save_into(snapshot)
-    return snapshot
 
 
 class Checkpointer:

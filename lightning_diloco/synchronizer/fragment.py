@@ -1,19 +1,13 @@
 """One fragment of the run on the synchronizer, and its one owner: :class:`Fragment`.
 
-A fragment's lock, its state (the value its outer steps move: core/state.py ``FragmentState``),
-its rounds (rounds.py), the seeds and pushes it takes in, what a closed round changes beyond it,
-and its recovery after a restart are all here. The service (service.py) checks what every request
-of an island passes (the fragment is one of this shard's, the caller's session) and calls the
-fragment; nothing here calls back into the service.
-
-A push, top-down (every rule it can be refused by, in order: push_admission.py):
-``Synchronizer.push`` finds the fragment and checks the session, then :meth:`Fragment.admit`
-checks its header, the payload is received, and :meth:`Fragment.push` decodes it, measures it
-against its base and puts it into its round (rounds.py ``FragmentRounds.add``), asking the other
-live islands to send when it opened the round. Its closer (closers.py) closes the round with
-:meth:`Fragment.close`: the outer step (rounds.py ``FragmentRounds.close``, which publishes the
-new version, logged first: version_log.py), then the counters, the membership's credit and the
-checkpoint's signal.
+A fragment's lock, its state (core/state.py ``FragmentState``), its rounds (rounds.py), the seeds
+and pushes it takes in, what a closed round changes beyond it, and its recovery after a restart
+are all here. The service (service.py) checks what every request of an island passes (the
+fragment is one of this shard's, the caller's session) and calls the fragment; nothing here calls
+back into the service. A push: ``Synchronizer.push`` → :meth:`Fragment.admit` (its header) → the
+payload received → :meth:`Fragment.push` (into its round); its closer (closers.py) →
+:meth:`Fragment.close` (the outer step, which publishes the new version, then what the close
+changes beyond the fragment). Every rule a push is refused by, in order: push_admission.py.
 
 After a restart a fragment whose logged version is newer than its checkpoint's is *recovering*
 (version_log.py): it is served to no one until an island gives that version back (a seed whose
@@ -228,9 +222,8 @@ class Fragment:
 
     def push(self, c: Contribution, payload: Payload) -> PushAck:
         """Push admission steps 9-12 of an admitted contribution with its ``payload``: decoded,
-        measured against its base and put into its round; answered at once, merged when the round
-        closes. A retry with the same sequence number gets the same answer and is never merged
-        twice. A push that opens a round asks every other live island to send this fragment now."""
+        measured against its base and put into its round. A push that opens a round asks every
+        other live island to send this fragment now."""
         membership, tally = self.shared.membership, self.shared.tally
         now, H, offset = self.shared.clock(), self.config.schedule.sync_every, self.offset
         membership.seen(c.island, now)

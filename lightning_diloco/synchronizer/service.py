@@ -53,7 +53,7 @@ from lightning_diloco.synchronizer.admission import (
 )
 from lightning_diloco.synchronizer.closers import Closers
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer, open_directory, snapshot_of
+from lightning_diloco.synchronizer.durability import Checkpointer, open_directory
 from lightning_diloco.synchronizer.fragment import Fragment, Shared
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
 from lightning_diloco.synchronizer.requests import Tally, layout_difference
@@ -474,8 +474,12 @@ class Synchronizer:
     def _snapshot_or_none(self) -> SynchronizerState | None:
         if self.state is None:
             return None
-        return snapshot_of(self.state.layout, self.config, self.identity, self.num_islands, self.membership.left_islands(),
-                           self.fragments)
+        snapshot = SynchronizerState(self.config, self.state.layout, {})
+        snapshot.identity, snapshot.num_islands = dict(self.identity), self.num_islands
+        snapshot.left = self.membership.left_islands()
+        for fragment in self.fragments.values():
+            fragment.save_into(snapshot)
+        return snapshot
 
     def status(self) -> SynchronizerStatus:
         now = self.clock()
