@@ -106,9 +106,10 @@ class MergeConfig:
     ``overlap``: tau, the paper's rule (the slack before an island needs the reply). With tau = 0
     the islands wait for their round, so both are 0: the round closes at quorum."""
     history: int = 4
-    """S: versions of each fragment an island may hold and still be sent the next one as deltas;
-    one holding an older version gets the full value. Synchronizer memory: with the fp32 downlink
-    S copies of the model (the exact versions); with a lossy one, two (the exact current version
+    """S: versions of each fragment an island may hold and still be sent the next one as a lossy
+    downlink's steps; one holding an older version gets the full value (with the fp32 downlink
+    every island does: core/state.py). Synchronizer memory: with the fp32 downlink two copies
+    of the model (the exact value and the one sent whole); with a lossy one, two (the exact current version
     and the value the islands hold, core/downlink.py) and S - 1 encoded steps (int4: about 1/7.5
     of a copy each, bf16 1/2)."""
     staleness_discount: float = 1.0

@@ -1,7 +1,8 @@
 """What an island is sent of one fragment, and so what it holds: the published values.
 
-With the fp32 downlink an island holds the global fragment itself: one holding version h is sent
-global_v - global_h. A lossy codec (bf16, int8, int4) cannot carry the global value exactly, and
+With the fp32 downlink an island holds the global fragment itself, bit for bit: it is sent
+global_v whole (as many bytes as an fp32 delta; global_h + (global_v - global_h) in fp32 is
+global_v only where the subtraction was exact, core/state.py ``FragmentState.downlink``). A lossy codec (bf16, int8, int4) cannot carry the global value exactly, and
 a delta of exact global values added to an island's copy carries that copy's error along: each
 downlink adds its quantisation error, so the copy drifts from the global model as a random walk
 over versions (tests/unit/core/test_downlink.py measures it).
@@ -50,7 +51,7 @@ class PublishedChain:
     """
 
     def __init__(self, value: torch.Tensor, version: int, codec: Codec, depth: int) -> None:
-        assert not codec.lossless, "a lossless downlink sends exact deltas: it needs no published chain"
+        assert not codec.lossless, "a lossless downlink sends the exact value whole: it needs no published chain"
         self.codec, self.depth = codec, depth
         self.value = value.detach().to(torch.float32).reshape(-1).clone()
         self.version = version

@@ -32,17 +32,18 @@ def _bases(updates):
     return [(u.version, u.base_version, u.codec) for u in updates]
 
 
-def test_versions_count_outer_steps_and_an_island_holding_one_of_the_last_s_gets_deltas():
+def test_versions_count_outer_steps_and_the_fp32_downlink_sends_the_exact_value_whole():
     state = _state(history=3, downlink="fp32")
     _advance(state, 5)
     assert state.versions() == {0: 5, 1: 5, 2: 5} and state.outer_steps == 15
     frag = state.fragments[0]
-    assert sorted(frag.history) == [3, 4, 5] and frag.published is None  # fp32: the exact versions, no second copy
-    assert _bases(frag.downlink(0, 4)) == [(5, 4, "fp32")] and frag.downlink(0, 5) == []
-    [delta] = frag.downlink(0, 3)
-    assert torch.allclose(frag.history[3] + get_codec("fp32").decode(delta.payload, frag.value.numel()), frag.value,
-                          rtol=1e-6, atol=1e-6)  # exact but for fp32 rounding
-    assert _bases(frag.downlink(0, 2)) == _bases(frag.downlink(0, 6)) == [(5, -1, "fp32")]
+    assert sorted(frag.history) == [5] and frag.published is None  # fp32: one exact version, no second copy
+    assert frag.downlink(0, 5) == []
+    for have in (4, 3, 0, 6):  # one version behind, several, none kept, one never issued
+        [update] = frag.downlink(0, have)
+        assert _bases([update]) == [(5, -1, "fp32")]
+        # bit for bit what the version log's digest is of: an island holding it can give it back
+        assert torch.equal(get_codec("fp32").decode(update.payload, frag.value.numel()), frag.value)
     assert torch.equal(frag.published_value(), frag.value)
 
 
@@ -67,11 +68,15 @@ def test_outer_gradient_is_measured_against_the_islands_own_base_even_when_stale
     assert torch.allclose(outer_gradient(island_delta(local, base)), torch.full_like(base, -0.25))
 
 
-def test_history_keeps_the_setting_s_depth_however_many_islands_joined():
+def test_a_checkpoint_with_older_exact_versions_loads_its_current_one_only():
+    """Checkpoints written while the fp32 downlink sent deltas kept the last S exact versions."""
     state = _state(history=2, downlink="fp32")
-    for _ in range(5):
-        state.fragments[0].apply(torch.zeros_like(state.fragments[0].value))
-    assert sorted(state.fragments[0].history) == [4, 5]
+    _advance(state, 3)
+    data = state.state_dict()
+    frag = state.fragments[0]
+    data["fragments"][0]["history"] = {2: frag.value - 1.0, 3: frag.value.clone()}
+    loaded = SynchronizerState.from_state_dict(data).fragments[0]
+    assert sorted(loaded.history) == [3] and torch.equal(loaded.value, frag.value)
 
 
 @pytest.mark.parametrize("downlink", ["fp32", "int4"])

@@ -11,13 +11,14 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.state import FragmentState
+from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.learner.leader import LeaderSync, sync_pool
 from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.local_link import LocalLink
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE
-from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
+from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, with_peer_votes
 
 FP32 = get_codec("fp32")
 
@@ -213,4 +214,56 @@ def test_a_pull_waits_for_a_recovery_no_longer_than_its_bound_and_only_from_an_i
         with pytest.raises(Refusal, match="give back its version 2"):  # nobody gives it back: refused after the wait
             restarted.pull(1, island=5)
     finally:
+        restarted.shutdown()
+
+
+@pytest.mark.parametrize("downlink", ["fp32", "int4"])
+def test_a_restarted_synchronizer_takes_back_the_versions_a_learner_island_received_as_updates(tmp_path, downlink):
+    """A learner island that received its versions from the subscription (not pulled) gives them
+    back after a kill, with either downlink. With fp32 the island held base + an fp32 delta, a
+    rounding away from the logged value: no version was ever taken back (issue 48, 4(a))."""
+    config = run_config(downlink=downlink)
+    sync = Synchronizer(config, checkpoint_dir=tmp_path).start()
+    link = LocalLink(sync)
+    learner = None
+    try:
+        info = link.join(0, 1, SPECS)
+        with_peer_votes(sync, range(4))  # a lone entry does not wait for a peer's vote
+        g = torch.Generator().manual_seed(0)
+        # weights near 0 beside their steps: an fp32 delta is inexact where a weight's sign or
+        # binade changes (elsewhere base + (new - base) is new exactly)
+        params = [1e-3 * torch.randn(s.shape, generator=g) for s in SPECS]
+        learner = IslandLearner(params, layout(config), config, island=0, link=link, heartbeat_every=60)
+        learner.start(run_step=info.run_step)
+        sync.checkpoint()  # at version 0: every later version is the log's alone
+        for _ in range(12):
+            with torch.no_grad():
+                for p in params:
+                    p.add_(0.01 * torch.randn(p.shape, generator=g))  # stands in for an inner step
+            learner.after_step(10.0)
+            assert learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), 120)
+        held = {p: learner._held(p) for p in range(2)}
+        assert min(v for v, _ in held.values()) >= 2, held  # versions came as updates, not only the first pull
+    finally:
+        if learner is not None:
+            learner.close()
+        link.close()
+        sync.shutdown()  # no final checkpoint: the kill
+    # a run of one island: what it holds is taken at once, the last version or not (its send's
+    # round may have closed before it applied the version)
+    restarted = Synchronizer(config, checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1)
+    assert restarted.versions() == {0: -1, 1: -1}
+    restarted_link = LocalLink(restarted)
+    restarted_link.join(0, 1, SPECS, num_islands=1)
+    leader = LeaderSync(restarted_link, island=0, uplink=get_codec("fp32"), feedback=False,
+                        layout_hash=layout(config).hash, executor=sync_pool(0, 1), progress=lambda: (0, 0.0, 0),
+                        holds=held.get)
+    try:
+        leader._give_back([0, 1])  # what its heartbeat thread does when it sees both waiting
+        assert restarted.versions() == {p: v for p, (v, _) in held.items()}  # nothing lost
+        for p, (_, value) in held.items():
+            assert torch.equal(restarted.pull(p)[1], value)
+    finally:
+        leader.close()
+        restarted_link.close()
         restarted.shutdown()
