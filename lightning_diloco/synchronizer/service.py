@@ -58,7 +58,7 @@ from lightning_diloco.synchronizer.fragment import Fragment, Shared
 from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
 from lightning_diloco.synchronizer.requests import Tally, layout_difference
 from lightning_diloco.synchronizer.rounds import ClosedRound
-from lightning_diloco.synchronizer.version_log import RECOVERY_PULL_WAIT, RECOVERY_SETTLE, RECOVERY_WAIT, VersionLog
+from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE, RECOVERY_WAIT, VersionLog
 
 log = logging.getLogger(__name__)
 
@@ -405,7 +405,7 @@ class Synchronizer:
         looked at here, outside the fragment's lock) and is served then."""
         owned = self._fragment(fragment)
         if island is not None:
-            until = time.monotonic() + RECOVERY_PULL_WAIT
+            until = time.monotonic() + version_log.RECOVERY_PULL_WAIT  # read at the call: a test shortens it
             self._fall_back_if_overdue()
             while owned.awaits_recovery(island, until):
                 self._fall_back_if_overdue()
