@@ -49,6 +49,11 @@ class ScheduleConfig:
     """tau, in inner steps: the new global fragment is applied tau steps after it was sent (or
     the first later step at which it has arrived). 0 waits for it in the same step: synchronous
     DiLoCo. Larger tau hides more latency but applies an older global fragment."""
+    synchronous_steps: int = 0
+    """Inner steps, on the run's clock, at the start of the run in which the islands apply each
+    merge at its send and wait for its round (tau 0: synchronous DiLoCo) before they overlap by
+    ``overlap_steps``: a synchronous warm start. One step of delay costs most while the model
+    changes fastest (docs/algorithm.md#the-learner). 0: overlap from the first step."""
     apply: ApplyMode = "mix"
     """How a received global fragment meets the local one: ``mix`` (alpha * local + (1 - alpha)
     * global, Streaming DiLoCo's rule), ``overwrite`` (the paper's rule: the global fragment
@@ -78,6 +83,7 @@ class ScheduleConfig:
             f"overlap_steps={self.overlap_steps} must be in [0, sync_every={self.sync_every}); a fragment must "
             "land before it is due again",
         )
+        _check(self.synchronous_steps >= 0, f"synchronous_steps={self.synchronous_steps} must be >= 0 inner steps")
         _check_choice("apply", self.apply, APPLY_MODES)
         _check(0.0 <= self.mix_alpha < 1.0, f"mix_alpha={self.mix_alpha} must be in [0, 1)")
         _check(0.0 <= self.rebase_keep <= 1.0, f"rebase_keep={self.rebase_keep} must be in [0, 1]: the share of the progress kept")

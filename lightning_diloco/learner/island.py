@@ -245,7 +245,7 @@ class IslandLearner:
         for p, r in plan.send:
             self._send(p, r)
         applies = plan.apply
-        if self.config.schedule.overlap_steps == 0 and plan.send:  # synchronous DiLoCo waits for its rounds
+        if self._overlap() == 0 and plan.send:  # synchronous DiLoCo waits for its rounds
             waited_from = self.clock.now()
             applies = applies + self._share(self._await_rounds([p for p, _ in plan.send]) if self.is_leader else None)
             self.network_wait_s += self.clock.now() - waited_from
@@ -253,6 +253,11 @@ class IslandLearner:
             self._apply(a)
         self._last_step_at = self.clock.now()
         self.blocked_s += self._last_step_at - started
+
+    def _overlap(self) -> int:
+        """tau at this step: 0 during the synchronous warm start (``synchronous_steps``)."""
+        sched = self.config.schedule
+        return 0 if self.schedule_step <= sched.synchronous_steps else sched.overlap_steps
 
     def _plan(self) -> StepPlan:
         """The leader's decisions for this step boundary: realign, send, apply, give up."""
@@ -294,7 +299,7 @@ class IslandLearner:
         # synchronous DiLoCo waits for the version of each round it sends for now: a version of
         # such a fragment that came before stays in the inbox, where that one supersedes it (taken
         # here as well, it was a second apply of the fragment in the step: KeyError, 2026-11-27)
-        awaited = {p for p, _ in send} if self.config.schedule.overlap_steps == 0 else set()
+        awaited = {p for p, _ in send} if self._overlap() == 0 else set()
         # the version of a send's round may come before the send's ack (the round closed while the
         # ack was on its way): taken then, it could not end the flight, which went on to wait for
         # the next round's version and skipped the send for it (a 1-in-6 hang of a test, 2026-11-28)
@@ -364,7 +369,7 @@ class IslandLearner:
             future = self.leader.push(fragment=p, round=r, local=local, base=base, base_version=f.version,
                                       tokens=f.tokens, steps=f.steps, seq=self.seq)
             future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
-        f.sent(Flight(fragment=p, round=r, apply_at=self.step + self.config.schedule.overlap_steps,
+        f.sent(Flight(fragment=p, round=r, apply_at=self.step + self._overlap(),
                       snapshot=snapshot if rebase else None, tokens_at_send=f.tokens, steps_at_send=f.steps,
                       sent_at=self.clock.now(), future=future))
         self._count("sent")

@@ -55,14 +55,17 @@ def test_one_island_reproduces_the_real_strategy_run_golden():
                  rtol=1e-4, atol=1e-5)
 
 
-def test_synchronous_islands_equal_a_hand_written_diloco_loop():
+@pytest.mark.parametrize("overlap, synchronous_steps", [(0, 0), (1, 24)], ids=["tau-0", "tau-1-synchronous-warm-start"])
+def test_synchronous_islands_equal_a_hand_written_diloco_loop(overlap, synchronous_steps):
     """With no delays, islands in phase, quorum M, tau 0, one fragment, exact codecs, a plain mean
     and no bounds, the simulator's global model after N outer steps is plain DiLoCo's:
     every island trains H steps from the global model, the outer gradient is the mean of
-    (global - local), and the outer optimizer is Nesterov SGD."""
+    (global - local), and the outer optimizer is Nesterov SGD. Overlapping islands (tau 1) are
+    synchronous DiLoCo as long as their synchronous warm start lasts, here the whole run."""
     M, H, rounds = 2, 4, 6
-    settings = {"sync_every": H, "num_fragments": 1, "overlap_steps": 0, "min_quorum": M, "uplink_codec": "fp32",
-                "downlink_codec": "fp32", "merge": "mean", "outlier_z": 0.0, "apply": "overwrite"}
+    settings = {"sync_every": H, "num_fragments": 1, "overlap_steps": overlap, "synchronous_steps": synchronous_steps,
+                "min_quorum": M, "uplink_codec": "fp32", "downlink_codec": "fp32", "merge": "mean",
+                "outlier_z": 0.0, "apply": "overwrite"}
     config = config_with(settings)
     result = Simulation(config, lambda i: Regression(i), [IslandPlan() for _ in range(M)], steps=H * rounds).run()
     assert result.outer_steps == rounds and result.per_outer_step == M
@@ -81,6 +84,24 @@ def test_synchronous_islands_equal_a_hand_written_diloco_loop():
         theta.grad = torch.stack(deltas).mean(0)
         outer.step()
     torch.testing.assert_close(flat(result.global_model), theta.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_the_synchronous_warm_start_ends_at_its_step():
+    """Islands that overlap (tau 1) after a synchronous warm start of two rounds: the first two
+    global versions are synchronous DiLoCo's (the same as a run synchronous throughout), and the
+    rest differ from it, as they do in a run with no warm start from the first round on."""
+    M, H, rounds = 2, 4, 6
+    base = {"sync_every": H, "num_fragments": 1, "min_quorum": M, "uplink_codec": "fp32", "downlink_codec": "fp32",
+            "merge": "mean", "outlier_z": 0.0, "apply": "overwrite"}
+
+    def run(steps: int, **settings) -> torch.Tensor:
+        config = config_with({**base, **settings})
+        return flat(Simulation(config, lambda i: Regression(i), [IslandPlan() for _ in range(M)], steps=steps).run().global_model)
+
+    synchronous = run(2 * H, overlap_steps=0)
+    assert torch.equal(run(2 * H, overlap_steps=1, synchronous_steps=2 * H), synchronous)
+    assert not torch.equal(run(2 * H, overlap_steps=1), synchronous), "without the warm start tau 1 differs at once"
+    assert not torch.equal(run(H * rounds, overlap_steps=1, synchronous_steps=2 * H), run(H * rounds, overlap_steps=0))
 
 
 def _eventful_run():
