@@ -16,8 +16,8 @@ published_0 is the seed, exact. Every island holds published_v, as the synchroni
 and what a step could not carry (global_v - published_v) goes into the next one: an island's copy
 stays within one quantisation step of the global model however many versions it received.
 
-An island holding an older version h gets step_{h+1} ... step_v in order (its inbox adds them up,
-learner/inbox.py), or published_v whole in fp32 when those steps are no longer kept or would cost
+An island holding an older version h gets step_{h+1} ... step_v in order (added to its copy one at a
+time, in this order, so that it holds published_v bit for bit: learner/inbox.py), or published_v whole in fp32 when those steps are no longer kept or would cost
 more bytes than the whole value. Whatever goes out whole is published_v, never global_v, so the
 next step lands an island on the value every other island holds.
 

@@ -58,6 +58,8 @@ class Apply:
     version: int
     base_version: int
     """-1: the leader's value is the whole fragment; else the change from this version (the one held)."""
+    steps: int
+    """How many tensors the leader shares (:attr:`Arrival.steps`): the other ranks take as many."""
     ends_flight: bool
     included: bool
 

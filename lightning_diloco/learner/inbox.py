@@ -2,8 +2,10 @@
 
 The subscription's reader threads put new global versions (as the delta from the version the
 island holds, or whole) and round requests in; the island leader takes them at step boundaries.
-Only the newest version of each fragment is kept (deltas received meanwhile are summed): an island
-that was busy applies the latest and skips the ones in between.
+Only the newest version of each fragment is taken: an island that was busy applies the latest once
+and skips the ones in between. The steps received meanwhile are kept apart, in order, and added to
+the island's base one by one (:class:`Arrival`), so that its copy is the published value bit for
+bit and can be given back to a restarted synchronizer (synchronizer/version_log.py).
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True, frozen=True)
 class Arrival:
     """A new global version as the island takes it: the :class:`VersionUpdate`s received since the
-    version the island holds, decoded and summed (or the full value)."""
+    version the island holds, decoded (or the full value)."""
 
     fragment: int
     version: int
     round: int
     """The round that produced this version (-1: none known, e.g. a pulled or seeded value)."""
-    value: torch.Tensor
-    """The whole fragment's change since ``base_version`` (the version the island holds), or the
-    full global fragment when ``base_version`` is -1. Never modified in place."""
+    steps: tuple[torch.Tensor, ...]
+    """With ``base_version`` -1, one tensor: the full global fragment. Otherwise the whole
+    fragment's changes from ``base_version`` (the version the island holds) to ``version``, in the
+    order they were published, to be added to the island's base one at a time: the synchronizer
+    publishes published_v = published_{v-1} + step_v (core/downlink.py), and in fp32
+    (base + s1) + s2 is not base + (s1 + s2), so an island that added their sum held a value
+    that was not the published one, nor was any version built on it, and gave nothing back
+    after a synchronizer's restart. Never modified in place."""
     base_version: int
     included: bool
     """A contribution of this island was merged since the version it held before."""
@@ -47,9 +54,15 @@ class Inbox:
     leader, the global model it kept as the base of the next delta)."""
 
     def __init__(self, versions: list[int], numels: list[int], block_size: int,
-                 sparse_density: float = DEFAULT_DENSITY, clock: Clock = SYSTEM_CLOCK) -> None:
-        """``clock``: what :meth:`wait` waits on (the island's)."""
+                 sparse_density: float = DEFAULT_DENSITY, clock: Clock = SYSTEM_CLOCK, max_steps: int = 4) -> None:
+        """``clock``: what :meth:`wait` waits on (the island's). ``max_steps``: the most steps of
+        one fragment kept apart until the island takes them (the synchronizer's ``history``, S:
+        a reopened stream brings at most S - 1), each a decoded fp32 copy of the fragment; past
+        it they are summed, as they all were before (memory stays at S copies per fragment), and
+        the island's copy rounds away from the published value until it is sent the fragment whole."""
+        assert max_steps >= 1, f"{max_steps=}"
         self.block_size, self.sparse_density, self.numels, self.clock = block_size, sparse_density, numels, clock
+        self.max_steps = max_steps
         self.cond = threading.Condition()
         self.received = dict(enumerate(versions))  # the newest version known per fragment
         self.fresh: dict[int, Arrival] = {}
@@ -76,24 +89,38 @@ class Inbox:
             log.warning("fragment %d: version %d came as a delta against %d, but this island holds %d; ignored",
                         p, event.version, event.base_version, have)
             return
-        arrival = Arrival(fragment=p, version=event.version, round=event.round, value=update,
+        arrival = Arrival(fragment=p, version=event.version, round=event.round, steps=(update,),
                           base_version=event.base_version if event.base_version == -1 else have, included=event.included)
         self.put(arrival, payload_bytes=payload_size(event.payload))
 
     def put(self, arrival: Arrival, payload_bytes: int = 0) -> None:
-        """Make ``arrival`` the newest known version of its fragment: a delta is added to the one
-        not yet taken (the island holds the version before both)."""
+        """Make ``arrival`` the newest known version of its fragment: a delta is chained onto the
+        one not yet taken (the island holds the version before both)."""
         with self.cond:
             self.bytes_received += payload_bytes
             old = self.fresh.get(arrival.fragment)
             if old is not None:
                 if arrival.base_version != -1:  # chain it onto what waits: still against the island's version
-                    arrival = dataclasses.replace(arrival, value=old.value + arrival.value, base_version=old.base_version)
+                    arrival = dataclasses.replace(arrival, steps=self._chained(old, arrival), base_version=old.base_version)
                 if old.included:  # keep the news that our work is in
                     arrival = dataclasses.replace(arrival, included=True)
             self.received[arrival.fragment] = arrival.version
             self.fresh[arrival.fragment] = arrival
             self.cond.notify_all()
+
+    def _chained(self, old: Arrival, new: Arrival) -> tuple[torch.Tensor, ...]:
+        """The steps of ``old`` followed by ``new``'s (one delta step)."""
+        if old.base_version == -1:  # published_v = published_{v-1} + step_v: the synchronizer's own sum
+            return (old.steps[0] + new.steps[0],)
+        if len(old.steps) < self.max_steps:
+            return old.steps + new.steps
+        summed = old.steps[0].clone()  # memory stays bounded; the island's copy leaves the published value
+        for step in old.steps[1:] + new.steps:
+            summed.add_(step)
+        log.info("fragment %d: more than %d steps came before the island took one: summed (its copy of version %d "
+                 "rounds away from the published value until the fragment is sent whole)",
+                 new.fragment, self.max_steps, new.version)
+        return (summed,)
 
     def on_request(self, request: RoundRequest) -> None:
         with self.cond:

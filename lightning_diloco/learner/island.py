@@ -207,7 +207,7 @@ class IslandLearner:
         if self.is_leader:
             numels = [self.layout.fragment_numel(p) for p in range(self.layout.num_fragments)]
             self.inbox = Inbox(self.versions, numels, self.config.codec.block_size, self.config.codec.sparse_density,
-                               clock=self.clock)
+                               clock=self.clock, max_steps=self.config.merge.history)
             self.link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
                                 on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
             self.leader.start_heartbeat()
@@ -314,8 +314,8 @@ class IslandLearner:
         newest value may be a later version by then (it is still fresh, to be applied next)."""
         ends = ends and self.fragments[a.fragment].flight.ended_by(a)
         self._taken[a.fragment] = a
-        return Apply(fragment=a.fragment, version=a.version, base_version=a.base_version, ends_flight=ends,
-                     included=a.included)
+        return Apply(fragment=a.fragment, version=a.version, base_version=a.base_version, steps=len(a.steps),
+                     ends_flight=ends, included=a.included)
 
     def _failed_flights(self) -> list[int]:
         """Flights whose push was refused or unreachable (at their apply step), or that waited too long."""
@@ -376,11 +376,15 @@ class IslandLearner:
 
     def _apply(self, a: Apply) -> None:
         p, sched = a.fragment, self.config.schedule
-        value = self._taken.pop(p).value if self.is_leader else None
-        value = self._share_fragment(p, value)
+        steps = self._taken.pop(p).steps if self.is_leader else (None,) * a.steps
         f = self.fragments[p]
-        if a.base_version >= 0:  # a delta from the version this island holds: onto each rank's own part
-            value = f.base + value
+        if a.base_version >= 0:  # deltas from the version this island holds: onto each rank's own part
+            # one at a time, in the synchronizer's order (published + step): its published value bit for bit
+            value = f.base + self._share_fragment(p, steps[0])
+            for step in steps[1:]:
+                value.add_(self._share_fragment(p, step))
+        else:
+            value = self._share_fragment(p, steps[0])
         ends_send = a.ends_flight and f.flight.snapshot is not None
         reference = f.flight.snapshot if ends_send else f.base
         # kappa applies to the progress since a merged send; progress on an older version is all unmerged

@@ -4,7 +4,7 @@ a virtual clock, an executor that takes turns with it and a link whose messages 
 All of the island is the real one's code: every decision at a step boundary (what is due,
 realigning on the run's clock, skipping a fragment in flight, replacing a late send, when to
 apply and how), the leader's pushes (the uplink's encoding with error feedback, on its executor)
-and heartbeat, the inbox that sums deltas, its waits, the apply rules and the end of the run. What
+and heartbeat, the inbox that chains deltas, its waits, the apply rules and the end of the run. What
 the simulation gives it in place of the machine's: its clock (:class:`IslandClock`: waits run the
 event queue, the heartbeat is an event every ``heartbeat_every`` virtual seconds), its executor
 (simulate/turns.py) and its link (:class:`SimLink`: calls answered at once, pushes and the

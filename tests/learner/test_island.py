@@ -256,8 +256,8 @@ def test_a_version_arriving_between_decision_and_apply_is_applied_next_not_in_pl
     _settle(first)
     assert second.inbox.wait(lambda: 0 in second.inbox.fresh, WAIT_S)
     decided = second.inbox.fresh[0]  # a delta from the version island 1 holds (or whole)
-    decided_value = decided.value if decided.base_version < 0 else second.fragments[0].base + decided.value
-    newer = Arrival(fragment=0, version=decided.version + 1, round=decided.round + 1, value=torch.ones_like(decided.value),
+    decided_value = decided.steps[0] if decided.base_version < 0 else second.fragments[0].base + decided.steps[0]
+    newer = Arrival(fragment=0, version=decided.version + 1, round=decided.round + 1, steps=(torch.ones_like(decided.steps[0]),),
                     base_version=decided.version, included=False)
     take = second.inbox.take
 

@@ -96,7 +96,7 @@ def test_an_island_several_versions_behind_gets_the_steps_since_in_order_and_lan
     for u in updates:
         island = _apply(island, u)
     assert torch.equal(island, chain.value)
-    # summed first, then added (the inbox's order when the island takes them at once): fp32 rounding apart
+    # summed first, then added (the inbox's order before it kept steps apart): fp32 rounding apart
     summed = sum(get_codec("int4").decode(u.payload, NUMEL) for u in updates)
     assert torch.allclose(held[4] + summed, chain.value, rtol=0, atol=4 * torch.finfo(torch.float32).eps * float(chain.value.abs().max()))
     assert chain.updates(0, 7) == []

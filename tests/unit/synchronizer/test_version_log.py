@@ -267,3 +267,55 @@ def test_a_restarted_synchronizer_takes_back_the_versions_a_learner_island_recei
         leader.close()
         restarted_link.close()
         restarted.shutdown()
+
+
+def test_an_island_that_took_several_int4_steps_at_one_step_boundary_holds_the_published_value_and_gives_it_back(tmp_path):
+    """An island busy while three versions were published (a long validation) takes their int4
+    steps at one step boundary and applies them once. Added to its base one at a time, as the
+    synchronizer published them, they land on the published value bit for bit, which a restarted
+    synchronizer takes back. Summed first, they did not, nor did any later version built on them:
+    the island gave nothing back (issue 48, 4)."""
+    config = run_config(num_fragments=1, downlink="int4")
+    sync = Synchronizer(config, checkpoint_dir=tmp_path).start()
+    link = LocalLink(sync)
+    learner = None
+    try:
+        info = link.join(0, 1, SPECS)
+        with_peer_votes(sync, range(4))  # a lone entry does not wait for a peer's vote
+        g = torch.Generator().manual_seed(0)
+        params = [torch.randn(s.shape, generator=g) for s in SPECS]
+        learner = IslandLearner(params, layout(config), config, island=0, link=link, heartbeat_every=60)
+        learner.start(run_step=info.run_step)
+        sync.checkpoint()  # at version 0: every later version is the log's alone
+        sync.join(1, 1, SPECS)  # another island publishes versions 1-3 while island 0 takes no step
+        numel = layout(config).fragment_numel(0)
+        for v in range(3):
+            sync.push(contribution(config, 1, 0, 0.05 * torch.randn(numel, generator=g), round=v + 1, base_version=v, seq=v))
+            assert learner.inbox.wait(lambda: learner.inbox.received[0] == v + 1, 60), v  # noqa: B023 - called here
+        assert len(learner.inbox.fresh[0].steps) == 3  # three int4 steps from version 0, not yet taken
+        learner.after_step(10.0)
+        assert learner.counters["received"] == 1  # the island's parameters changed once
+        held = learner._held(0)
+        version, published = sync.pull(0)
+        assert held[0] == version == 3
+        assert torch.equal(held[1], published)
+    finally:
+        if learner is not None:
+            learner.close()
+        link.close()
+        sync.shutdown()  # no final checkpoint: the kill
+    restarted = Synchronizer(config, checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1)
+    assert restarted.versions() == {0: -1}
+    restarted_link = LocalLink(restarted)
+    restarted_link.join(0, 1, SPECS, num_islands=1)
+    leader = LeaderSync(restarted_link, island=0, uplink=get_codec("fp32"), feedback=False,
+                        layout_hash=layout(config).hash, executor=sync_pool(0, 1), progress=lambda: (0, 0.0, 0),
+                        holds={0: held}.get)
+    try:
+        leader._give_back([0])
+        assert restarted.versions() == {0: 3}  # nothing lost
+        assert torch.equal(restarted.pull(0)[1], published)
+    finally:
+        leader.close()
+        restarted_link.close()
+        restarted.shutdown()
