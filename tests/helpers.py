@@ -63,7 +63,7 @@ def with_peer_votes(sync, islands) -> None:
     record in every fragment's influence guard, so an entry alone in a round has another island's
     vote to be bounded by and does not wait for a peer's (synchronizer/rounds.py). The votes are so
     large that they bound nothing: the tests that use this are about something else."""
-    for fragment in sync.fragments.values():
+    for fragment in sync.run.fragments.values():
         for island in islands:
             fragment.rounds.guard.record(island, 1e30, 1e30, 1)
 

@@ -211,7 +211,7 @@ class IslandMembership:
         for an embedded synchronizer, the synchronizer's."""
         return {
             "learner": learner_state if learner_state is not None else self.learner.state_dict(),
-            "embedded": self.embedded.snapshot().state_dict() if self.embedded and self.embedded.state else None,
+            "embedded": self.embedded.snapshot().state_dict() if self.embedded and self.embedded.run.state else None,
         }
 
     # ---- hyperparameters, metrics and the end -----------------------------------------------------

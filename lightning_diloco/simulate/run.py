@@ -35,6 +35,7 @@ from lightning_diloco.simulate.island import InnerLoop, SimIsland
 from lightning_diloco.simulate.turns import Answer, Turns
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 
 LIVENESS_TIMEOUT = 5.0  # seconds, as the launcher runs its synchronizer
 HEARTBEAT_EVERY = 1.0  # seconds, as a real island beats
@@ -120,8 +121,8 @@ class Simulation:
         self.config, self.make_loop, self.plans, self.steps, self.sync_time = config, make_loop, plans, steps, sync_time
         self.queue = EventQueue()
         self.turns = Turns()
-        self.service = Synchronizer(config, clock=lambda: self.queue.now, liveness_timeout=LIVENESS_TIMEOUT,
-                                    num_islands=len(plans))
+        self.service = Synchronizer(config, SynchronizerSettings(num_islands=len(plans), liveness_timeout=LIVENESS_TIMEOUT,
+                                                                 clock=lambda: self.queue.now))
         self.islands: dict[int, SimIsland] = {}  # the live incarnation of each island
         self.incarnation = [0] * len(plans)  # events of a dead incarnation are dropped
         self.trained = [0] * len(plans)
@@ -186,7 +187,7 @@ class Simulation:
             with membership.changed:
                 requests = membership.take_requests(island, now)
             events: list[RoundRequest | VersionUpdate] = list(requests)
-            for p, fragment in self.service.fragments.items():
+            for p, fragment in self.service.run.fragments.items():
                 if fragment.state is not None and fragment.state.version != delivered.get(p, -1):
                     updates = fragment.updates_for(island, delivered.get(p, -1))
                     for update in updates:
@@ -211,13 +212,13 @@ class Simulation:
     def _after_event(self) -> None:
         now = self.queue.now
         self.service.poll(now)
-        self.service.closers.sync_time = self.sync_time  # the closer measures the wall clock; here it is a parameter
+        self.service.run.closers.sync_time = self.sync_time  # the closer measures the wall clock; here it is a parameter
         self._deliver()
         live = self.service.live_islands(now)
         step_time = self.service.membership.step_time(live)
-        for fragment in self.service.fragments.values():
+        for fragment in self.service.run.fragments.values():
             with fragment.cond:
-                decision = fragment.rounds.decide(fragment.state, now, live, step_time, self.sync_time, self.service.quorum())
+                decision = fragment.rounds.decide(fragment.state, now, live, step_time, self.sync_time, self.service.run.quorum())
             if decision.deadline is not None and decision.deadline > now and decision.deadline not in self.polls:
                 self.polls.add(decision.deadline)
                 self.queue.at(decision.deadline, partial(self.polls.discard, decision.deadline))
@@ -290,7 +291,7 @@ class Simulation:
         assert model is not None
         with torch.no_grad():
             named = dict(model.named_parameters())
-            layout = self.service.state.layout
+            layout = self.service.run.state.layout
             for p, members in enumerate(layout.fragments):
                 _, value = self.service.pull(p)
                 offset = 0
@@ -299,7 +300,7 @@ class Simulation:
                     tensor.copy_(value[offset:offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
         status = self.service.status()
-        rounds = [fragment.round_status() for fragment in self.service.fragments.values()]
+        rounds = [fragment.round_status() for fragment in self.service.run.fragments.values()]
         return SimResult(global_model=model, virtual_s=self.queue.now, outer_steps=status.outer_steps,
                          contributions=sum(r.merged_entries for r in rounds), late=sum(r.merged_late for r in rounds),
                          superseded=sum(r.superseded for r in rounds), clipped=sum(r.clipped for r in rounds),

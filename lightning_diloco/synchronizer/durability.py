@@ -84,15 +84,15 @@ def open_directory(directory: Path | None, identity: dict, layout_hash: str | No
 
 class Checkpointer:
     def __init__(self, directory: Path | None, every: int, *, snapshot: Callable[[], SynchronizerState | None],
-                 outer_steps: Callable[[], int], closing: threading.Event, versions: VersionLog | None = None) -> None:
+                 outer_steps: Callable[[], int], closing: threading.Event, due: threading.Event,
+                 versions: VersionLog | None = None) -> None:
         """``every``: outer steps between checkpoints (0: only when asked); ``snapshot()``: a
         consistent copy of the state to save (None before the first join); ``outer_steps()``:
-        the live state's count, to tell when one is due; ``versions``: the version log, compacted
-        after each checkpoint."""
+        the live state's count, to tell when one is due; ``due``: set after each close, when one
+        may be due; ``versions``: the version log, compacted after each checkpoint."""
         self.directory, self.every, self.versions = directory, every, versions
-        self.snapshot, self.outer_steps, self.closing = snapshot, outer_steps, closing
+        self.snapshot, self.outer_steps, self.closing, self.due = snapshot, outer_steps, closing, due
         self.lock = threading.Lock()
-        self.due = threading.Event()
         self.last_steps = outer_steps()
         self.failures, self.last_error = 0, ""
         self._thread: threading.Thread | None = None

@@ -101,6 +101,7 @@ def raise_open_files_limit() -> tuple[int, int]:
 def run_synchronizer(args: argparse.Namespace) -> int:
     from lightning_diloco.synchronizer.server import SynchronizerServer
     from lightning_diloco.synchronizer.service import Synchronizer
+    from lightning_diloco.synchronizer.settings import SynchronizerSettings
 
     keep_freed_memory()
     # Concurrency comes from one thread per call; a torch thread team per call thread would
@@ -110,18 +111,11 @@ def run_synchronizer(args: argparse.Namespace) -> int:
     soft, hard = raise_open_files_limit()
     log.info("open descriptors: up to %d (soft limit; the hard limit is %s, set by ulimit -Hn)", soft,
              "unlimited" if hard == resource.RLIM_INFINITY else hard)
-    service = Synchronizer(
-        run_config_from_args(args),
-        shard=args.shard,
-        num_shards=args.num_shards,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
+    service = Synchronizer(run_config_from_args(args), SynchronizerSettings(
+        shard=args.shard, num_shards=args.num_shards, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        recovery_wait=args.recovery_wait, run_id=args.run_id, layout_hash=args.layout_hash, num_islands=args.num_islands,
         liveness_timeout=args.liveness_timeout,
-        run_id=args.run_id,
-        layout_hash=args.layout_hash,
-        num_islands=args.num_islands,
-        recovery_wait=args.recovery_wait,
-    )
+    ))
     server = SynchronizerServer(
         service, host=args.host, port=args.port, token=resolve_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         max_workers=args.max_workers,

@@ -226,7 +226,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         """The payload after its header (a seed's or a push's), read in one of ``island``'s payload
         stream slots; a client that sends it too slowly is cancelled (deadlines.py)."""
         # an island pushes at most one stream per fragment, plus retries overlapping the old ones
-        release = self.streams.take(island, "payload", self.service.config.schedule.num_fragments + 2)
+        release = self.streams.take(island, "payload", self.service.run.config.schedule.num_fragments + 2)
         seconds = payload_deadline(expected)
         done = self.deadlines.watch(context, seconds)
         try:
@@ -257,7 +257,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     @_handler
     def Join(self, request, context, caller):
         self.acting_as(caller, request.island)
-        self.service.admit_join(len(request.tensors))
+        self.service.run.admit_join(len(request.tensors))
         try:
             specs = [TensorSpec(name=t.name, shape=tuple(t.shape), dtype=t.dtype, role=t.role) for t in request.tensors]
             # unset is "": no session to present, as a new process (a join that left it out, once

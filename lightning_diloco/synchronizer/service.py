@@ -2,8 +2,10 @@
 
 Transport-agnostic: the gRPC server and in-process callers drive the same object.
 
-- The run: its settings, layout and island count (fixed by the first joiners or the operator),
-  its membership and clock (membership.py), its checkpoints (durability.py) and Status.
+- The run: its settings, layout and island count (fixed by the first joiners or the operator)
+  and its owned fragments (run.py), its membership and clock (membership.py), its checkpoints
+  (durability.py) and Status. How this synchronizer runs (shard, checkpoints, pins, clock):
+  settings.py.
 - Each owned fragment is one :class:`~lightning_diloco.synchronizer.fragment.Fragment`
   (fragment.py), which owns its state, rounds, lock, recovery after a restart and what it takes
   in. A seed, a push or a pull is checked here for what every request of an island passes (the
@@ -33,125 +35,68 @@ import torch
 
 from lightning_diloco.core.codecs import EXACT, Payload
 from lightning_diloco.core.config import RunConfig
-from lightning_diloco.core.fragments import FragmentLayout, TensorSpec, build_layout
+from lightning_diloco.core.fragments import FragmentLayout, TensorSpec
 from lightning_diloco.core.protocol import Beat, Contribution, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
-from lightning_diloco.core.quorum import quorum_in_run
-from lightning_diloco.core.schedule import due_step, fragment_offsets
-from lightning_diloco.core.state import SynchronizerState, owned_by_shard, shard_of
+from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer import version_log
-from lightning_diloco.synchronizer.admission import (
-    count_agreed,
-    fitted_to_model,
-    fragments_lowered,
-    join_problem,
-    layout_pin_problem,
-    num_islands_problem,
-    resumed_settings,
-    running_message,
-    tensor_count_problem,
-)
-from lightning_diloco.synchronizer.closers import Closers
+from lightning_diloco.synchronizer.admission import join_problem, running_message
 from lightning_diloco.synchronizer.delivery import island_events
 from lightning_diloco.synchronizer.durability import Checkpointer, open_directory
-from lightning_diloco.synchronizer.fragment import Fragment, Shared
-from lightning_diloco.synchronizer.membership import LIVENESS_TIMEOUT, IslandRunning, Membership, SessionError
-from lightning_diloco.synchronizer.requests import Tally, layout_difference
+from lightning_diloco.synchronizer.fragment import Shared
+from lightning_diloco.synchronizer.membership import IslandRunning, Membership, SessionError
+from lightning_diloco.synchronizer.requests import Tally
 from lightning_diloco.synchronizer.rounds import ClosedRound
-from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE, RECOVERY_WAIT, VersionLog
+from lightning_diloco.synchronizer.run import Run
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
+from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE, VersionLog
 
 log = logging.getLogger(__name__)
 
 
 class Synchronizer:
-    def __init__(
-        self,
-        config: RunConfig,
-        *,
-        shard: int = 0,
-        num_shards: int = 1,
-        checkpoint_dir: str | Path | None = None,
-        checkpoint_every: int = 0,
-        liveness_timeout: float = LIVENESS_TIMEOUT,
-        clock: Callable[[], float] = time.monotonic,
-        state: SynchronizerState | None = None,
-        run_id: str | None = None,
-        layout_hash: str | None = None,
-        num_islands: int | None = None,
-        recovery_wait: float = RECOVERY_WAIT,
-    ) -> None:
-        """``checkpoint_every``: outer steps between checkpoints (0: only on close).
-
-        ``recovery_wait``: seconds after start that a fragment whose logged version is newer than
-        its checkpoint's waits for an island to give that version back (version_log.py) before the
-        checkpoint's version is served instead.
-
-        ``run_id``: the run's name in its checkpoints; a checkpoint of another run, or of another
-        shard, is refused naming both. None: the checkpoint's (or, starting afresh, a new one).
-        ``layout_hash``: the run's layout, pinned: a first joiner (or a checkpoint) with another
-        is refused instead of adopted. None: the first joiner's is adopted. ``num_islands``: the
-        run's island count, pinned the same way (None: the count a quorum of the islands says,
-        admission.py's :func:`count_agreed`; no one island's).
-
-        ``liveness_timeout``: seconds without a heartbeat (or any request) after which an island
-        is no longer waited for. ``state``: start from this state (e.g. restored from an island's
-        checkpoint) unless ``checkpoint_dir`` holds one. Call :meth:`start` to run the closers.
-        """
-        self.config = config
-        self.owned = owned_by_shard(shard, num_shards)
-        self.shard, self.num_shards = shard, num_shards
+    def __init__(self, config: RunConfig, settings: SynchronizerSettings | None = None, *,
+                 state: SynchronizerState | None = None) -> None:
+        """``settings``: how this synchronizer runs (settings.py; None: the defaults, an embedded
+        one's). ``state``: start from this state (e.g. restored from an island's checkpoint)
+        unless the checkpoint directory holds one. Call :meth:`start` to run the closers."""
+        settings = settings or SynchronizerSettings()
+        self.shard, self.num_shards, self.clock = settings.shard, settings.num_shards, settings.clock
         self.incarnation = uuid.uuid4().hex[:12]  # per-process counters (accepted, refused) restart with it
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.clock = clock
-        self.lock = threading.RLock()  # layout adoption, the run's island count, start
-        self.membership = Membership(liveness_timeout, lead_steps=config.schedule.sync_every)
+        self.checkpoint_dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
+        self.membership = Membership(settings.liveness_timeout, lead_steps=config.schedule.sync_every)
         self.closing = threading.Event()  # set on shutdown: waiting calls return at once
         self.tally = Tally()
-        self.state: SynchronizerState | None = state
-        self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
-        self.identity = {"run_id": run_id, "shard": shard, "num_shards": num_shards}
+        self.identity = {"run_id": settings.run_id, "shard": settings.shard, "num_shards": settings.num_shards}
         # the directory is this synchronizer's until shutdown: a second shard on it is refused here; the
         # run's island count, fixed by the operator or a quorum of the islands (0: not yet)
-        self.directory_lock, loaded, self.num_islands = open_directory(self.checkpoint_dir, self.identity, layout_hash,
-                                                                       state, num_islands)
+        self.directory_lock, loaded, num_islands = open_directory(self.checkpoint_dir, self.identity, settings.layout_hash,
+                                                                  state, settings.num_islands)
         # every published version's digest, logged before it is seen: what a restart gets back
-        self.logged = version_log.read(self.checkpoint_dir)
+        logged = version_log.read(self.checkpoint_dir)
         self.version_log = VersionLog(self.checkpoint_dir) if self.checkpoint_dir is not None else None
-        recovery_deadline = clock() + recovery_wait
-        recovery_settled_at = clock() + min(RECOVERY_SETTLE, recovery_wait)
+        wait = settings.recovery_wait
+        recovery_deadline, recovery_settled_at = self.clock() + wait, self.clock() + min(RECOVERY_SETTLE, wait)
         if loaded is not None:
-            self.state = loaded
+            state = loaded
             self.membership.restore_left(loaded.left, self.clock())
-        if self.state is not None:  # a resumed run keeps the settings it ran with, those it chose itself included
-            self.config, lowered = resumed_settings(config, self.state)
-            self.adjustments += [lowered] if lowered else []
         self.identity["run_id"] = self.identity["run_id"] or uuid.uuid4().hex[:16]
         if self.directory_lock is not None:  # now with the run's id, for the message of a second one
             self.directory_lock.record(self.identity)
-        self.layout_hash = layout_hash
-        self.stated_counts: dict[int, int] = {}  # island -> the num_islands it was started with, while the run's is not known
-        sched = self.config.schedule
-        self.offsets = fragment_offsets(sched.num_fragments, sched.sync_every)
-        self.fragments: dict[int, Fragment] = {}  # the owned ones, once the run has a layout
-        self._started = False
-        self.checkpointer = Checkpointer(self.checkpoint_dir, checkpoint_every, snapshot=self._snapshot_or_none,
-                                         outer_steps=lambda: self.state.outer_steps if self.state else 0, closing=self.closing,
-                                         versions=self.version_log)
-        self.shared = Shared(self.membership, self.tally, clock, self.version_log, self.checkpointer.due,
-                             recovery_settled_at=recovery_settled_at, recovery_deadline=recovery_deadline,
-                             recovery_wait=recovery_wait)
-        self.closers = Closers(self.fragments, self.membership, clock=self.clock, closing=self.closing, quorum=self.quorum)
-        if self.state is not None:
-            self._make_fragments(self.state.layout)
+        due = threading.Event()  # set after each close: the checkpointer writes one if it is due
+        self.shared = Shared(self.membership, self.tally, self.clock, self.version_log, due, recovery_settled_at=recovery_settled_at,
+                             recovery_deadline=recovery_deadline, recovery_wait=wait)
+        self.run = Run(config, state, settings, num_islands=num_islands, shared=self.shared, logged=logged, closing=self.closing)
+        self.checkpointer = Checkpointer(self.checkpoint_dir, settings.checkpoint_every, snapshot=lambda: self.run.snapshot(self.identity),
+                                         outer_steps=lambda: self.run.state.outer_steps if self.run.state else 0,
+                                         closing=self.closing, due=due, versions=self.version_log)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> Synchronizer:
         """Run one closer thread per owned fragment, now or once the first island has joined."""
-        with self.lock:
-            self._started = True
-            self.closers.start()
-            self.checkpointer.start()
+        self.run.start()
+        self.checkpointer.start()
         return self
 
     def shutdown(self, *, keep_checkpoint_dir: bool = False) -> None:
@@ -162,7 +107,7 @@ class Synchronizer:
         self._wake_closers()
         self.membership.wake()
         self.checkpointer.stop()
-        self.closers.stop()
+        self.run.closers.stop()
         if not keep_checkpoint_dir:
             self.release_checkpoint_dir()
 
@@ -174,23 +119,7 @@ class Synchronizer:
                 self.version_log.close()
             self.directory_lock.release()
 
-    def _make_fragments(self, layout: FragmentLayout) -> None:
-        """(Once the run's state, layout and schedule are settled.)"""
-        for p in range(layout.num_fragments):
-            if self.owned(p) and p not in self.fragments:
-                self.fragments[p] = Fragment(p, layout.fragment_specs(p), self.offsets[p], self.config, self.state,
-                                             self.shared, self.logged.get(p, []))
-        if self._started:
-            self.closers.start()
-
     # ---- membership -----------------------------------------------------------------------
-
-    def admit_join(self, tensors: int) -> None:
-        """A join's checks before its tensors are read (the server calls it with their count)."""
-        state = self.state
-        problem = tensor_count_problem(tensors, None if state is None else len(state.layout.specs))
-        if problem:
-            raise self.tally.refuse(Reason.LAYOUT_MISMATCH, problem)
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], *, num_islands: int = 0,
              previous_session: str | None = None) -> JoinInfo:
@@ -198,7 +127,7 @@ class Synchronizer:
 
         ``num_islands``: the run's island count as the island was started with (0: not said);
         once the operator or a quorum of the islands fixed the run's (admission.py), another is
-        refused naming both; before that, none is.
+        refused naming both; before that, none is. The layout: the run's (run.py).
         ``previous_session``: the session this client last had with this synchronizer ("": none,
         also what a remote join that leaves it out is taken as); None: an in-process caller (the
         embedded synchronizer's own island), not checked. A join as an island another client is
@@ -206,26 +135,7 @@ class Synchronizer:
         problem = join_problem(island, world_size, num_islands)
         if problem:
             raise self.tally.refuse(Reason.BAD_ISLAND, problem)
-        with self.lock:
-            if self.state is None and 0 < len(specs) < self.config.schedule.num_fragments:
-                self._fit_fragments(len(specs))
-        try:
-            layout = build_layout(list(specs), self.config.schedule.num_fragments)
-        except ValueError as err:
-            raise self.tally.refuse(Reason.LAYOUT_MISMATCH, str(err)) from None
-        with self.lock:
-            problem = num_islands_problem(island, num_islands, self.num_islands)
-            if problem:  # before the layout is adopted: a refused joiner decides nothing
-                raise self.tally.refuse(Reason.NUM_ISLANDS_MISMATCH, problem)
-            if self.state is None:
-                problem = layout_pin_problem(self.layout_hash, layout.hash)
-                if problem:
-                    raise self.tally.refuse(Reason.LAYOUT_MISMATCH, problem)
-                self.state = SynchronizerState(self.config, layout, {})
-                self._make_fragments(layout)
-                log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
-            elif self.state.layout.hash != layout.hash:
-                raise self.tally.refuse(Reason.LAYOUT_MISMATCH, layout_difference(self.state.layout, layout))
+        layout = self.run.adopt(island, specs, num_islands)
         now = self.clock()
         run_step = self.run_step(now)
         try:
@@ -235,29 +145,9 @@ class Synchronizer:
         except IslandRunning as running:
             raise self.tally.refuse(Reason.ISLAND_RUNNING, running_message(running)) from None
         if num_islands:
-            self._count_stated(island, num_islands)
-        return JoinInfo(config=self.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
+            self.run.count_stated(island, num_islands)
+        return JoinInfo(config=self.run.config, layout_hash=layout.hash, versions=self.versions(), run_step=run_step,
                         session=session, incarnation=self.incarnation)
-
-    def _count_stated(self, island: int, num_islands: int) -> None:
-        """A joined island said the count it was started with: the run's, once a quorum says it."""
-        with self.lock:
-            if self.num_islands:
-                return
-            self.stated_counts[island] = num_islands
-            if count_agreed(self.stated_counts, num_islands):
-                self.num_islands = num_islands
-                self.stated_counts.clear()
-                log.info("the run has num_islands=%d: a quorum of its islands was started with it", num_islands)
-
-    def _fit_fragments(self, tensors: int) -> None:
-        """The first island's model has fewer tensors than fragments asked for (tensors are never
-        split): the run takes one fragment per tensor, as an embedded synchronizer does."""
-        wanted = self.config.schedule.num_fragments
-        self.config = fitted_to_model(self.config, tensors)
-        self.offsets = fragment_offsets(tensors, self.config.schedule.sync_every)
-        self.adjustments.append(fragments_lowered(wanted, tensors))
-        log.warning("%s", self.adjustments[-1])
 
     def _check_session(self, island: int, session: str | None, what: str,
                        check: Callable[[int, str | None], None] | None = None) -> None:
@@ -293,12 +183,8 @@ class Synchronizer:
 
     def _wake_closers(self) -> None:
         """Liveness or the quorum changed (or shutdown): every round looks again at what it waits for."""
-        for fragment in self.fragments.values():
+        for fragment in self.run.fragments.values():
             fragment.wake()
-
-    def quorum(self) -> int:
-        """The contributors a round needs now: K, at most the islands still in the run."""
-        return quorum_in_run(self.config.merge.min_quorum, num_islands=self.num_islands, left=self.membership.left_count())
 
     def live_islands(self, now: float | None = None) -> set[int]:
         return self.membership.live(self.clock() if now is None else now)
@@ -309,68 +195,38 @@ class Synchronizer:
         opened, which the first island to join again starts from. Not the later of the two: a
         round one island opened ahead of the others would then place every island that joins or
         rejoins at it, and carry the clock with them."""
-        now = self.clock() if now is None else now
-        clock = self.membership.run_step(now)
-        if clock is not None:
-            return clock
-        from_rounds = 0
-        state = self.state
-        if state is not None:
-            H = self.config.schedule.sync_every
-            for p, frag in list(state.fragments.items()):
-                if frag.next_round > 0:
-                    from_rounds = max(from_rounds, due_step(frag.next_round - 1, self.offsets[p], H))
-        return from_rounds
+        clock = self.membership.run_step(self.clock() if now is None else now)
+        return clock if clock is not None else self.run.latest_round_step()
 
     def versions(self) -> dict[int, int]:
         """Fragment versions this shard owns; -1 for a fragment not seeded yet."""
-        self._fall_back_if_overdue()
-        owned = [p for p in range(self.config.schedule.num_fragments) if self.owned(p)]
-        return {p: self.fragments[p].version() if p in self.fragments else -1 for p in owned}
-
-    def _fall_back_if_overdue(self) -> None:
-        """Each recovering fragment falls back once the restart settled or its wait is over (fragment.py)."""
-        now = self.clock()
-        for fragment in list(self.fragments.values()):
-            fragment.fall_back_if_overdue(now)
+        self.run.fall_back_if_overdue()
+        owned = [p for p in range(self.run.config.schedule.num_fragments) if self.run.owned(p)]
+        return {p: self.run.fragments[p].version() if p in self.run.fragments else -1 for p in owned}
 
     # ---- seeds, pushes and pulls: checked here, taken by their fragment (fragment.py) -------------
-
-    def _fragment(self, fragment: int) -> Fragment:
-        """The owned fragment ``fragment``, once the run has a layout (push admission steps 1-2)."""
-        num_fragments = self.config.schedule.num_fragments
-        if not 0 <= fragment < num_fragments:  # (no shard owns it: saying one did sent clients to the wrong one)
-            raise self.tally.refuse(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} is not one of the run's fragments "
-                                    f"0..{num_fragments - 1}")
-        if not self.owned(fragment):
-            raise self.tally.refuse(Reason.UNKNOWN_FRAGMENT, f"fragment {fragment} is not owned by shard {self.shard} of "
-                                    f"{self.num_shards}; shard {shard_of(fragment, self.num_shards)} owns it")
-        owned = self.fragments.get(fragment)
-        if self.state is None or owned is None:
-            raise self.tally.refuse(Reason.NOT_JOINED, "no island has joined yet; call Join first")
-        return owned
 
     def admit_seed(self, island: int, fragment: int, session: str | None) -> int | None:
         """A seed's header checks, before its payload is read; the fragment's version when it is
         seeded already (the first offer won: the server answers so without reading the payload,
         where 200 held seeds of a seeded fragment were each read in full, 1.7 GB, to be ignored),
         else None."""
-        owned = self._fragment(fragment)
+        owned = self.run.fragment(fragment)
         self._check_session(island, session, "seed")
         version = owned.version()
         return version if version >= 0 else None
 
     def seed_payload_bytes(self, fragment: int) -> int:
         """Bytes a seed of ``fragment`` must have (fp32)."""
-        return self._fragment(fragment).payload_bytes(EXACT)
+        return self.run.fragment(fragment).payload_bytes(EXACT)
 
     def seed(self, island: int, fragment: int, payload: Payload, session: str | None = None) -> bool:
         """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored.
         For a fragment recovering after a restart, the offer of the version the log holds: taken
         if its bytes have the logged digest, ignored (False) if not."""
-        owned = self._fragment(fragment)
+        owned = self.run.fragment(fragment)
         self._check_session(island, session, "seed")
-        return owned.seed(island, payload, self.num_islands)
+        return owned.seed(island, payload, self.run.num_islands)
 
     def push(self, c: Contribution, *, declared_bytes: int | None = None,
              receive: Callable[[int], Payload] | None = None) -> PushAck:
@@ -382,7 +238,7 @@ class Synchronizer:
         header is admitted (the server reads it from its stream then, so a stream from no session,
         or for no fragment, holds no worker while its bytes trickle in); None: ``c.payload`` is
         it. ``declared_bytes``: the payload size a stream's header declares, checked first."""
-        fragment = self._fragment(c.fragment)  # steps 1-2
+        fragment = self.run.fragment(c.fragment)  # steps 1-2
         self._check_session(c.island, c.session, "push")  # step 3
         expected = fragment.admit(c, declared_bytes)  # steps 4-8
         payload = c.payload if receive is None else receive(expected)
@@ -391,7 +247,7 @@ class Synchronizer:
     def admit_pull(self, island: int, fragment: int, session: str | None) -> None:
         """A pull's checks: a fragment of this shard, for a joined island's session. A pull copies
         its fragment, so only a member may ask (unjoined pulls never read held 1 GB per 300)."""
-        self._fragment(fragment)
+        self.run.fragment(fragment)
         self._check_session(island, session, "pull")
 
     def pull(self, fragment: int, island: int | None = None) -> tuple[int, torch.Tensor]:
@@ -403,19 +259,19 @@ class Synchronizer:
         what it holds and that was not the last version: it has nothing to give back, so its pull
         waits for the recovery to end (fragment.py ``awaits_recovery``; the restart's settling is
         looked at here, outside the fragment's lock) and is served then."""
-        owned = self._fragment(fragment)
+        owned = self.run.fragment(fragment)
         if island is not None:
             until = time.monotonic() + version_log.RECOVERY_PULL_WAIT  # read at the call: a test shortens it
-            self._fall_back_if_overdue()
+            self.run.fall_back_if_overdue()
             while owned.awaits_recovery(island, until):
-                self._fall_back_if_overdue()
+                self.run.fall_back_if_overdue()
         return owned.pull()
 
     # ---- the operator's export -----------------------------------------------------------
 
     def export_layout(self) -> tuple[FragmentLayout, dict[int, int]]:
         """The run's layout and this shard's versions, for the operator's export (server.py)."""
-        state = self.state
+        state = self.run.state
         if state is None:
             raise self.tally.refuse(Reason.NOT_JOINED, "no island has joined this synchronizer yet: the run has no model to "
                                     "export; export once its islands have started")
@@ -425,14 +281,14 @@ class Synchronizer:
         """(version, fp32 copy) of a fragment's exact global value, the one its outer steps move
         (a pull gets what the islands hold, which a lossy downlink makes an approximation of it).
         Reads only: no island's membership, round or counter changes."""
-        return self._fragment(fragment).export()
+        return self.run.fragment(fragment).export()
 
     # ---- closing rounds ------------------------------------------------------------------------
 
     def poll(self, now: float | None = None) -> list[ClosedRound]:
         """Close every round that is due to close at ``now``: what the closers do, for tests (a
         checkpoint that is due is written here, on the caller's thread)."""
-        closed = self.closers.poll(self.clock() if now is None else now)
+        closed = self.run.closers.poll(self.clock() if now is None else now)
         if closed:  # outside the fragments' locks: a checkpoint takes each of them in turn
             self.checkpointer.write_if_due()
         return closed
@@ -449,8 +305,8 @@ class Synchronizer:
         Refuses at once, before the first event, an island that has not joined.
         """
         self._check_session(island, session, "subscription")
-        delivered = {p: int(versions.get(p, -1)) for p in self.fragments}
-        return island_events(island, self.membership.subscribed(island), delivered, self.fragments, self.shared,
+        delivered = {p: int(versions.get(p, -1)) for p in self.run.fragments}
+        return island_events(island, self.membership.subscribed(island), delivered, self.run.fragments, self.shared,
                              lambda: active() and not self.closing.is_set(), tick)
 
     def wake_subscriptions(self) -> None:
@@ -467,35 +323,24 @@ class Synchronizer:
     def snapshot(self) -> SynchronizerState:
         """A consistent copy of the state, fragment by fragment: each is copied under its own lock
         (fragments are independent, so a snapshot never stalls every round at once)."""
-        snapshot = self._snapshot_or_none()
+        snapshot = self.run.snapshot(self.identity)
         assert snapshot is not None, "no island has joined: nothing to snapshot"
-        return snapshot
-
-    def _snapshot_or_none(self) -> SynchronizerState | None:
-        if self.state is None:
-            return None
-        snapshot = SynchronizerState(self.config, self.state.layout, {})
-        snapshot.identity, snapshot.num_islands = dict(self.identity), self.num_islands
-        snapshot.left = self.membership.left_islands()
-        for fragment in self.fragments.values():
-            fragment.save_into(snapshot)
         return snapshot
 
     def status(self) -> SynchronizerStatus:
         now = self.clock()
         live, islands = self.live_islands(now), self.membership.status(now)
         versions, run_step = self.versions(), self.run_step(now)
-        rounds = {p: fragment.round_status() for p, fragment in self.fragments.items()}
-        tally = self.tally
+        rounds = {p: fragment.round_status() for p, fragment in self.run.fragments.items()}
+        state, config, tally = self.run.state, self.run.config, self.tally
         with tally.lock:
             return SynchronizerStatus(
                 shard=self.shard, num_shards=self.num_shards, incarnation=self.incarnation,
-                layout_hash=self.state.layout.hash if self.state else "",
-                outer_steps=self.state.outer_steps if self.state else 0, run_step=run_step,
-                sync_every=self.config.schedule.sync_every, num_fragments=self.config.schedule.num_fragments,
-                min_quorum=self.config.merge.min_quorum, bytes_in=tally.bytes_in, bytes_out=tally.bytes_out,
+                layout_hash=state.layout.hash if state else "", outer_steps=state.outer_steps if state else 0,
+                run_step=run_step, sync_every=config.schedule.sync_every, num_fragments=config.schedule.num_fragments,
+                min_quorum=config.merge.min_quorum, bytes_in=tally.bytes_in, bytes_out=tally.bytes_out,
                 checkpoint_failures=self.checkpointer.failures, last_checkpoint_error=self.checkpointer.last_error,
                 last_checkpoint_outer_steps=self.checkpointer.last_steps, versions=versions,
                 live_islands=sorted(live), islands=islands, rounds=rounds, accepted=dict(tally.accepted),
-                refused=dict(tally.refused), adjustments=list(self.adjustments),
+                refused=dict(tally.refused), adjustments=list(self.run.adjustments),
             )

@@ -42,6 +42,7 @@ from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, 
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments
 
 H = 4
@@ -107,7 +108,7 @@ class Arena:
         self.g = torch.Generator().manual_seed(seed)
         self.config = arena_config(grace_gamma)
         self.clock = FakeClock()
-        self.sync = Synchronizer(self.config, clock=self.clock)
+        self.sync = Synchronizer(self.config, SynchronizerSettings(clock=self.clock))
         start = initial_fragments(self.config)[0]
         self.numel = start.numel()
         self.target = start + 10.0 * torch.nn.functional.normalize(torch.randn(self.numel, generator=self.g), dim=0)
@@ -261,7 +262,7 @@ class Arena:
     def _hostile_push(self, island: int) -> None:
         own = max(h.schedule_step for h in self.honest) // H
         choice = self.rng.choice(ROUND_CHOICES)
-        round_index = {"own": own, "next": max(0, self.sync.fragments[0].state.next_round), "ahead": own + 4, "huge": 2**40}[choice]
+        round_index = {"own": own, "next": max(0, self.sync.run.fragments[0].state.next_round), "ahead": own + 4, "huge": 2**40}[choice]
         counters = self.rng.choice(COUNTERS)
         tokens, steps = {"honest": (TOKENS_PER_STEP * H, H), "max_tokens": (1e15, 1), "one_step": (TOKENS_PER_STEP, 1),
                          "many_steps": (1e12, 10**6)}[counters]
@@ -298,7 +299,7 @@ class Arena:
     def _observe(self) -> None:
         furthest_own = max(h.steps for h in self.honest)
         self.clock_lead = max(self.clock_lead, self.sync.run_step() - furthest_own)
-        self.largest_round = max(self.largest_round, len(self.sync.fragments[0].rounds.entries))
+        self.largest_round = max(self.largest_round, len(self.sync.run.fragments[0].rounds.entries))
         with self.sync.membership.lock:
             pending = max((len(m.requests) for m in self.sync.membership.members.values()), default=0)
         self.largest_requests = max(self.largest_requests, pending)

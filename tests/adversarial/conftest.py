@@ -30,7 +30,7 @@ class Target:
         return self.server.service
 
     def snapshot(self) -> dict[int, torch.Tensor]:
-        return {p: f.value.clone() for p, f in self.service.state.fragments.items()}
+        return {p: f.value.clone() for p, f in self.service.run.state.fragments.items()}
 
     def stub(self) -> pb_grpc.SynchronizerStub:
         return pb_grpc.SynchronizerStub(self.channel)

@@ -192,7 +192,7 @@ def test_a_first_joiner_with_an_impossible_layout_is_refused_and_nothing_is_adop
         with pytest.raises(grpc.RpcError) as err:
             client.stubs[0].Join(request, timeout=5)
         assert err.value.details().startswith("layout_mismatch")
-        assert server.service.state is None and server.service.status().layout_hash == ""
+        assert server.service.run.state is None and server.service.status().layout_hash == ""
         assert client.join(0, 1, SPECS).layout_hash  # an honest island can still start the run
     finally:
         client.close()

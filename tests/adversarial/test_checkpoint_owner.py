@@ -17,6 +17,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_bounded, run_config
 
 CLI = [sys.executable, "-m", "lightning_diloco.cli"]
@@ -27,7 +28,7 @@ def _run(directory, *, run_id=None, shard=0, num_shards=1, rounds=1):
     """A synchronizer that merged ``rounds`` rounds of its first owned fragment, checkpointed and
     shut down (which leaves the directory to the next one)."""
     config = run_config(num_fragments=2)
-    sync = Synchronizer(config, checkpoint_dir=directory, run_id=run_id, shard=shard, num_shards=num_shards, clock=FakeClock())
+    sync = Synchronizer(config, SynchronizerSettings(checkpoint_dir=directory, run_id=run_id, shard=shard, num_shards=num_shards, clock=FakeClock()))
     sync.join(0, 1, SPECS)
     p = shard
     sync.seed(0, p, get_codec("fp32").encode(initial_fragments(config)[p]))
@@ -46,18 +47,18 @@ def test_another_runs_checkpoint_copied_in_is_refused_naming_both(tmp_path):
     for f in b.glob("synchronizer-*"):
         shutil.copy(f, a)
     with pytest.raises(ValueError) as err:
-        Synchronizer(run_config(num_fragments=2), checkpoint_dir=a)
+        Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=a))
     assert "'run-a'" in str(err.value) and "'run-b'" in str(err.value)
     with pytest.raises(ValueError) as err:  # and a run id that is not the checkpoint's
-        Synchronizer(run_config(num_fragments=2), checkpoint_dir=b, run_id="run-a")
+        Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=b, run_id="run-a"))
     assert "'run-a'" in str(err.value) and "'run-b'" in str(err.value)
-    assert Synchronizer(run_config(num_fragments=2), checkpoint_dir=b).identity["run_id"] == "run-b"  # its own: resumed
+    assert Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=b)).identity["run_id"] == "run-b"  # its own: resumed
 
 
 def test_another_shards_checkpoint_is_refused_naming_both(tmp_path):
     _run(tmp_path, run_id="r", shard=0, num_shards=2)
     with pytest.raises(ValueError) as err:
-        Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path, shard=1, num_shards=2)
+        Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=tmp_path, shard=1, num_shards=2))
     assert "shard 0 of 2" in str(err.value) and "shard 1 of 2" in str(err.value)
 
 
@@ -66,7 +67,7 @@ def test_a_summary_without_its_checkpoint_refuses_to_start(tmp_path):
     for f in tmp_path.glob("synchronizer-*"):
         f.unlink()  # the pairs deleted, synchronizer.json kept
     with pytest.raises(ValueError) as err:
-        Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path)
+        Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=tmp_path))
     assert "synchronizer.json" in str(err.value) and "lost their .pt" in str(err.value)
 
 
@@ -74,8 +75,8 @@ def test_a_killed_writes_temporary_files_are_removed_at_start(tmp_path):
     sync = _run(tmp_path, rounds=2)
     (tmp_path / ".synchronizer-000000000003.pt.abc123.tmp").write_bytes(b"\0" * 1000)
     (tmp_path / ".synchronizer.json.def456.tmp").write_text("{")
-    restarted = Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path)
-    assert restarted.state.outer_steps == sync.state.outer_steps
+    restarted = Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=tmp_path))
+    assert restarted.run.state.outer_steps == sync.run.state.outer_steps
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -87,23 +88,23 @@ def test_a_pinned_layout_refuses_another_first_joiner_and_checkpoint(tmp_path):
 
     config = run_config(num_fragments=2)
     pinned = layout(config).hash
-    sync = Synchronizer(config, checkpoint_dir=tmp_path, layout_hash=pinned, clock=FakeClock())
+    sync = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, layout_hash=pinned, clock=FakeClock()))
     with pytest.raises(Refusal) as err:
         sync.join(9, 1, [TensorSpec(name=n, shape=(4,), dtype="float32", role="dense") for n in "ab"])
-    assert err.value.reason == "layout_mismatch" and pinned in str(err.value) and sync.state is None
+    assert err.value.reason == "layout_mismatch" and pinned in str(err.value) and sync.run.state is None
     assert sync.join(0, 1, SPECS).layout_hash == pinned  # the honest island starts the run
     sync.seed(0, 0, get_codec("fp32").encode(initial_fragments(config)[0]))
     sync.checkpoint()
     sync.shutdown()
     with pytest.raises(ValueError, match="--layout-hash 0123"):
-        Synchronizer(config, checkpoint_dir=tmp_path, layout_hash="0123")
+        Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, layout_hash="0123"))
 
 
 def test_a_seed_no_model_starts_with_is_refused_and_an_honest_one_wins(tmp_path):
     from lightning_diloco.synchronizer.requests import Refusal
 
     config = run_config(num_fragments=2)
-    sync = Synchronizer(config, clock=FakeClock())
+    sync = Synchronizer(config, SynchronizerSettings(clock=FakeClock()))
     sync.join(9, 1, SPECS)
     numel = layout(config).fragment_numel(0)
     with pytest.raises(Refusal) as err:
@@ -115,15 +116,15 @@ def test_a_seed_no_model_starts_with_is_refused_and_an_honest_one_wins(tmp_path)
 def test_a_second_shard_on_one_empty_directory_is_refused_naming_the_first(tmp_path):
     """Two shards given one --checkpoint-dir overwrote each other's checkpoints, found only at a
     restart: the second is refused at start, naming the first and the fix."""
-    first = Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path, run_id="r", shard=0, num_shards=2)
+    first = Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=tmp_path, run_id="r", shard=0, num_shards=2))
     with pytest.raises(ValueError) as err:
-        Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path, run_id="r", shard=1, num_shards=2)
+        Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=tmp_path, run_id="r", shard=1, num_shards=2))
     message = str(err.value)
     assert f"pid {os.getpid()}" in message and "shard 0 of 2" in message and "run 'r'" in message
     assert "its own --checkpoint-dir" in message
     assert not list(tmp_path.glob("synchronizer-*"))  # the refused one wrote nothing
     first.shutdown()  # a stopped synchronizer leaves the directory to the next
-    second = Synchronizer(run_config(num_fragments=2), checkpoint_dir=tmp_path, run_id="r", shard=0, num_shards=2)
+    second = Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=tmp_path, run_id="r", shard=0, num_shards=2))
     second.shutdown()
 
 

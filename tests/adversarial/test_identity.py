@@ -14,6 +14,7 @@ from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.credentials import identify, island_credential
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
 from tests.adversarial.conftest import all_finite
@@ -86,7 +87,7 @@ def test_island_ones_credential_cannot_act_as_island_zero(guarded):
         _push(honest, config, 0, seq=1, round=round_index)
         assert wait_for_version(honest.pull, 0, version + 1, timeout=10)[0] > version
         assert attacker.status().islands[0].accepted >= 1  # status: any credential may read it
-        assert all_finite({p: f.value for p, f in server.service.state.fragments.items()})
+        assert all_finite({p: f.value for p, f in server.service.run.state.fragments.items()})
     finally:
         attacker.close()
         honest.close()
@@ -98,7 +99,7 @@ def test_a_huge_sequence_number_in_one_session_does_not_lock_out_the_islands_nex
     config = run_config(num_fragments=2, min_quorum=1)
     # a short liveness timeout: the real island 0 gets back in once the attacker's session has been
     # silent that long (while it is heard from, a join as island 0 is refused: island_running)
-    server = SynchronizerServer(Synchronizer(config, liveness_timeout=0.5)).start()
+    server = SynchronizerServer(Synchronizer(config, SynchronizerSettings(liveness_timeout=0.5))).start()
     attacker, honest = _client(server.address, None), SynchronizerClient(server.address, max_retries=2, backoff=0.05)
     try:
         honest.join(0, 1, SPECS)

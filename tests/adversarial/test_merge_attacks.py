@@ -13,6 +13,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, run_config
 
 ROUNDS = 30
@@ -23,7 +24,7 @@ def _seeded_run(islands: list[int], seed: int):
     clock, ``islands`` joined and the fragment seeded; with the noise generator and the target."""
     config = run_config(num_fragments=1, min_quorum=1, gamma=0.0)
     clock = FakeClock()
-    sync = Synchronizer(config, clock=clock)
+    sync = Synchronizer(config, SynchronizerSettings(clock=clock))
     for i in islands:
         sync.join(i, 1, SPECS)
     start = initial_fragments(config)[0]
@@ -64,14 +65,14 @@ def test_one_hostile_island_of_four_leaves_the_model_near_the_honest_target(atta
 def test_many_late_entries_of_one_island_are_one_vote():
     """150 pushes of one island into one round: they replace each other, one entry is merged."""
     config = run_config(num_fragments=1, min_quorum=2, gamma=0.0)
-    sync = Synchronizer(config, clock=FakeClock())
+    sync = Synchronizer(config, SynchronizerSettings(clock=FakeClock()))
     for i in (0, 1):
         sync.join(i, 1, SPECS)
     sync.seed(0, 0, get_codec("fp32").encode(initial_fragments(config)[0]))
     numel = initial_fragments(config)[0].numel()
     for seq in range(150):
         sync.push(contribution(config, 1, 0, torch.full((numel,), -1.0), round=0, seq=seq))
-    assert sync.status().rounds[0].open_contributors == 1 and len(sync.fragments[0].rounds.entries) == 1
+    assert sync.status().rounds[0].open_contributors == 1 and len(sync.run.fragments[0].rounds.entries) == 1
     sync.push(contribution(config, 0, 0, torch.full((numel,), 0.01), round=0, seq=0))
     [closed] = sync.poll()
     assert closed.islands == (0, 1) and sync.status().rounds[0].merged_entries == 2
@@ -99,7 +100,7 @@ def _flooded(flood: int, seed: int = 0) -> tuple[int, float]:
         for k in range(flood):
             clock.advance(0.01)
             version, theta = sync.pull(0)
-            sync.push(contribution(config, 3, 0, -0.1 * (target - theta), round=sync.fragments[0].state.next_round, base_version=version,
+            sync.push(contribution(config, 3, 0, -0.1 * (target - theta), round=sync.run.fragments[0].state.next_round, base_version=version,
                                    seq=1000 * r + k + 1))
             sync.poll()
     return sync.versions()[0], float((sync.pull(0)[1] - target).norm())

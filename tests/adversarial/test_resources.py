@@ -104,7 +104,7 @@ def test_version_history_is_bounded_by_the_setting_not_by_islands_that_joined(ta
         # which advances at most 1000 steps a second (membership.py), is what admits its round (4 steps each)
         target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), round=r, base_version=r, seq=r + 1)
         target.settle(0, r + 1)
-    assert len(target.service.state.fragments[0].history) <= target.config.merge.history
+    assert len(target.service.run.state.fragments[0].history) <= target.config.merge.history
     assert len(target.service.snapshot().fragments[0].history) <= target.config.merge.history  # and in checkpoints
 
 

@@ -63,7 +63,7 @@ def server_of():
         honest = SynchronizerClient(server.address, max_retries=1, backoff=0.05, timeout=10)
         made.append((server, honest))
         honest.join(0, 1, specs)
-        numels = server.service.state.layout
+        numels = server.service.run.state.layout
         for p in seed:
             honest.seed(0, p, torch.zeros(numels.fragment_numel(p)))
         return server, honest
@@ -84,7 +84,7 @@ def test_trickling_seeds_from_one_island_take_only_its_slots(server_of):
     server, honest = server_of(SPECS, seed=[0])
     attacker = SynchronizerClient(server.address, max_retries=0)
     attacker.join(1, 1, SPECS)
-    numel = layout(server.service.config).fragment_numel(1)
+    numel = layout(server.service.run.config).fragment_numel(1)
     head = pb.FragmentHeader(fragment=1, island=1, codec="fp32", payload_bytes=numel * 4, session=attacker.sessions[0])
     hung = threading.Event()
 
@@ -92,7 +92,7 @@ def test_trickling_seeds_from_one_island_take_only_its_slots(server_of):
         yield pb.FragmentChunk(header=head, data=b"\0")
         hung.wait(WAIT_S)  # a byte every few seconds, as the attack sent
 
-    slots = server.service.config.schedule.num_fragments + 2
+    slots = server.service.run.config.schedule.num_fragments + 2
     calls = [attacker.stubs[0].Seed.future(header_then_trickle(), timeout=60) for _ in range(40)]  # 24 workers
     try:
         _wait_until(lambda: sum(c.done() for c in calls) >= len(calls) - slots, "refused")
@@ -103,8 +103,8 @@ def test_trickling_seeds_from_one_island_take_only_its_slots(server_of):
         honest.heartbeat(0, 1, 0.1)
         honest.status()
         ack = honest.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
-                          payload=torch.zeros(layout(server.service.config).fragment_numel(0) * 4, dtype=torch.uint8),
-                          layout_hash=layout(server.service.config).hash))
+                          payload=torch.zeros(layout(server.service.run.config).fragment_numel(0) * 4, dtype=torch.uint8),
+                          layout_hash=layout(server.service.run.config).hash))
         assert ack.round == 0
         with SynchronizerClient(server.address, max_retries=0, timeout=10) as newcomer:
             assert newcomer.join(5, 1, SPECS).layout_hash

@@ -8,12 +8,13 @@ import pytest
 
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
 from tests.helpers import SPECS, run_config
 
 
 def _servers(configs_and_shards):
-    return [SynchronizerServer(Synchronizer(c, shard=s, num_shards=n)).start() for c, s, n in configs_and_shards]
+    return [SynchronizerServer(Synchronizer(c, SynchronizerSettings(shard=s, num_shards=n))).start() for c, s, n in configs_and_shards]
 
 
 @pytest.mark.parametrize("case", ["different_H", "two_shard_zeros", "shard_count"])

@@ -14,6 +14,7 @@ from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.synchronizer.credentials import island_credential
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.client import SynchronizerClient
@@ -49,7 +50,7 @@ def _push(client, config, seq: int, round: int):
 def test_a_join_without_a_previous_session_cannot_take_a_live_islands_slot(token):
     config = run_config(num_fragments=2, min_quorum=1)
     clock = Clock()
-    server = SynchronizerServer(Synchronizer(config, clock=clock), token=token).start()
+    server = SynchronizerServer(Synchronizer(config, SynchronizerSettings(clock=clock)), token=token).start()
     honest = SynchronizerClient(server.address, token=token, max_retries=1, backoff=0.05)
     channel = grpc.insecure_channel(server.address)
     stub, metadata = pb_grpc.SynchronizerStub(channel), ([("authorization", f"Bearer {token}")] if token else [])
@@ -95,7 +96,7 @@ def test_one_islands_count_cannot_lock_the_others_out(tmp_path):
     config = run_config(num_fragments=2, min_quorum=1)
 
     def served():
-        return SynchronizerServer(Synchronizer(config, checkpoint_dir=tmp_path), token=TOKEN).start()
+        return SynchronizerServer(Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path)), token=TOKEN).start()
 
     def join(stub, island: int, count: int):
         md = [("authorization", f"Bearer {island_credential(TOKEN, island)}")]  # each with its own credential
@@ -109,7 +110,7 @@ def test_one_islands_count_cannot_lock_the_others_out(tmp_path):
         join(stub, 0, 1)  # and one that would leave only itself in the run
         for island in (1, 2):  # the islands started with 4 are all let in
             join(stub, island, 4)
-        assert server.service.num_islands == 0  # 2 of 4 say 4: no quorum yet, and no count refuses anyone
+        assert server.service.run.num_islands == 0  # 2 of 4 say 4: no quorum yet, and no count refuses anyone
         channel.close()
         server.stop(grace=0)
         server = served()  # a restart keeps the count the quorum agreed on (none yet: not the squat)
@@ -117,7 +118,7 @@ def test_one_islands_count_cannot_lock_the_others_out(tmp_path):
         stub = pb_grpc.SynchronizerStub(channel)
         for island in range(4):
             join(stub, island, 4)
-        assert server.service.num_islands == 4
+        assert server.service.run.num_islands == 4
         with pytest.raises(grpc.RpcError) as err:  # now the squatter's own join is what is refused
             join(stub, 3, 10000)
         assert err.value.details().startswith("num_islands_mismatch"), err.value.details()

@@ -18,6 +18,7 @@ from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.client import SynchronizerClient
@@ -118,7 +119,7 @@ class Prober:
 
 
 def _serve(config, directory):
-    return SynchronizerServer(Synchronizer(config, checkpoint_dir=directory, checkpoint_every=1), max_workers=32).start()
+    return SynchronizerServer(Synchronizer(config, SynchronizerSettings(checkpoint_dir=directory, checkpoint_every=1)), max_workers=32).start()
 
 
 def _step_to(client, island: int, round_index: int) -> None:
@@ -182,7 +183,7 @@ def test_every_number_of_every_rpc_at_its_extremes_leaves_the_run_working(tmp_pa
         server.stop(grace=0)
     restarted = _serve(config, tmp_path)  # from the checkpoint the extremes were written into
     try:
-        assert restarted.service.state is not None and restarted.service.state.outer_steps > 0
+        assert restarted.service.run.state is not None and restarted.service.run.state.outer_steps > 0
         _honest_round_trip(restarted.address, config, island=2)
     finally:
         restarted.stop(grace=0)
@@ -240,7 +241,7 @@ def test_a_refused_header_value_is_named_in_the_refusal_and_changes_nothing(tmp_
 
     def observed():
         status = service.status()
-        return ({p: f.value.clone() for p, f in service.state.fragments.items()}, service.versions(),
+        return ({p: f.value.clone() for p, f in service.run.state.fragments.items()}, service.versions(),
                 {p: (r.round, r.open_contributors, r.closed) for p, r in status.rounds.items()}, dict(status.accepted))
 
     try:
@@ -312,7 +313,7 @@ def test_a_hostile_sparse_payload_is_refused_with_its_reason_and_an_honest_one_i
             client.join(0, 1, SPECS)
             for p, value in initial_fragments(config).items():
                 client.seed(0, p, value)
-            before = server.service.state.fragments[0].value.clone(), server.service.versions()
+            before = server.service.run.state.fragments[0].value.clone(), server.service.versions()
             client.heartbeat(0, 1, 0.1, schedule_step=0)
             collecting = max(0, client.status().rounds[0].round)
             _step_to(client, 0, collecting)
@@ -321,7 +322,7 @@ def test_a_hostile_sparse_payload_is_refused_with_its_reason_and_an_honest_one_i
                     client.push(Contribution(island=0, fragment=0, round=collecting, base_version=before[1][0], tokens=100.0,
                                              steps=4, codec="sparse", seq=seq, payload=payload, layout_hash=layout(config).hash))
                 assert err.value.reason == "bad_payload" and naming in str(err.value), (what, str(err.value))
-                assert torch.equal(server.service.state.fragments[0].value, before[0]) and server.service.versions() == before[1]
+                assert torch.equal(server.service.run.state.fragments[0].value, before[0]) and server.service.versions() == before[1]
             client.push(Contribution(island=0, fragment=0, round=collecting, base_version=before[1][0], tokens=100.0, steps=4,
                                      codec="sparse", seq=10, payload=honest, layout_hash=layout(config).hash))
             assert wait_for_version(client.pull, 0, before[1][0] + 1, timeout=10)[0] > before[1][0]

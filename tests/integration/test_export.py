@@ -18,6 +18,7 @@ from lightning_diloco.learner.export import read_global_model
 from lightning_diloco.synchronizer.credentials import island_credential
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.transport.client import SynchronizerClient
 from tests.helpers import SPECS, layout, run_config
 
@@ -51,8 +52,7 @@ def shards(tmp_path):
         state = SynchronizerState.from_parameters(config, layout(config), params, owned=owned_by_shard(shard, 2))
         for frag in state.fragments.values():
             frag.apply(torch.full_like(frag.value, 0.5))
-        service = Synchronizer(config, shard=shard, num_shards=2, state=state, run_id="run-a",
-                               checkpoint_dir=tmp_path / f"shard{shard}")
+        service = Synchronizer(config, SynchronizerSettings(shard=shard, num_shards=2, run_id="run-a", checkpoint_dir=tmp_path / f"shard{shard}"), state=state)
         servers.append(SynchronizerServer(service, token=TOKEN).start())
     yield servers
     for server in servers:

@@ -24,6 +24,7 @@ from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.fragment import Fragment
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.client import SynchronizerClient, SynchronizerError
@@ -99,7 +100,7 @@ def started():
     servers, clients = [], []
 
     def start(config, *, token=None, client_token=None, **service_kwargs):
-        server = SynchronizerServer(Synchronizer(config, **service_kwargs), token=token).start()
+        server = SynchronizerServer(Synchronizer(config, SynchronizerSettings(**service_kwargs)), token=token).start()
         client = SynchronizerClient(server.address, token=client_token if client_token is not None else token, max_retries=2, backoff=0.05)
         servers.append(server)
         clients.append(client)
@@ -158,7 +159,7 @@ def test_an_island_behind_on_an_int4_downlink_gets_the_steps_since_and_holds_wha
     for e in chain:
         held = held + get_codec("int4").decode(e.payload, numel)
     version, pulled = client.pull(1)
-    frag = server.service.state.fragments[1]
+    frag = server.service.run.state.fragments[1]
     assert version == 3 and torch.equal(held, pulled) and torch.equal(pulled, frag.published_value())
     assert 0 < float((pulled - frag.value).abs().max()) < 0.05  # outer steps here move values by ~0.2
     assert client.bytes_received > 0 and server.service.tally.bytes_out == 3 * get_codec("int4").encoded_size(numel)
@@ -178,7 +179,7 @@ def test_a_large_fragment_is_streamed_in_chunks(started):
     events.subscribe(client, 0, {0: -1})  # holds nothing: gets the full value
     assert torch.equal(get_codec("fp32").decode(events.version(0, 0).payload, 3_000_000), value)
     client.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=1.0, steps=1, codec="fp32", seq=0,
-                payload=get_codec("fp32").encode(torch.zeros(3_000_000)), layout_hash=server.service.state.layout.hash))
+                payload=get_codec("fp32").encode(torch.zeros(3_000_000)), layout_hash=server.service.run.state.layout.hash))
     assert len(events.version(0, 1).payload) == 12_000_000
     assert torch.equal(client.pull(0)[1], value)  # zero delta, zero momentum: unchanged
 
@@ -341,7 +342,7 @@ def test_tls_connection_works(tmp_path):
 
 def test_shards_own_their_fragments_and_the_client_routes_by_fragment():
     config = run_config(num_fragments=2)
-    servers = [SynchronizerServer(Synchronizer(config, shard=i, num_shards=2)).start() for i in range(2)]
+    servers = [SynchronizerServer(Synchronizer(config, SynchronizerSettings(shard=i, num_shards=2))).start() for i in range(2)]
     try:
         with SynchronizerClient([s.address for s in servers]) as client:
             info = _seeded(client, config)
@@ -359,7 +360,7 @@ def test_shards_own_their_fragments_and_the_client_routes_by_fragment():
 
 def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path):
     config = run_config()
-    service = Synchronizer(config, checkpoint_dir=tmp_path, checkpoint_every=1)
+    service = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, checkpoint_every=1))
     server = SynchronizerServer(service).start()
     port = server.port
     client = SynchronizerClient(server.address, max_retries=20, backoff=0.05, max_backoff=0.2)
@@ -378,7 +379,7 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
 
         def restart_soon():
             time.sleep(0.5)
-            resumed = Synchronizer(config, checkpoint_dir=tmp_path)
+            resumed = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path))
             restarted["resumed"] = resumed.pull(0)  # before anything lands on it: the checkpoint's
             restarted["server"] = SynchronizerServer(resumed, port=port).start()
 
@@ -420,7 +421,7 @@ class CountedJoins(Synchronizer):
 
 def test_a_synchronizer_restart_noticed_by_push_heartbeat_and_subscription_costs_exactly_one_join(tmp_path):
     config = run_config()
-    server = SynchronizerServer(Synchronizer(config, checkpoint_dir=tmp_path)).start()
+    server = SynchronizerServer(Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path))).start()
     client = SynchronizerClient(server.address, max_retries=20, backoff=0.05, max_backoff=0.2)
     events, restarted = Events(), None
     try:
@@ -629,7 +630,7 @@ def test_a_second_process_as_a_running_island_is_refused_and_the_running_one_kee
 
 
 def test_an_island_started_with_another_num_islands_is_refused_naming_both_over_grpc():
-    with SynchronizerServer(Synchronizer(run_config(), num_islands=2)) as server:
+    with SynchronizerServer(Synchronizer(run_config(), SynchronizerSettings(num_islands=2))) as server:
         with SynchronizerClient(server.address) as first, SynchronizerClient(server.address) as other:
             first.join(0, 1, SPECS, num_islands=2)
             with pytest.raises(SynchronizerError) as err:
@@ -642,7 +643,7 @@ def test_an_island_restarted_after_a_crash_gets_in_once_its_old_process_is_silen
     """A crashed island's restart is refused while its old session may still be running, and its
     client retries until the old one has been silent for the window (here 1 s: the liveness
     timeout's, which bounds it)."""
-    with SynchronizerServer(Synchronizer(run_config(), liveness_timeout=1.0)) as server:
+    with SynchronizerServer(Synchronizer(run_config(), SynchronizerSettings(liveness_timeout=1.0))) as server:
         crashed = SynchronizerClient(server.address)
         crashed.join(0, 1, SPECS)
         crashed.heartbeat(0, 1, 0.1)
@@ -685,7 +686,7 @@ def test_an_island_of_another_num_islands_stops_saying_both_values():
     from lightning_diloco.learner.island_membership import RefusedByRun
     from tests.learner.models import TinyRegressor, loader, regression_data, trainer
 
-    with SynchronizerServer(Synchronizer(run_config(num_fragments=2), num_islands=2)) as server:
+    with SynchronizerServer(Synchronizer(run_config(num_fragments=2), SynchronizerSettings(num_islands=2))) as server:
         with SynchronizerClient(server.address) as first:
             first.join(0, 1, tensor_specs(TinyRegressor()), num_islands=2)
             strategy = DecoupledDiLoCoStrategy(synchronizer=server.address, island=1, num_islands=3, join_wait=5)

@@ -20,6 +20,7 @@ from lightning_diloco.core.fragments import split_fragment
 from lightning_diloco.synchronizer.credentials import island_credential
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.learner.test_hf_models import CausalLM, CountingSequences, _dense
 
 SCRIPT = Path(__file__).with_name("hf_island_script.py")
@@ -78,15 +79,14 @@ def test_the_global_model_of_a_two_island_run_exports_both_ways_and_loads(tmp_pa
 
     config = RunConfig(schedule=ScheduleConfig(num_fragments=4, sync_every=4, overlap_steps=1),
                        merge=MergeConfig(min_quorum=1))
-    servers = [SynchronizerServer(Synchronizer(config, shard=s, num_shards=2, run_id="hf-run",
-                                               checkpoint_dir=tmp_path / f"shard{s}"), token=TOKEN).start() for s in range(2)]
+    servers = [SynchronizerServer(Synchronizer(config, SynchronizerSettings(shard=s, num_shards=2, run_id="hf-run", checkpoint_dir=tmp_path / f"shard{s}")), token=TOKEN).start() for s in range(2)]
     addresses = ",".join(s.address for s in servers)
     hf_config = tmp_path / "config"
     _dense().config.save_pretrained(hf_config)
     try:
         islands = _islands(addresses, tmp_path)
         expected = _synchronizer_tensors(servers)
-        steps = [s.service.state.outer_steps for s in servers]
+        steps = [s.service.run.state.outer_steps for s in servers]
         live = tmp_path / "live"
         assert main(["export", "--synchronizer", addresses, "--token", TOKEN, "--out", str(live),
                      "--hf-config", str(hf_config / "config.json")]) == 0

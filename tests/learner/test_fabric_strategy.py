@@ -22,6 +22,7 @@ from lightning_diloco.core.config import CodecConfig, MergeConfig, RunConfig, Sc
 from lightning_diloco.learner.sigterm import EXIT_ON_SIGTERM
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import holds_final_global_model
 from tests.learner.fabric_island import train
 
@@ -54,7 +55,7 @@ def test_fabric_by_name_trains_one_island_with_outer_steps_and_ends_on_the_globa
     # 3 epochs of 16 steps: every fragment sent and merged at least once; the island ends on the global model
     assert losses[-1] < losses[0]
     assert strategy.learner is None and strategy.metrics()["diloco/syncs_sent"] >= during["diloco/syncs_sent"]
-    assert holds_final_global_model(list(model.parameters()), service, service.config.schedule.num_fragments)
+    assert holds_final_global_model(list(model.parameters()), service, service.run.config.schedule.num_fragments)
 
 
 def test_fabric_island_counts_tokens_of_each_batch_and_gives_the_run_wide_data_rank():
@@ -177,7 +178,7 @@ def test_a_fabric_island_stopped_by_sigterm_leaves_the_run_and_exits_at_once(tmp
     143, as a shell reports a SIGTERM."""
     config = RunConfig(schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=0),
                        merge=MergeConfig(min_quorum=2, grace_gamma=0.0), codec=CodecConfig(uplink="fp32", downlink="fp32"))
-    server = SynchronizerServer(Synchronizer(config, num_islands=2)).start()
+    server = SynchronizerServer(Synchronizer(config, SynchronizerSettings(num_islands=2))).start()
     proc = _island(tmp_path / "island0", "--no-wait", "--overlap", "0",
                    DILOCO_SYNCHRONIZER=server.address, DILOCO_ISLAND="0", DILOCO_NUM_ISLANDS="2")
     try:

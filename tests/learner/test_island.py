@@ -15,6 +15,7 @@ from lightning_diloco.learner.clock import SystemClock
 from lightning_diloco.learner.inbox import Arrival
 from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, with_peer_votes
 from tests.learner.service_link import ServiceLink
 
@@ -433,7 +434,7 @@ def test_an_island_closed_leaves_the_run_and_the_others_rounds_no_longer_wait_fo
     """K = M = 2, synchronous: once island 1 ended its run (closed, after its end), island 0's rounds
     close with it alone at once, where they waited out its push wait at every due fragment."""
     config = _config(P=2, H=4, tau=0, quorum=2)
-    service = Synchronizer(config, num_islands=2).start()
+    service = Synchronizer(config, SynchronizerSettings(num_islands=2)).start()
     try:
         first, _, params0, _ = islands(config, service=service)
         second, _, _, _ = islands(config, island=1, service=service, seed=1)

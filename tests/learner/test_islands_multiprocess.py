@@ -16,6 +16,7 @@ import torch
 from lightning_diloco.core.config import CodecConfig, MergeConfig, RunConfig, ScheduleConfig
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import holds_final_global_model
 
 SCRIPT = Path(__file__).with_name("island_script.py")
@@ -138,7 +139,7 @@ def test_a_blocked_synchronous_island_stops_within_seconds_of_sigterm_and_leaves
         merge=MergeConfig(min_quorum=2, grace_gamma=0.0),
         codec=CodecConfig(uplink="fp32", downlink="fp32"),
     )
-    server = SynchronizerServer(Synchronizer(config, num_islands=2)).start()
+    server = SynchronizerServer(Synchronizer(config, SynchronizerSettings(num_islands=2))).start()
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(tmp_path / "island0"), "--no-wait", "--overlap", "0"],
         env=_env(DILOCO_SYNCHRONIZER=server.address, DILOCO_ISLAND="0", DILOCO_NUM_ISLANDS="2"),

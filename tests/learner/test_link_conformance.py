@@ -20,6 +20,7 @@ from lightning_diloco.reasons import Reason, SynchronizerError
 from lightning_diloco.synchronizer.local_link import LocalLink
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.transport.client import SynchronizerClient
 from tests.helpers import SPECS, initial_fragments, layout, run_config
 from tests.learner.service_link import ServiceLink
@@ -39,7 +40,7 @@ class Clock:
 
 @pytest.fixture(params=["grpc client", "in-process link", "in-process test double"])
 def link(request):
-    service = Synchronizer(CONFIG, clock=Clock())
+    service = Synchronizer(CONFIG, SynchronizerSettings(clock=Clock()))
     if request.param == "grpc client":
         server = SynchronizerServer(service, host="127.0.0.1", port=0).start()
         client = SynchronizerClient(server.address)

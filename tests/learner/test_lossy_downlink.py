@@ -74,7 +74,7 @@ def test_islands_hold_the_published_values_of_a_lossy_downlink(monkeypatch):
                 for p, f in enumerate(learner.fragments):
                     if f.version == 0:
                         continue
-                    key = (id(service.state.fragments[p]), f.version)
+                    key = (id(service.run.state.fragments[p]), f.version)
                     # the island's copy is the synchronizer's published value, bit for bit (steps
                     # received together are added one at a time, in order: learner/inbox.py)
                     assert torch.equal(f.base, published[key]), (step, p, f.version)
@@ -90,7 +90,7 @@ def test_islands_hold_the_published_values_of_a_lossy_downlink(monkeypatch):
         # a late joiner pulls the same published value
         late, _ = island(2)
         for p, f in enumerate(late.fragments):
-            assert torch.equal(f.base, published[id(service.state.fragments[p]), f.version])
+            assert torch.equal(f.base, published[id(service.run.state.fragments[p]), f.version])
     finally:
         for learner in learners:
             learner.close()

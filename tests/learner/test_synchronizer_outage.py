@@ -12,6 +12,7 @@ from lightning_diloco import DecoupledDiLoCoStrategy
 from lightning_diloco.core.config import CodecConfig, RunConfig, ScheduleConfig
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.learner.models import TinyRegressor, loader, regression_data, trainer
 
 
@@ -41,11 +42,11 @@ class Outage(Callback):
 
 def test_training_continues_through_a_synchronizer_restart_and_resyncs(tmp_path):
     config = RunConfig(schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1), codec=CodecConfig(uplink="fp32", downlink="fp32"))
-    servers = [SynchronizerServer(Synchronizer(config, checkpoint_dir=tmp_path, checkpoint_every=1)).start()]
+    servers = [SynchronizerServer(Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, checkpoint_every=1))).start()]
     port = servers[0].port
 
     def make():
-        return SynchronizerServer(Synchronizer(config, checkpoint_dir=tmp_path, checkpoint_every=1), port=port).start()
+        return SynchronizerServer(Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, checkpoint_every=1)), port=port).start()
 
     outage = Outage(servers, make, down=20, up=40, step_seconds=0.03)
     model = TinyRegressor()
@@ -101,7 +102,7 @@ def test_with_one_shard_dead_an_island_joins_the_live_shard_trains_and_takes_the
                        codec=CodecConfig(uplink="fp32", downlink="fp32"))
 
     def shard(index, port=0):
-        service = Synchronizer(config, shard=index, num_shards=2, checkpoint_dir=tmp_path / f"shard{index}", checkpoint_every=1)
+        service = Synchronizer(config, SynchronizerSettings(shard=index, num_shards=2, checkpoint_dir=tmp_path / f"shard{index}", checkpoint_every=1))
         return SynchronizerServer(service, port=port).start()
 
     shards = [shard(0), shard(1)]
@@ -112,7 +113,7 @@ def test_with_one_shard_dead_an_island_joins_the_live_shard_trains_and_takes_the
         trainer(DecoupledDiLoCoStrategy(synchronizer=addresses), max_epochs=1).fit(TinyRegressor(), loader(regression_data()))
         port1 = shards[1].port
         shards[1].stop(grace=0)
-        checkpointed = Synchronizer(config, shard=1, num_shards=2, checkpoint_dir=tmp_path / "shard1")
+        checkpointed = Synchronizer(config, SynchronizerSettings(shard=1, num_shards=2, checkpoint_dir=tmp_path / "shard1"))
         version1_at_death = checkpointed.versions()[1]
         checkpointed.shutdown()  # the directory is the returning shard's
         version0_at_start = shards[0].service.versions()[0]

@@ -12,6 +12,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.synchronizer import closers
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, wait_for_version
 
 
@@ -19,7 +20,7 @@ def _run_of(islands, *, min_quorum, **kwargs):
     """A run of ``islands`` islands, all joined (saying the run's count), fragments seeded; their sessions."""
     config = run_config(min_quorum=min_quorum, overlap=0)
     kwargs.setdefault("clock", FakeClock())
-    sync = Synchronizer(config, **kwargs)
+    sync = Synchronizer(config, SynchronizerSettings(**kwargs))
     sessions = [sync.join(i, 1, SPECS, num_islands=islands).session for i in range(islands)]
     for p, value in initial_fragments(config).items():
         sync.seed(0, p, get_codec("fp32").encode(value), session=sessions[0])
@@ -107,7 +108,7 @@ def test_a_left_island_is_not_joined_until_it_joins_again_then_counts_as_before(
     session = sync.join(1, 1, SPECS, num_islands=2, previous_session="").session
     assert sync.live_islands() == {0, 1} and not sync.status().islands[1].left
     _push(sync, config, 1, session, seq=2)  # one entry per island: its newer work replaces the old
-    assert sync.fragments[0].rounds.islands() == {1}
+    assert sync.run.fragments[0].rounds.islands() == {1}
     assert sync.poll() == []  # the quorum is 2 again
     _push(sync, config, 0, sessions[0])
     [closed] = sync.poll()
@@ -124,7 +125,7 @@ def test_a_restarted_synchronizer_remembers_the_islands_that_left(tmp_path):
     [closed] = sync.poll()  # island 0 alone is the run now; the close writes a checkpoint
     assert closed.islands == (0,)
     sync.shutdown()
-    restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
+    restarted = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, clock=FakeClock()))
     session = restarted.join(0, 1, SPECS, num_islands=4).session
     assert [i for i, isl in restarted.status().islands.items() if isl.left] == [1, 2, 3]
     delta = torch.full((layout(config).fragment_numel(0),), 0.01)

@@ -17,6 +17,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
 
 RANK = {"checkpointer": 0, "fragment": 1, "service": 2, "membership": 2, "counters": 3}
@@ -103,9 +104,9 @@ class TrackedRLock(TrackedLock):
 
 def _instrumented(sync: Synchronizer) -> Acquisitions:
     log = Acquisitions()
-    for p, fragment in sync.fragments.items():
+    for p, fragment in sync.run.fragments.items():
         fragment.cond = threading.Condition(TrackedRLock(f"fragment[{p}]", log))
-    sync.lock = TrackedRLock("service", log)
+    sync.run.lock = TrackedRLock("service", log)
     sync.tally.lock = TrackedLock("counters", log)
     membership = sync.membership
     membership.lock = TrackedLock("membership", log)
@@ -116,7 +117,7 @@ def _instrumented(sync: Synchronizer) -> Acquisitions:
 
 def test_every_lock_is_taken_in_the_documented_order(tmp_path):
     config = run_config(min_quorum=2, num_fragments=2)
-    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, checkpoint_every=1)
+    sync = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path, checkpoint_every=1))
     sync.join(0, 1, SPECS)  # the first join builds the fragments: instrument them before anything else
     log = _instrumented(sync)
     sync.join(1, 1, SPECS)

@@ -10,6 +10,7 @@ import torch
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
 
 CONFIG = run_config()
@@ -33,7 +34,7 @@ CASES = {
 
 
 def _joined(seed_fragments=(0,)):
-    sync = Synchronizer(CONFIG, clock=FakeClock())
+    sync = Synchronizer(CONFIG, SynchronizerSettings(clock=FakeClock()))
     sync.join(0, 1, SPECS)
     for p in seed_fragments:
         sync.seed(0, p, get_codec("fp32").encode(initial_fragments(CONFIG)[p]))

@@ -12,6 +12,7 @@ from lightning_diloco.core.outer import OuterOptimizer
 from lightning_diloco.core.protocol import RoundRequest, VersionUpdate
 from lightning_diloco.synchronizer.rounds import PEER_WAIT_S
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, with_peer_votes
 
 
@@ -19,7 +20,7 @@ def _started(config, islands, clock=None, *, peer_votes=False, **kwargs):
     """``peer_votes``: a run past its first rounds (tests.helpers.with_peer_votes); without them
     an island's entry alone in a round waits for another island's."""
     clock = clock or FakeClock()
-    sync = Synchronizer(config, clock=clock, **kwargs)
+    sync = Synchronizer(config, SynchronizerSettings(clock=clock, **kwargs))
     for i in range(islands):
         sync.join(i, 1, SPECS)
     for p, value in initial_fragments(config).items():
@@ -52,7 +53,7 @@ def test_a_round_closes_once_and_a_contribution_after_it_goes_into_the_next_roun
     sync, clock = _started(config, 2, peer_votes=True)
     _place(sync, clock, 5 * 4, [0, 1])
     first = sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=5, seq=1))
-    assert (first.round, first.late) == (5, False) and sync.fragments[0].rounds.opened_at is not None  # it opened round 5
+    assert (first.round, first.late) == (5, False) and sync.run.fragments[0].rounds.opened_at is not None  # it opened round 5
     [closed] = sync.poll()
     assert (closed.round, closed.version, closed.islands) == (5, 1, (0,))
     clock.advance(0.5)
@@ -101,7 +102,7 @@ def test_the_grace_window_closes_the_round_without_a_slow_island(grace_slack, wi
     fragment's round); step time 1 s."""
     config = run_config(min_quorum=1, gamma=0.5, overlap=2, grace_slack=grace_slack)
     sync, clock = _started(config, 2, peer_votes=True)
-    due = 3 * 4 + sync.offsets[0]
+    due = 3 * 4 + sync.run.offsets[0]
     _place(sync, clock, due, (0, 1))  # round 3 of fragment 0 is due on the run's clock (H = 4)
     for i in (0, 1):
         sync.heartbeat(i, due, 1.0, schedule_step=due)
@@ -120,7 +121,7 @@ def test_a_round_opened_by_an_island_ahead_of_the_run_waits_for_the_others_to_re
     2 s); never past the whole slack (about 4 s)."""
     config = run_config(min_quorum=1, gamma=0.5, overlap=2)
     sync, clock = _started(config, 2)
-    due = 3 * 4 + sync.offsets[0]
+    due = 3 * 4 + sync.run.offsets[0]
     _place(sync, clock, due - 2, (0, 1))
     clock.advance(5.0)
     sync.heartbeat(0, due, 1.0, schedule_step=due)
@@ -291,7 +292,7 @@ def test_a_send_for_a_round_the_run_has_passed_is_late_even_after_a_restart():
     sync, clock = _started(config, 2)
     _place(sync, clock, 4 * 40 + 2, [0, 1])  # the run is at round 40 of fragment 0
     retried = sync.push(contribution(config, 1, 0, torch.zeros(_numel(config)), round=31))  # sent before a restart
-    assert retried.late and sync.fragments[0].rounds.opened_at is None and sync.poll() == []
+    assert retried.late and sync.run.fragments[0].rounds.opened_at is None and sync.poll() == []
     sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=40))
     [closed] = sync.poll()
     assert (closed.round, closed.islands, closed.late) == (40, (0, 1), 1)
@@ -304,7 +305,7 @@ def test_a_restarted_synchronizer_knows_the_runs_step_from_its_rounds(tmp_path):
     sync.push(contribution(config, 0, 0, torch.zeros(_numel(config)), round=30))
     sync.poll()
     sync.shutdown()  # as the process's end does: the directory is the restarted one's
-    restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
+    restarted = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, clock=FakeClock()))
     assert restarted.run_step() == 30 * 4 + 2
     assert restarted.status().rounds[0].round == 31
 
@@ -329,7 +330,7 @@ def _raise(*args):
 
 # parts of a closed round's bookkeeping: the object and the method that make each fail
 FAILING_PARTS = {
-    "influence guard's history": (lambda sync: sync.fragments[0].rounds.guard, "record"),
+    "influence guard's history": (lambda sync: sync.run.fragments[0].rounds.guard, "record"),
     "membership credit": (lambda sync: sync.membership, "credit"),
     "withdrawal of its requests": (lambda sync: sync.membership, "withdraw"),
     "checkpoint-due signal": (lambda sync: sync.checkpointer.due, "set"),
@@ -367,7 +368,7 @@ def test_a_failure_in_a_closed_rounds_bookkeeping_skips_none_of_the_rest_and_the
     monkeypatch.setattr(owner(sync), method, _raise)
     [closed] = sync.poll()  # nothing raised: the round is closed
     assert (closed.round, closed.version, closed.islands) == (1, 1, (0,))
-    assert sync.poll() == [] and not sync.fragments[0].rounds.entries  # looking again finds nothing to merge
+    assert sync.poll() == [] and not sync.run.fragments[0].rounds.entries  # looking again finds nothing to merge
     effects = _round_effects(sync)
     assert {k: v for k, v in effects.items() if k != failing} == {k: v for k, v in ALL_APPLIED.items() if k != failing}
     if failing in effects:  # the failed part stays short: it is not applied later, nor twice
@@ -390,7 +391,7 @@ def _clipped_round(fail):
     _place(sync, clock, 16, [0, 1])
     sync.push(contribution(config, 1, 0, torch.full((numel,), 10.0), round=4, base_version=3, seq=0))
     if fail is not None:
-        fail(sync.fragments[0].state)
+        fail(sync.run.fragments[0].state)
         with pytest.raises(RuntimeError, match="injected"):
             sync.poll()
     [closed] = sync.poll()
@@ -431,7 +432,7 @@ def _next_round_opened_by_another_island(sync, config):
     """Island 1 sends for the fragment's next round, which opens and closes: the round's islands."""
     delta = torch.full((_numel(config),), 0.02)
     sync.clock.advance(1.0)  # time for island 1 to reach that round (a place advances at a bounded rate)
-    sync.push(contribution(config, 1, 0, delta, round=sync.fragments[0].state.next_round, base_version=sync.versions()[0], seq=100))
+    sync.push(contribution(config, 1, 0, delta, round=sync.run.fragments[0].state.next_round, base_version=sync.versions()[0], seq=100))
     [closed] = sync.poll()
     return closed.islands
 
@@ -446,13 +447,13 @@ def test_a_failure_while_closing_never_lets_the_retry_of_a_merged_push_merge_aga
     sync, _ = _started(config, 2, peer_votes=True)
     push = contribution(config, 0, 0, torch.full((_numel(config),), 0.01), seq=1)
     sync.push(push)
-    _fails_once(sync.fragments[0].rounds if failing == "_settle" else sync.fragments[0].rounds.guard, failing)
+    _fails_once(sync.run.fragments[0].rounds if failing == "_settle" else sync.run.fragments[0].rounds.guard, failing)
     try:
         sync.poll()
     except RuntimeError:  # a close that fails before its step raises to its closer, which looks again
         pass
     sync.poll()
-    assert sync.versions()[0] == 1 and sync.fragments[0].rounds.last.islands == (0,)
+    assert sync.versions()[0] == 1 and sync.run.fragments[0].rounds.last.islands == (0,)
     retry = sync.push(push)  # the client's retry of a push whose answer it lost
     assert retry.duplicate and _next_round_opened_by_another_island(sync, config) == (1,)
     assert sync.status().rounds[0].merged_entries == 2
@@ -504,7 +505,7 @@ def test_a_restart_keeps_the_influence_bounds_and_which_pushes_were_merged(tmp_p
             sync.poll()
         if restart:
             sync.shutdown()  # as the process's end does: the directory is the restarted one's
-            sync = Synchronizer(config, checkpoint_dir=directory, clock=clock)
+            sync = Synchronizer(config, SynchronizerSettings(checkpoint_dir=directory, clock=clock))
         session = sync.join(0, 1, SPECS).session  # the island's client rejoined: a new session
         sync.join(1, 1, SPECS)
         _place(sync, clock, 40, [0, 1])

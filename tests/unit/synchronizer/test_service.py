@@ -14,12 +14,13 @@ from lightning_diloco.core.merge import contribution_weight, merge_outer_gradien
 from lightning_diloco.synchronizer.closers import CLOSER_TICK, IDLE_WAIT, retry_wait
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, wait_for_version, with_peer_votes
 
 
 def _started(config, islands, **kwargs):
     kwargs.setdefault("clock", FakeClock())
-    sync = Synchronizer(config, **kwargs)
+    sync = Synchronizer(config, SynchronizerSettings(**kwargs))
     for i in range(islands):
         sync.join(i, 1, SPECS)
     for p, value in initial_fragments(config).items():
@@ -104,7 +105,7 @@ def test_closer_threads_close_rounds_with_nobody_waiting_and_stop_on_shutdown():
 def test_a_closer_whose_close_failed_logs_it_and_closes_the_round_on_its_next_look(caplog):
     config = run_config(min_quorum=1)
     sync = _started(config, 1, clock=time.monotonic)
-    rounds, real_close, calls = sync.fragments[1].rounds, sync.fragments[1].rounds.close, []
+    rounds, real_close, calls = sync.run.fragments[1].rounds, sync.run.fragments[1].rounds.close, []
 
     def close_failing_once(*args, **kwargs):
         calls.append(args)
@@ -209,16 +210,16 @@ def test_restart_from_checkpoint_keeps_versions_fragments_momentum_and_rounds(tm
         sync.poll()
     sync.shutdown()  # as the process's end does: the directory is the restarted one's
     with caplog.at_level(logging.INFO):
-        restarted = Synchronizer(config, checkpoint_dir=tmp_path, clock=FakeClock())
+        restarted = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, clock=FakeClock()))
     assert restarted.versions() == {0: 0, 1: 3}
     # a rerun of a documented command with the same folder continues the old run: it is said
     assert f"from {tmp_path} after 3 outer steps" in caplog.text and "a new run needs a new --checkpoint-dir" in caplog.text
     for p in range(2):
-        a, b = sync.state.fragments[p], restarted.state.fragments[p]
+        a, b = sync.run.state.fragments[p], restarted.run.state.fragments[p]
         assert torch.equal(a.value, b.value) and a.next_round == b.next_round
         assert (a.outer.momentum_buffer is None and b.outer.momentum_buffer is None) or torch.equal(a.outer.momentum_buffer, b.outer.momentum_buffer)
     # islands carry on against the restarted synchronizer
-    for f in sync.state.fragments.values():  # the old one, a reference now, logs nothing into the new one's directory
+    for f in sync.run.state.fragments.values():  # the old one, a reference now, logs nothing into the new one's directory
         f.publish_hook = None
     restarted.join(0, 1, SPECS)
     for s in (restarted, sync):
@@ -234,9 +235,9 @@ def test_a_standalone_synchronizer_fits_its_fragments_to_the_first_islands_model
     from lightning_diloco.core.config import ScheduleConfig
 
     config = replace(run_config(), schedule=ScheduleConfig(num_fragments=24, sync_every=24, overlap_steps=1))
-    sync = Synchronizer(config, clock=FakeClock())
+    sync = Synchronizer(config, SynchronizerSettings(clock=FakeClock()))
     reply = sync.join(0, 1, SPECS)
-    assert reply.config.schedule.num_fragments == 4 == len(sync.fragments)
+    assert reply.config.schedule.num_fragments == 4 == len(sync.run.fragments)
     said = sync.status().adjustments[0]
     assert "num_fragments lowered from 24 to 4" in said
     assert "num_fragments=" in said and "--num-fragments" in said  # an embedded run has no flags: both spellings
@@ -252,21 +253,21 @@ def test_a_restarted_synchronizer_keeps_the_fragment_count_it_lowered_and_warns_
     from lightning_diloco.core.config import ScheduleConfig
 
     config = replace(run_config(), schedule=ScheduleConfig(num_fragments=24, sync_every=24, overlap_steps=1))
-    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    sync = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path))
     sync.join(0, 1, SPECS)
     sync.checkpoint()
     sync.shutdown()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lightning_diloco.synchronizer.service"):
-        restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
-    assert restarted.config.schedule.num_fragments == 4 and "differ" not in caplog.text
+        restarted = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path))
+    assert restarted.run.config.schedule.num_fragments == 4 and "differ" not in caplog.text
     assert restarted.join(0, 1, SPECS).config.schedule.num_fragments == 4
     assert "num_fragments lowered from 24 to 4" in restarted.status().adjustments[0]
     restarted.shutdown()
     other = replace(config, schedule=replace(config.schedule, sync_every=32))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lightning_diloco.synchronizer.service"):
-        Synchronizer(other, clock=FakeClock(), checkpoint_dir=tmp_path).shutdown()
+        Synchronizer(other, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path)).shutdown()
     assert "sync_every=24 (given: 32)" in caplog.text and "num_fragments" not in caplog.text
 
 
@@ -290,7 +291,7 @@ def test_a_closer_that_keeps_failing_backs_off_however_many_pushes_notify_it():
         failed.set()
         raise RuntimeError("injected failure that persists")
 
-    sync.fragments[0].state.apply = failing_apply
+    sync.run.fragments[0].state.apply = failing_apply
     numel = layout(config).fragment_numel(0)
     sync.start()
     try:
@@ -314,12 +315,12 @@ def test_an_island_started_with_another_num_islands_is_refused_naming_both_also_
     of the data by its own count: their shards overlapped. The count a quorum of the islands says
     is the run's (one island's alone refuses no one: tests/adversarial/test_slots.py)."""
     config = run_config()
-    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    sync = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path))
     sync.join(0, 1, SPECS, num_islands=2)
     sync.join(1, 1, SPECS, num_islands=3)  # no count is the run's yet: neither refuses the other
-    assert sync.num_islands == 0
+    assert sync.run.num_islands == 0
     sync.join(1, 1, SPECS, num_islands=2)  # 2 of 2 say 2: the run's
-    assert sync.num_islands == 2
+    assert sync.run.num_islands == 2
     with pytest.raises(Refusal) as err:
         sync.join(1, 1, SPECS, num_islands=3)
     assert err.value.reason == "num_islands_mismatch"
@@ -330,7 +331,7 @@ def test_an_island_started_with_another_num_islands_is_refused_naming_both_also_
     sync.seed(0, 0, get_codec("fp32").encode(initial_fragments(config)[0]))
     sync.checkpoint()
     sync.shutdown()
-    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    restarted = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path))
     with pytest.raises(Refusal, match="num_islands=2"):
         restarted.join(1, 1, SPECS, num_islands=3)
     assert restarted.join(1, 1, SPECS, num_islands=2).session
@@ -343,7 +344,7 @@ def test_a_second_process_as_a_live_island_is_refused_and_a_restart_gets_in_once
     from lightning_diloco.core.protocol import RUNNING_WINDOW
 
     clock = FakeClock()
-    sync = Synchronizer(run_config(), clock=clock)
+    sync = Synchronizer(run_config(), SynchronizerSettings(clock=clock))
     first = sync.join(0, 1, SPECS, previous_session="").session
     clock.advance(RUNNING_WINDOW / 2)
     sync.heartbeat(0, 5, 0.1, session=first)
@@ -362,7 +363,7 @@ def test_a_second_process_as_a_live_island_is_refused_and_a_restart_gets_in_once
 def test_the_operator_pins_the_island_count_and_a_count_no_island_can_have_is_refused(tmp_path):
     """As --layout-hash for the model: a first joiner cannot set a count that locks the others out."""
     config = run_config()
-    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, num_islands=2)
+    sync = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path, num_islands=2))
     with pytest.raises(Refusal, match="run has num_islands=2 .*--num-islands"):
         sync.join(0, 1, SPECS, num_islands=3)
     for island, count in [(3, 3), (0, -1), (0, 10**6)]:
@@ -374,5 +375,5 @@ def test_the_operator_pins_the_island_count_and_a_count_no_island_can_have_is_re
     sync.checkpoint()
     sync.shutdown()
     with pytest.raises(ValueError, match="--num-islands 3, but the run in .* has num_islands=2"):
-        Synchronizer(config, checkpoint_dir=tmp_path, num_islands=3)
-    Synchronizer(config, checkpoint_dir=tmp_path, num_islands=2).shutdown()  # the refused start left the directory
+        Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, num_islands=3))
+    Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, num_islands=2)).shutdown()  # the refused start left the directory

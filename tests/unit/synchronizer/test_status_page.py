@@ -15,6 +15,7 @@ import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.synchronizer.status_page import render, serve_status_page
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, with_peer_votes
 
@@ -49,7 +50,7 @@ def _synchronizer_with_history():
     """Islands 0 and 1 joined; island 0's contributions merged into two rounds of fragment 0."""
     config = run_config()
     clock = FakeClock()
-    sync = Synchronizer(config, clock=clock)
+    sync = Synchronizer(config, SynchronizerSettings(clock=clock))
     for i in range(2):
         sync.join(i, 1, SPECS)
     for p, value in initial_fragments(config).items():

@@ -17,6 +17,7 @@ from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.local_link import LocalLink
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config, with_peer_votes
 
@@ -27,7 +28,7 @@ def _killed_after_versions(tmp_path, config, versions: int, pulls: dict | None =
     """A synchronizer checkpointed at version 0 that published ``versions`` more of fragment 1,
     then died without a checkpoint (its directory released, as the kernel does at a SIGKILL).
     Returns the value an island pulled at the last version (``pulls``: version -> each one's)."""
-    sync = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    sync = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path))
     sync.join(0, 1, SPECS)
     for p, value in initial_fragments(config).items():
         sync.seed(0, p, FP32.encode(value))
@@ -49,7 +50,7 @@ def test_a_version_published_after_the_checkpoint_is_taken_back_only_from_an_isl
     pulled = _killed_after_versions(tmp_path, config, 3)
     assert version_log.read(tmp_path)[1][-1] == (3, version_log.value_digest(pulled))
 
-    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60)
+    restarted = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60))
     assert restarted.versions() == {0: 0, 1: -1}  # not version 0 again: islands hold 3
     restarted.join(0, 1, SPECS)
     with pytest.raises(Refusal, match="waits for an island to give back its version 3"):
@@ -67,7 +68,7 @@ def test_a_version_published_after_the_checkpoint_is_taken_back_only_from_an_isl
     # islands holding version 3 are sent the next one as a step from it, not whole
     restarted.push(contribution(config, 0, 1, torch.full_like(pulled, 0.01), round=4, base_version=3, seq=11))
     restarted.poll()
-    [update] = restarted.fragments[1].updates_for(0, 3)
+    [update] = restarted.run.fragments[1].updates_for(0, 3)
     assert (update.version, update.base_version) == (4, 3)
     # the next checkpoint compacts the log to one line per fragment
     restarted.checkpoint()
@@ -82,7 +83,7 @@ def test_with_no_island_giving_it_back_the_checkpoint_is_served_after_the_wait_a
     with (tmp_path / version_log.FILE).open("ab") as f:
         f.write(b'{"fragment": 1, "vers')  # a line a kill cut short: never fsync'd, never seen
     clock = FakeClock()
-    restarted = Synchronizer(config, clock=clock, checkpoint_dir=tmp_path, recovery_wait=60)
+    restarted = Synchronizer(config, SynchronizerSettings(clock=clock, checkpoint_dir=tmp_path, recovery_wait=60))
     assert restarted.versions()[1] == -1
     clock.advance(61)
     with caplog.at_level(logging.ERROR):
@@ -90,7 +91,7 @@ def test_with_no_island_giving_it_back_the_checkpoint_is_served_after_the_wait_a
     assert "no island gave back its version 2" in caplog.text and "LOST" in caplog.text
     restarted.release_checkpoint_dir()
     # the fallback is logged too: the next restart serves version 0 at once
-    again = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path)
+    again = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path))
     assert again.versions() == {0: 0, 1: 0}
     again.shutdown()
 
@@ -113,7 +114,7 @@ def test_a_version_the_log_cannot_hold_is_not_published():
 def test_an_island_leader_gives_back_the_fragment_it_holds_once_its_heartbeat_shows_it_waiting(tmp_path):
     config = run_config(downlink="int4")
     pulled = _killed_after_versions(tmp_path, config, 2)
-    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60)
+    restarted = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60))
     link = LocalLink(restarted)
     link.join(0, 1, SPECS)
     held = {0: (0, initial_fragments(config)[0]), 1: (2, pulled)}
@@ -136,7 +137,7 @@ def test_when_no_island_holds_the_last_version_the_newest_one_offered_is_taken_o
     pulls: dict = {}
     _killed_after_versions(tmp_path, config, 3, pulls)
     clock = FakeClock()
-    restarted = Synchronizer(config, clock=clock, checkpoint_dir=tmp_path, recovery_wait=60)
+    restarted = Synchronizer(config, SynchronizerSettings(clock=clock, checkpoint_dir=tmp_path, recovery_wait=60))
     restarted.join(0, 1, SPECS)
     assert restarted.seed(0, 1, FP32.encode(pulls[1])) is False
     assert restarted.seed(0, 1, FP32.encode(pulls[2])) is False  # version 3 may still come back
@@ -154,7 +155,7 @@ def test_once_every_island_of_the_run_offered_an_older_version_the_newest_offere
     config = run_config()
     pulls: dict = {}
     _killed_after_versions(tmp_path, config, 3, pulls)
-    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60, num_islands=2)
+    restarted = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60, num_islands=2))
     for i in range(2):
         restarted.join(i, 1, SPECS, num_islands=2)
     assert restarted.seed(0, 1, FP32.encode(pulls[2])) is False  # island 1 may hold version 3
@@ -168,7 +169,7 @@ def test_islands_holding_only_the_checkpoints_version_have_it_served_once_the_re
     config = run_config()
     pulls: dict = {}
     _killed_after_versions(tmp_path, config, 1, pulls)
-    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1)
+    restarted = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1))
     restarted.join(0, 1, SPECS, num_islands=1)
     assert restarted.seed(0, 1, FP32.encode(initial_fragments(config)[1])) is True
     assert restarted.versions()[1] == 0
@@ -181,7 +182,7 @@ def test_a_brand_new_island_joining_during_a_recovery_is_served_its_first_pull_o
     waits for an island that has, and starts from the version given back."""
     config = run_config(downlink="int4")
     pulled = _killed_after_versions(tmp_path, config, 3)
-    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60)
+    restarted = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60))
     restarted.join(0, 1, SPECS)
     fresh = LocalLink(restarted)
     fresh.join(5, 1, SPECS)
@@ -203,7 +204,7 @@ def test_a_pull_waits_for_a_recovery_no_longer_than_its_bound_and_only_from_an_i
         tmp_path, monkeypatch):
     config = run_config(downlink="int4")
     pulled = _killed_after_versions(tmp_path, config, 2)
-    restarted = Synchronizer(config, clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60)
+    restarted = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60))
     monkeypatch.setattr(version_log, "RECOVERY_PULL_WAIT", 0.3)
     try:
         for island in (0, 5):
@@ -223,7 +224,7 @@ def test_a_restarted_synchronizer_takes_back_the_versions_a_learner_island_recei
     back after a kill, with either downlink. With fp32 the island held base + an fp32 delta, a
     rounding away from the logged value: no version was ever taken back (issue 48, 4(a))."""
     config = run_config(downlink=downlink)
-    sync = Synchronizer(config, checkpoint_dir=tmp_path).start()
+    sync = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path)).start()
     link = LocalLink(sync)
     learner = None
     try:
@@ -251,7 +252,7 @@ def test_a_restarted_synchronizer_takes_back_the_versions_a_learner_island_recei
         sync.shutdown()  # no final checkpoint: the kill
     # a run of one island: what it holds is taken at once, the last version or not (its send's
     # round may have closed before it applied the version)
-    restarted = Synchronizer(config, checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1)
+    restarted = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1))
     assert restarted.versions() == {0: -1, 1: -1}
     restarted_link = LocalLink(restarted)
     restarted_link.join(0, 1, SPECS, num_islands=1)
