@@ -5,7 +5,7 @@ at a time, folding the signals that arrive meanwhile into the next write (which 
 as it is by then). A failed write is logged, counted in Status and retried with backoff: it never
 turns a merge into an error. Files and their checks: core/checkpoints.py.
 
-A synchronizer holds its directory from start to stop (:func:`hold`): a second one on the same
+A synchronizer holds its directory from start to stop (:class:`CheckpointDirectory`): a second one on the same
 directory, another shard started with the same --checkpoint-dir most likely, is refused at start
 instead of overwriting the first one's checkpoints.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,20 +22,12 @@ from lightning_diloco.core import checkpoints
 from lightning_diloco.core.checkpoints import DirectoryLock, describe_owner
 from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.core.threads import single_threaded_torch
+from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.admission import layout_pin_problem, pinned_num_islands
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from lightning_diloco.synchronizer.version_log import VersionLog
 
 log = logging.getLogger(__name__)
-
-
-def hold(directory: Path | None, identity: dict) -> DirectoryLock | None:
-    """Make ``directory`` this synchronizer's until its lock is released (None: no directory),
-    after checking it is writable; ValueError naming the synchronizer that holds it already.
-    Taken before the checkpoint is read: the holder may be writing one."""
-    if directory is None:
-        return None
-    checkpoints.check_writable(directory)
-    return checkpoints.lock_directory(directory, identity)
 
 
 def resume(directory: Path | None, identity: dict, layout_hash: str | None) -> SynchronizerState | None:
@@ -65,21 +58,43 @@ def resume(directory: Path | None, identity: dict, layout_hash: str | None) -> S
     return loaded
 
 
-def open_directory(directory: Path | None, identity: dict, layout_hash: str | None, given: SynchronizerState | None,
-                   num_islands: int | None) -> tuple[DirectoryLock | None, SynchronizerState | None, int]:
-    """What a synchronizer starts from in ``directory``: its lock (:func:`hold`), the checkpoint
-    there (:func:`resume`; None: none) and the run's island count, fixed by the operator
-    (``num_islands``), the checkpoint or ``given``, the state it was given (0: not yet, admission.py).
-    A refused start leaves the directory to the next try."""
-    lock = hold(directory, identity)
-    try:
-        loaded = resume(directory, identity, layout_hash)  # refused at start, not after the first merges
-        restored = loaded if loaded is not None else given
-        return lock, loaded, pinned_num_islands(num_islands, restored.num_islands if restored is not None else 0, directory)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
+class CheckpointDirectory:
+    """What a synchronizer starts from in ``settings.checkpoint_dir`` (``path``; None: it keeps no
+    checkpoints), held until :meth:`release`: the checkpoint there (``loaded``; None: none), the
+    run's island count (the operator's, the checkpoint's or ``given``'s, the state it was given;
+    0: not yet, admission.py), the version log and its digests, and the run and shard its
+    checkpoints are stamped with (``identity``). A refused start leaves the directory to the next try."""
+
+    def __init__(self, settings: SynchronizerSettings, given: SynchronizerState | None) -> None:
+        self.path = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
+        self.identity = {"run_id": settings.run_id, "shard": settings.shard, "num_shards": settings.num_shards}
+        self.lock: DirectoryLock | None = None
+        if self.path is not None:  # taken before the checkpoint is read: the holder may be writing one
+            checkpoints.check_writable(self.path)
+            self.lock = checkpoints.lock_directory(self.path, self.identity)  # a second holder is refused, named
+        try:
+            self.loaded = resume(self.path, self.identity, settings.layout_hash)  # refused at start, not after the first merges
+            restored = self.loaded if self.loaded is not None else given
+            checkpointed = restored.num_islands if restored is not None else 0
+            self.num_islands = pinned_num_islands(settings.num_islands, checkpointed, self.path)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+        # every published version's digest, logged before it is seen: what a restart gets back
+        self.logged = version_log.read(self.path)
+        self.versions = VersionLog(self.path) if self.path is not None else None
+        self.identity["run_id"] = self.identity["run_id"] or uuid.uuid4().hex[:16]
+        if self.lock is not None:  # now with the run's id, for the message of a second one
+            self.lock.record(self.identity)
+
+    def release(self) -> None:
+        """Let another synchronizer (this one restarted in-process, say) take the directory.
+        Idempotent; the process's end releases it too, however it ends."""
+        if self.lock is not None:
+            if self.versions is not None:
+                self.versions.close()
+            self.lock.release()
 
 
 class Checkpointer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import gc
 import json
 import logging
@@ -111,11 +112,8 @@ def run_synchronizer(args: argparse.Namespace) -> int:
     soft, hard = raise_open_files_limit()
     log.info("open descriptors: up to %d (soft limit; the hard limit is %s, set by ulimit -Hn)", soft,
              "unlimited" if hard == resource.RLIM_INFINITY else hard)
-    service = Synchronizer(run_config_from_args(args), SynchronizerSettings(
-        shard=args.shard, num_shards=args.num_shards, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        recovery_wait=args.recovery_wait, run_id=args.run_id, layout_hash=args.layout_hash, num_islands=args.num_islands,
-        liveness_timeout=args.liveness_timeout,
-    ))
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(SynchronizerSettings) if f.name != "clock"}
+    service = Synchronizer(run_config_from_args(args), SynchronizerSettings(**flags))  # each setting is its flag
     server = SynchronizerServer(
         service, host=args.host, port=args.port, token=resolve_token(args), tls_cert=args.tls_cert, tls_key=args.tls_key,
         max_workers=args.max_workers,

@@ -1,19 +1,14 @@
-"""The run as one synchronizer holds it: :class:`Run`, its settings, layout and island count, and
-the fragments this shard owns, each with its closer thread (closers.py), made once the layout is
-known.
-
-- The layout is the first joiner's (:meth:`Run.adopt`), unless the operator pinned one
-  (``--layout-hash``) or a checkpoint holds one; every later joiner must have it. A first model of
-  fewer tensors than fragments asked for lowers the fragment count to one per tensor first.
-- The island count is the operator's (``--num-islands``), the checkpoint's, or the one a quorum of
-  the joined islands was started with (:meth:`Run.count_stated`); once fixed, a joiner started
-  with another is refused before its layout can be adopted. The rules: admission.py.
+"""The run as one synchronizer holds it: :class:`Run`, its settings, layout and island count, fixed
+by the first joiners (:meth:`Run.adopt`, :meth:`Run.count_stated`), the operator or a checkpoint
+(the rules: admission.py), and the fragments this shard owns, each with its closer thread
+(closers.py), made once the layout is known.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 from lightning_diloco.core.config import RunConfig
@@ -22,6 +17,7 @@ from lightning_diloco.core.quorum import quorum_in_run
 from lightning_diloco.core.schedule import due_step, fragment_offsets
 from lightning_diloco.core.state import SynchronizerState, owned_by_shard, shard_of
 from lightning_diloco.reasons import Reason
+from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.admission import (
     count_agreed,
     fitted_to_model,
@@ -47,8 +43,7 @@ class Run:
         count, the operator's or the checkpoint's (0: not yet known). ``logged``: each fragment's
         versions in the version log; ``closing``: set on shutdown."""
         self.config, self.state, self.shared, self.logged = config, state, shared, logged
-        self.shard, self.num_shards = settings.shard, settings.num_shards
-        self.owned = owned_by_shard(settings.shard, settings.num_shards)
+        self.shard, self.num_shards, self.owned = settings.shard, settings.num_shards, owned_by_shard(settings.shard, settings.num_shards)
         self.layout_hash, self.num_islands = settings.layout_hash, num_islands  # the layout pinned (None: the first joiner's)
         self.lock = threading.RLock()  # layout adoption, the run's island count, start
         self.adjustments: list[str] = []  # settings changed to fit the run, said in the log and Status
@@ -155,8 +150,15 @@ class Run:
         left = self.shared.membership.left_count()
         return quorum_in_run(self.config.merge.min_quorum, num_islands=self.num_islands, left=left)
 
-    def latest_round_step(self) -> int:
-        """The step of the latest round any fragment opened (0: none)."""
+    def run_step(self, now: float | None = None) -> int:
+        """The run's clock: the live islands' (robust: membership.py); with none live (a restarted
+        synchronizer, or islands that all went away) the step of the latest round any fragment
+        opened, which the first island to join again starts from. Not the later of the two: a
+        round one island opened ahead of the others would then place every island that joins or
+        rejoins at it, and carry the clock with them."""
+        clock = self.shared.membership.run_step(self.shared.clock() if now is None else now)
+        if clock is not None:
+            return clock
         latest, state = 0, self.state
         if state is not None:
             H = self.config.schedule.sync_every
@@ -165,11 +167,27 @@ class Run:
                     latest = max(latest, due_step(frag.next_round - 1, self.offsets[p], H))
         return latest
 
+    def wake(self) -> None:
+        """Liveness or the quorum changed (or shutdown): every round looks again at what it waits for."""
+        for fragment in self.fragments.values():
+            fragment.wake()
+
+    # ---- recovery after a restart (fragment.py) ------------------------------------------------
+
     def fall_back_if_overdue(self) -> None:
-        """Each recovering fragment falls back once the restart settled or its wait is over (fragment.py)."""
+        """Each recovering fragment falls back once the restart settled or its wait is over."""
         now = self.shared.clock()
         for fragment in list(self.fragments.values()):
             fragment.fall_back_if_overdue(now)
+
+    def await_recovery(self, fragment: Fragment, island: int) -> None:
+        """Wait while ``fragment`` recovers and ``island``, which offered what it holds, has nothing
+        to give back (fragment.py ``awaits_recovery``); the restart's settling, which may end the
+        recovery, is looked at here, outside the fragment's lock."""
+        until = time.monotonic() + version_log.RECOVERY_PULL_WAIT  # read at the call: a test shortens it
+        self.fall_back_if_overdue()
+        while fragment.awaits_recovery(island, until):
+            self.fall_back_if_overdue()
 
     def snapshot(self, identity: dict) -> SynchronizerState | None:
         """A consistent copy of the state (None before the first join), fragment by fragment: each

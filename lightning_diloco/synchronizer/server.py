@@ -5,15 +5,9 @@ Every refusal becomes a gRPC status whose details start with the reason code.
 
 Every call is under the same resource rules, so that one island's credential cannot take what
 the others need: it is checked from its header (session, fragment, sizes) before anything is
-read or copied; each stream that can last holds one of its island's few slots of its kind
-(:class:`IslandStreams`: subscriptions, payload streams, pulls); a payload must arrive, and a
-pull's reply be read, within a deadline after which the stream is cancelled (deadlines.py); and
-calls that can hold a worker for long (subscriptions, pulls) leave ``RESERVE`` workers free for
-the rest, and subscriptions, which last as long as their island is connected, leave
-``PULL_RESERVE`` of the long-call workers to pulls and exports, each ended by its deadline
-(:class:`LongCalls`): without a token anyone may join as many islands, and 260 unread
-subscriptions of made-up islands took every long-call worker, so an honest island's pull was
-refused ``busy``.
+read or copied; a stream that can last, and a call that can hold a worker for long, takes a slot
+(slots.py); and a payload must arrive, and a pull's reply be read, within a deadline after which
+the stream is cancelled (deadlines.py).
 """
 
 from __future__ import annotations
@@ -21,8 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -39,6 +31,7 @@ from lightning_diloco.synchronizer.deadlines import StreamDeadlines, payload_dea
 from lightning_diloco.synchronizer.push_admission import declared_size_problem
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.slots import EXPORTS_AT_ONCE, OPERATOR, PULLS_PER_ISLAND, SUBSCRIPTIONS_PER_ISLAND, Slots
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport import synchronizer_pb2_grpc as pb_grpc
 from lightning_diloco.transport.chunks import MAX_MESSAGE_BYTES
@@ -48,12 +41,6 @@ from lightning_diloco.transport.wire import DownlinkMessages, add_servicer, asse
 log = logging.getLogger(__name__)
 
 MAX_DETAILS = 1000  # characters of a refusal's message sent back: it may quote client input
-RESERVE = 8  # workers kept free of long calls (subscriptions, pulls) for everything else
-PULL_RESERVE = 16  # long-call workers subscriptions never take: pulls (2 per island) and exports find one
-SUBSCRIPTIONS_PER_ISLAND = 2  # open streams of one island: its current one and the one it replaces
-PULLS_PER_ISLAND = 2  # an island pulls one fragment at a time (joining, ending); the second: a retry's overlap
-EXPORTS_AT_ONCE = 2  # the operator's export reads one fragment at a time; the second: a retry's overlap
-OPERATOR = -1  # the key of the operator's own slots (exports) beside the islands'
 STATUS = {  # which gRPC status code carries each refusal; INVALID_ARGUMENT for the rest
     Reason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Reason.UNKNOWN_FRAGMENT: grpc.StatusCode.OUT_OF_RANGE,
@@ -105,98 +92,14 @@ def _events(events: Iterator, context: grpc.ServicerContext, release, downlink: 
         release()
 
 
-class IslandStreams:
-    """How many streams of each kind one island holds: each kind has a few slots per island, so
-    a client with one island's credential cannot hold the workers (or the subscription slots)
-    every other island needs (260 subscriptions, or 300 pushes or seeds sending a byte every
-    5 s, locked honest islands out), nor the memory (300 pulls never read held 1 GB)."""
-
-    def __init__(self, service: Synchronizer) -> None:
-        self.service = service
-        self.lock = threading.Lock()
-        self.held: Counter[tuple[int, str]] = Counter()
-
-    def take(self, island: int, kind: str, slots: int):
-        """A slot of ``kind`` for ``island``, or a busy refusal; returns its release."""
-        key = (island, kind)
-        with self.lock:
-            if self.held[key] >= slots:
-                who = "the operator" if island == OPERATOR else f"island {island}"
-                raise self.service.tally.refuse(Reason.BUSY, f"{who} already holds {slots} {kind} streams, the most "
-                                          "it may; retry once one has ended (each ends by its deadline)")
-            self.held[key] += 1
-
-        def release() -> None:
-            with self.lock:
-                self.held[key] -= 1
-                if not self.held[key]:
-                    del self.held[key]
-
-        return release
-
-
-class LongCalls:
-    """The workers calls that hold one for long may take, in two budgets: subscriptions all but
-    ``reserved`` of them, pulls and exports any free one. So no number of open subscriptions,
-    whoever holds them, gets a pull refused busy; what pulls hold ends by their deadlines."""
-
-    def __init__(self, workers: int, reserved: int) -> None:
-        self.workers, self.reserved = workers, reserved
-        self.lock = threading.Lock()
-        self.in_use = self.subscriptions = 0
-
-    def take(self, subscription: bool) -> Callable[[], None] | None:
-        """A worker, or None when its budget is spent; returns its release."""
-        with self.lock:
-            if self.in_use >= self.workers or (subscription and self.subscriptions >= self.workers - self.reserved):
-                return None
-            self.in_use += 1
-            self.subscriptions += subscription
-
-        def release() -> None:
-            with self.lock:
-                self.in_use -= 1
-                self.subscriptions -= subscription
-
-        return release
-
-
 class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     def __init__(self, service: Synchronizer, token: str | None = None, max_workers: int = 256) -> None:
         self.service, self.token = service, token
         # a call that holds its worker for long takes a slot; when none is left it is refused
         # at once, so Status, joins and pushes always find a worker
-        workers = max(1, max_workers - RESERVE)
-        self.long_calls = LongCalls(workers, reserved=min(PULL_RESERVE, workers // 2))
-        self.streams = IslandStreams(service)
+        self.slots = Slots(service.tally, max_workers)
         self.deadlines = StreamDeadlines()
         self.downlink = DownlinkMessages()
-
-    def _long_call(self, what: str):
-        release = self.long_calls.take(subscription=what == "subscription")
-        if release is None:
-            share = (f"subscriptions may take (all but {self.long_calls.reserved}, kept for pulls)"
-                     if what == "subscription" else "long calls")
-            raise self.service.tally.refuse(Reason.BUSY, f"every worker {share} is taken; the {what} is refused, retry later "
-                                      "(or start the synchronizer with more --max-workers)")
-        return release
-
-    def _island_long_call(self, island: int, kind: str, slots: int):
-        """One of ``island``'s slots of ``kind``, then a long-call slot: its own first, so one
-        client's calls never take the workers every other island needs (as Subscribe does, with
-        its session check between the two); returns the release of both."""
-        own = self.streams.take(island, kind, slots)
-        try:
-            shared = self._long_call(kind)
-        except Refusal:
-            own()
-            raise
-
-        def release() -> None:
-            shared()
-            own()
-
-        return release
 
     def authorize(self, context: grpc.ServicerContext) -> Caller:
         if not self.token:
@@ -226,7 +129,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         """The payload after its header (a seed's or a push's), read in one of ``island``'s payload
         stream slots; a client that sends it too slowly is cancelled (deadlines.py)."""
         # an island pushes at most one stream per fragment, plus retries overlapping the old ones
-        release = self.streams.take(island, "payload", self.service.run.config.schedule.num_fragments + 2)
+        release = self.slots.island(island, "payload", self.service.run.config.schedule.num_fragments + 2)
         seconds = payload_deadline(expected)
         done = self.deadlines.watch(context, seconds)
         try:
@@ -273,9 +176,8 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         first = next(request_iterator)
         h = first.header
         self.acting_as(caller, h.island)
-        version = self.service.admit_seed(h.island, h.fragment, h.session)
+        version, expected = self.service.admit_seed(h.island, h.fragment, h.session)
         what = f"seed of fragment {h.fragment}"
-        expected = self.service.seed_payload_bytes(h.fragment)
         problem = declared_size_problem(what, h.payload_bytes, expected)
         if problem:
             raise self.service.tally.refuse(Reason.BAD_PAYLOAD, problem)
@@ -304,11 +206,11 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         # a joined island's own slots first (a reconnect may overlap the old stream's last tick),
         # so one client's subscriptions never take the workers every other island needs; the
         # session is checked before a long-call slot is taken
-        own = self.streams.take(request.island, "subscription", SUBSCRIPTIONS_PER_ISLAND)
+        own = self.slots.island(request.island, "subscription", SUBSCRIPTIONS_PER_ISLAND)
         try:
             events = self.service.subscribe(request.island, dict(request.versions), active=context.is_active,
                                             session=request.session)
-            shared = self._long_call("subscription")
+            shared = self.slots.long_call("subscription")
         except Refusal:
             own()
             raise
@@ -319,7 +221,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.acting_as(caller, request.island)
         self.service.admit_pull(request.island, request.fragment, request.session)
         # gRPC sends a reply as fast as its client reads it: one never read holds its worker
-        release = self._island_long_call(request.island, "pull", PULLS_PER_ISLAND)
+        release = self.slots.island_long_call(request.island, "pull", PULLS_PER_ISLAND)
         return self._whole_fragment(context, request.fragment, functools.partial(self.service.pull, island=request.island),
                                     release)
 
@@ -344,7 +246,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
     def ExportLayout(self, request, context, caller):
         self.operator_only(caller, "export the global model")
         layout, versions = self.service.export_layout()
-        return pb.ExportLayoutReply(layout_json=json.dumps(layout.to_dict()), run_id=self.service.identity["run_id"] or "",
+        return pb.ExportLayoutReply(layout_json=json.dumps(layout.to_dict()), run_id=self.service.directory.identity["run_id"] or "",
                                     shard=self.service.shard, num_shards=self.service.num_shards, versions=versions)
 
     @_handler
@@ -353,7 +255,7 @@ class SynchronizerServicer(pb_grpc.SynchronizerServicer):
         self.service.export_layout()  # refused the same way before an island has joined
         # under the same rules as a pull: the operator's own few slots, a long-call slot, and a
         # reply read within its deadline, so an export never holds what the islands need
-        release = self._island_long_call(OPERATOR, "export", EXPORTS_AT_ONCE)
+        release = self.slots.island_long_call(OPERATOR, "export", EXPORTS_AT_ONCE)
         return self._whole_fragment(context, request.fragment, self.service.export, release)
 
     def _whole_fragment(self, context, fragment: int, read, release: Callable[[], None]):
@@ -443,7 +345,7 @@ class SynchronizerServer:
             self.executor.shutdown(wait=True)  # grpc leaves its worker threads to us
             self.service.checkpoint()
         finally:
-            self.service.release_checkpoint_dir()
+            self.service.directory.release()
 
     def wait(self) -> None:
         self.server.wait_for_termination()

@@ -2,19 +2,16 @@
 
 Transport-agnostic: the gRPC server and in-process callers drive the same object.
 
-- The run: its settings, layout and island count (fixed by the first joiners or the operator)
-  and its owned fragments (run.py), its membership and clock (membership.py), its checkpoints
-  (durability.py) and Status. How this synchronizer runs (shard, checkpoints, pins, clock):
-  settings.py.
+- The run: its settings, layout, island count and owned fragments (run.py), its membership and
+  clock (membership.py), its checkpoints (durability.py) and Status; how this synchronizer runs
+  (shard, checkpoints, pins, clock): settings.py.
 - Each owned fragment is one :class:`~lightning_diloco.synchronizer.fragment.Fragment`
   (fragment.py), which owns its state, rounds, lock, recovery after a restart and what it takes
   in. A seed, a push or a pull is checked here for what every request of an island passes (the
   fragment is one of this shard's and the run has a layout, the caller's session) and handed to
   its fragment: a push is one call, :meth:`push` (every rule it can be refused by, in order:
-  push_admission.py).
-- Each fragment has one closer thread (:meth:`start`; closers.py) that closes its round when the
-  quorum and grace rules say so, whether or not anyone is waiting; tests move a fake clock and
-  call :meth:`poll` instead.
+  push_admission.py). Its closer thread (closers.py) closes its rounds; tests move a fake clock
+  and call :meth:`poll` instead.
 - Every new version reaches every subscribed island (:meth:`subscribe`), contributor or not, as a
   delta against the version that island last received.
 
@@ -26,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -39,17 +35,16 @@ from lightning_diloco.core.fragments import FragmentLayout, TensorSpec
 from lightning_diloco.core.protocol import Beat, Contribution, JoinInfo, PushAck, RoundRequest, SynchronizerStatus, VersionUpdate
 from lightning_diloco.core.state import SynchronizerState
 from lightning_diloco.reasons import Reason
-from lightning_diloco.synchronizer import version_log
 from lightning_diloco.synchronizer.admission import join_problem, running_message
 from lightning_diloco.synchronizer.delivery import island_events
-from lightning_diloco.synchronizer.durability import Checkpointer, open_directory
+from lightning_diloco.synchronizer.durability import CheckpointDirectory, Checkpointer
 from lightning_diloco.synchronizer.fragment import Shared
 from lightning_diloco.synchronizer.membership import IslandRunning, Membership, SessionError
 from lightning_diloco.synchronizer.requests import Tally
 from lightning_diloco.synchronizer.rounds import ClosedRound
 from lightning_diloco.synchronizer.run import Run
 from lightning_diloco.synchronizer.settings import SynchronizerSettings
-from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE, VersionLog
+from lightning_diloco.synchronizer.version_log import RECOVERY_SETTLE
 
 log = logging.getLogger(__name__)
 
@@ -63,33 +58,24 @@ class Synchronizer:
         settings = settings or SynchronizerSettings()
         self.shard, self.num_shards, self.clock = settings.shard, settings.num_shards, settings.clock
         self.incarnation = uuid.uuid4().hex[:12]  # per-process counters (accepted, refused) restart with it
-        self.checkpoint_dir = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
         self.membership = Membership(settings.liveness_timeout, lead_steps=config.schedule.sync_every)
         self.closing = threading.Event()  # set on shutdown: waiting calls return at once
         self.tally = Tally()
-        self.identity = {"run_id": settings.run_id, "shard": settings.shard, "num_shards": settings.num_shards}
-        # the directory is this synchronizer's until shutdown: a second shard on it is refused here; the
-        # run's island count, fixed by the operator or a quorum of the islands (0: not yet)
-        self.directory_lock, loaded, num_islands = open_directory(self.checkpoint_dir, self.identity, settings.layout_hash,
-                                                                  state, settings.num_islands)
-        # every published version's digest, logged before it is seen: what a restart gets back
-        logged = version_log.read(self.checkpoint_dir)
-        self.version_log = VersionLog(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        # this synchronizer's until shutdown: a second shard on it is refused here
+        self.directory = directory = CheckpointDirectory(settings, state)
         wait = settings.recovery_wait
         recovery_deadline, recovery_settled_at = self.clock() + wait, self.clock() + min(RECOVERY_SETTLE, wait)
-        if loaded is not None:
-            state = loaded
-            self.membership.restore_left(loaded.left, self.clock())
-        self.identity["run_id"] = self.identity["run_id"] or uuid.uuid4().hex[:16]
-        if self.directory_lock is not None:  # now with the run's id, for the message of a second one
-            self.directory_lock.record(self.identity)
+        if directory.loaded is not None:
+            state = directory.loaded
+            self.membership.restore_left(state.left, self.clock())
         due = threading.Event()  # set after each close: the checkpointer writes one if it is due
-        self.shared = Shared(self.membership, self.tally, self.clock, self.version_log, due, recovery_settled_at=recovery_settled_at,
-                             recovery_deadline=recovery_deadline, recovery_wait=wait)
-        self.run = Run(config, state, settings, num_islands=num_islands, shared=self.shared, logged=logged, closing=self.closing)
-        self.checkpointer = Checkpointer(self.checkpoint_dir, settings.checkpoint_every, snapshot=lambda: self.run.snapshot(self.identity),
+        self.shared = Shared(self.membership, self.tally, self.clock, directory.versions, due,
+                             recovery_settled_at=recovery_settled_at, recovery_deadline=recovery_deadline, recovery_wait=wait)
+        self.run = Run(config, state, settings, num_islands=directory.num_islands, shared=self.shared, logged=directory.logged,
+                       closing=self.closing)
+        self.checkpointer = Checkpointer(directory.path, settings.checkpoint_every, snapshot=lambda: self.run.snapshot(directory.identity),
                                          outer_steps=lambda: self.run.state.outer_steps if self.run.state else 0,
-                                         closing=self.closing, due=due, versions=self.version_log)
+                                         closing=self.closing, due=due, versions=directory.versions)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -102,22 +88,14 @@ class Synchronizer:
     def shutdown(self, *, keep_checkpoint_dir: bool = False) -> None:
         """Stop the closers and release every call waiting on a round, a pull or a subscription;
         then the checkpoint directory, unless ``keep_checkpoint_dir`` (a final checkpoint is to
-        be written: then :meth:`release_checkpoint_dir` after it)."""
+        be written: then ``directory.release()`` after it, durability.py)."""
         self.closing.set()
-        self._wake_closers()
+        self.run.wake()
         self.membership.wake()
         self.checkpointer.stop()
         self.run.closers.stop()
         if not keep_checkpoint_dir:
-            self.release_checkpoint_dir()
-
-    def release_checkpoint_dir(self) -> None:
-        """Let another synchronizer (this one restarted in-process, say) take the checkpoint
-        directory. Idempotent; the process's end releases it too, however it ends."""
-        if self.directory_lock is not None:
-            if getattr(self, "version_log", None) is not None:
-                self.version_log.close()
-            self.directory_lock.release()
+            self.directory.release()
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -127,7 +105,7 @@ class Synchronizer:
 
         ``num_islands``: the run's island count as the island was started with (0: not said);
         once the operator or a quorum of the islands fixed the run's (admission.py), another is
-        refused naming both; before that, none is. The layout: the run's (run.py).
+        refused naming both; before that, none is. The layout: the run's, or adopted (run.py).
         ``previous_session``: the session this client last had with this synchronizer ("": none,
         also what a remote join that leaves it out is taken as); None: an in-process caller (the
         embedded synchronizer's own island), not checked. A join as an island another client is
@@ -137,7 +115,7 @@ class Synchronizer:
             raise self.tally.refuse(Reason.BAD_ISLAND, problem)
         layout = self.run.adopt(island, specs, num_islands)
         now = self.clock()
-        run_step = self.run_step(now)
+        run_step = self.run.run_step(now)
         try:
             session = self.membership.join(island, world_size, now, at_step=run_step, previous_session=previous_session)
         except OverflowError as err:
@@ -167,8 +145,8 @@ class Synchronizer:
         now = self.clock()
         self._check_session(island, session, "heartbeat")
         self.membership.seen(island, now, steps=steps, schedule_step=schedule_step, step_time=step_time)
-        self._wake_closers()  # liveness may have changed what a round waits for
-        return Beat(versions=self.versions(), run_step=self.run_step(now))
+        self.run.wake()  # liveness may have changed what a round waits for
+        return Beat(versions=self.versions(), run_step=self.run.run_step(now))
 
     def leave(self, island: int, session: str | None = None) -> None:
         """The island ends its part in the run (its training ended, or it was stopped): from now
@@ -179,24 +157,10 @@ class Synchronizer:
         island not joined, so it may join again as any island."""
         self._check_session(island, session, "leave", check=self.membership.leave)
         log.info("island %d left the run", island)
-        self._wake_closers()  # a round short of the quorum, or waiting for this island, may close now
-
-    def _wake_closers(self) -> None:
-        """Liveness or the quorum changed (or shutdown): every round looks again at what it waits for."""
-        for fragment in self.run.fragments.values():
-            fragment.wake()
+        self.run.wake()  # a round short of the quorum, or waiting for this island, may close now
 
     def live_islands(self, now: float | None = None) -> set[int]:
         return self.membership.live(self.clock() if now is None else now)
-
-    def run_step(self, now: float | None = None) -> int:
-        """The run's clock: the live islands' (robust: membership.py); with none live (a restarted
-        synchronizer, or islands that all went away) the step of the latest round any fragment
-        opened, which the first island to join again starts from. Not the later of the two: a
-        round one island opened ahead of the others would then place every island that joins or
-        rejoins at it, and carry the clock with them."""
-        clock = self.membership.run_step(self.clock() if now is None else now)
-        return clock if clock is not None else self.run.latest_round_step()
 
     def versions(self) -> dict[int, int]:
         """Fragment versions this shard owns; -1 for a fragment not seeded yet."""
@@ -206,19 +170,15 @@ class Synchronizer:
 
     # ---- seeds, pushes and pulls: checked here, taken by their fragment (fragment.py) -------------
 
-    def admit_seed(self, island: int, fragment: int, session: str | None) -> int | None:
-        """A seed's header checks, before its payload is read; the fragment's version when it is
+    def admit_seed(self, island: int, fragment: int, session: str | None) -> tuple[int | None, int]:
+        """A seed's header checks, before its payload is read: the fragment's version when it is
         seeded already (the first offer won: the server answers so without reading the payload,
         where 200 held seeds of a seeded fragment were each read in full, 1.7 GB, to be ignored),
-        else None."""
+        else None; and the bytes its payload must have (fp32)."""
         owned = self.run.fragment(fragment)
         self._check_session(island, session, "seed")
         version = owned.version()
-        return version if version >= 0 else None
-
-    def seed_payload_bytes(self, fragment: int) -> int:
-        """Bytes a seed of ``fragment`` must have (fp32)."""
-        return self.run.fragment(fragment).payload_bytes(EXACT)
+        return (version if version >= 0 else None), owned.payload_bytes(EXACT)
 
     def seed(self, island: int, fragment: int, payload: Payload, session: str | None = None) -> bool:
         """Offer version 0 of a fragment (fp32). The first offer wins; later ones are ignored.
@@ -257,14 +217,10 @@ class Synchronizer:
 
         A fragment recovering after a restart is refused (``not_seeded``), unless ``island`` offered
         what it holds and that was not the last version: it has nothing to give back, so its pull
-        waits for the recovery to end (fragment.py ``awaits_recovery``; the restart's settling is
-        looked at here, outside the fragment's lock) and is served then."""
+        waits for the recovery to end (run.py ``await_recovery``) and is served then."""
         owned = self.run.fragment(fragment)
         if island is not None:
-            until = time.monotonic() + version_log.RECOVERY_PULL_WAIT  # read at the call: a test shortens it
-            self.run.fall_back_if_overdue()
-            while owned.awaits_recovery(island, until):
-                self.run.fall_back_if_overdue()
+            self.run.await_recovery(owned, island)
         return owned.pull()
 
     # ---- the operator's export -----------------------------------------------------------
@@ -321,16 +277,15 @@ class Synchronizer:
         return self.checkpointer.write()
 
     def snapshot(self) -> SynchronizerState:
-        """A consistent copy of the state, fragment by fragment: each is copied under its own lock
-        (fragments are independent, so a snapshot never stalls every round at once)."""
-        snapshot = self.run.snapshot(self.identity)
+        """A consistent copy of the state, fragment by fragment (run.py), once an island has joined."""
+        snapshot = self.run.snapshot(self.directory.identity)
         assert snapshot is not None, "no island has joined: nothing to snapshot"
         return snapshot
 
     def status(self) -> SynchronizerStatus:
         now = self.clock()
         live, islands = self.live_islands(now), self.membership.status(now)
-        versions, run_step = self.versions(), self.run_step(now)
+        versions, run_step = self.versions(), self.run.run_step(now)
         rounds = {p: fragment.round_status() for p, fragment in self.run.fragments.items()}
         state, config, tally = self.run.state, self.run.config, self.tally
         with tally.lock:

@@ -11,7 +11,7 @@ is visible to any caller (a pull, a subscription event, a push's ack, a heartbea
 logged the same way.
 
 At restart, a fragment whose last logged version is newer than its checkpoint's is *recovering*
-(service.py): it is served to no one until an island offers that value (a seed whose bytes have
+(fragment.py): it is served to no one until an island offers that value (a seed whose bytes have
 the logged digest), which the synchronizer then takes as the version: a value with another digest,
 an island's own or a hostile one, is not taken. An island whose offer was not the last version (a
 brand-new one offers its own first weights) has nothing to give back: its pull waits for the

@@ -298,7 +298,7 @@ class Arena:
 
     def _observe(self) -> None:
         furthest_own = max(h.steps for h in self.honest)
-        self.clock_lead = max(self.clock_lead, self.sync.run_step() - furthest_own)
+        self.clock_lead = max(self.clock_lead, self.sync.run.run_step() - furthest_own)
         self.largest_round = max(self.largest_round, len(self.sync.run.fragments[0].rounds.entries))
         with self.sync.membership.lock:
             pending = max((len(m.requests) for m in self.sync.membership.members.values()), default=0)

@@ -52,7 +52,7 @@ def test_another_runs_checkpoint_copied_in_is_refused_naming_both(tmp_path):
     with pytest.raises(ValueError) as err:  # and a run id that is not the checkpoint's
         Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=b, run_id="run-a"))
     assert "'run-a'" in str(err.value) and "'run-b'" in str(err.value)
-    assert Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=b)).identity["run_id"] == "run-b"  # its own: resumed
+    assert Synchronizer(run_config(num_fragments=2), SynchronizerSettings(checkpoint_dir=b)).directory.identity["run_id"] == "run-b"  # its own: resumed
 
 
 def test_another_shards_checkpoint_is_refused_naming_both(tmp_path):

@@ -56,7 +56,7 @@ def test_one_islands_subscriptions_cannot_take_the_slots_of_the_others(target):
             time.sleep(0.05)
         # two slots of its own: the rest are refused busy, or end when a newer one replaces them
         assert any(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in calls if c.done())
-        assert target.server.servicer.streams.held[(1, "subscription")] <= 2
+        assert target.server.servicer.slots.held[(1, "subscription")] <= 2
         events = target.honest.stubs[0].Subscribe(pb.SubscribeRequest(island=0, session=target.honest.sessions[0]), timeout=5)
         assert next(events).chunk.header.version == 0  # the honest island is served its fragments
         events.cancel()
@@ -129,9 +129,9 @@ def test_slow_pushes_with_a_valid_session_are_cut_off_and_free_their_slots(targe
             assert c.exception(timeout=30).code() == grpc.StatusCode.CANCELLED
         assert target.server.servicer.deadlines.cancelled == slots
         deadline = time.monotonic() + 10  # the handlers release their slots just after the client hears it
-        while target.server.servicer.streams.held[(0, "payload")] and time.monotonic() < deadline:
+        while target.server.servicer.slots.held[(0, "payload")] and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert target.server.servicer.streams.held[(0, "payload")] == 0
+        assert target.server.servicer.slots.held[(0, "payload")] == 0
         numel = layout(target.config).fragment_numel(0)
         target.push(target.honest, 0, 0, torch.full((numel,), 1e-3), seq=1)  # the island pushes again
         target.settle(0, 1)

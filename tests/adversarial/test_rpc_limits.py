@@ -29,8 +29,9 @@ from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.reasons import Reason, SynchronizerError
 from lightning_diloco.synchronizer import deadlines
 from lightning_diloco.synchronizer.metrics import serve_metrics
-from lightning_diloco.synchronizer.server import EXPORTS_AT_ONCE, OPERATOR, PULLS_PER_ISLAND, SynchronizerServer
+from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.slots import EXPORTS_AT_ONCE, OPERATOR, PULLS_PER_ISLAND
 from lightning_diloco.synchronizer.status_page import serve_status_page
 from lightning_diloco.transport import synchronizer_pb2 as pb
 from lightning_diloco.transport.client import SynchronizerClient
@@ -99,7 +100,7 @@ def test_trickling_seeds_from_one_island_take_only_its_slots(server_of):
         refused = [c for c in calls if c.done()]
         assert all(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refused)
         assert refused[0].details().startswith("busy: island 1 already holds") and "retry once one has ended" in refused[0].details()
-        assert server.servicer.streams.held[(1, "payload")] == slots
+        assert server.servicer.slots.held[(1, "payload")] == slots
         honest.heartbeat(0, 1, 0.1)
         honest.status()
         ack = honest.push(Contribution(island=0, fragment=0, round=0, base_version=0, tokens=100.0, steps=4, codec="fp32", seq=1,
@@ -166,7 +167,7 @@ def test_unread_pulls_are_capped_per_island_and_cancelled_at_their_deadline(serv
     channel = grpc.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
     pull = stub(channel).Pull
     request = pb.PullRequest(fragment=0, island=1, session=attacker.sessions[0])
-    held = lambda: server.servicer.streams.held[(1, "pull")]  # noqa: E731
+    held = lambda: server.servicer.slots.held[(1, "pull")]  # noqa: E731
     unread = []
     try:
         # the cap, under the default deadline (tens of seconds): nothing ends on its own meanwhile
@@ -204,7 +205,7 @@ def test_unread_exports_are_capped_and_leave_the_islands_their_pulls(server_of):
     channel = grpc.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
     export = stub(channel).ExportFragment
     request = pb.ExportFragmentRequest(fragment=0)
-    held = lambda: server.servicer.streams.held[(OPERATOR, "export")]  # noqa: E731
+    held = lambda: server.servicer.slots.held[(OPERATOR, "export")]  # noqa: E731
     unread = []
     try:
         unread += [export(request, timeout=120) for _ in range(EXPORTS_AT_ONCE)]

@@ -2,7 +2,7 @@
 acquisition of a join, seed, push, refusal, close, subscription, status and checkpoint.
 
 Order: ``Checkpointer.lock`` before any fragment's ``Fragment.cond``, which comes before
-``Synchronizer.lock`` and ``Membership.lock``; those two are never held together, and two
+``Run.lock`` and ``Membership.lock``; those two are never held together, and two
 fragments' ``cond`` never at once; ``Tally.lock`` (the counters) is last of all. A lock taken
 against this order can deadlock with a thread that follows it.
 """
@@ -20,7 +20,7 @@ from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import SPECS, FakeClock, contribution, initial_fragments, layout, run_config
 
-RANK = {"checkpointer": 0, "fragment": 1, "service": 2, "membership": 2, "counters": 3}
+RANK = {"checkpointer": 0, "fragment": 1, "run": 2, "membership": 2, "counters": 3}
 
 
 class Acquisitions:
@@ -106,7 +106,7 @@ def _instrumented(sync: Synchronizer) -> Acquisitions:
     log = Acquisitions()
     for p, fragment in sync.run.fragments.items():
         fragment.cond = threading.Condition(TrackedRLock(f"fragment[{p}]", log))
-    sync.run.lock = TrackedRLock("service", log)
+    sync.run.lock = TrackedRLock("run", log)
     sync.tally.lock = TrackedLock("counters", log)
     membership = sync.membership
     membership.lock = TrackedLock("membership", log)

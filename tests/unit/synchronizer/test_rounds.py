@@ -126,7 +126,7 @@ def test_a_round_opened_by_an_island_ahead_of_the_run_waits_for_the_others_to_re
     clock.advance(5.0)
     sync.heartbeat(0, due, 1.0, schedule_step=due)
     sync.heartbeat(1, due - 2, 1.0, schedule_step=due - 2)
-    assert sync.run_step() == due - 2
+    assert sync.run.run_step() == due - 2
     sync.push(contribution(config, 0, 0, torch.full((_numel(config),), 0.01), round=3))
     clock.advance(3.5)
     assert sync.poll() == []
@@ -277,14 +277,14 @@ def test_a_late_joiner_starts_at_the_runs_step_never_ahead_of_it():
     clock.advance(4.0)
     sync.heartbeat(0, 500, 0.005, schedule_step=1200)  # 4 s at twice 200 steps a second: a reachable place
     sync.heartbeat(1, 700, 0.005, schedule_step=1190)
-    assert sync.run_step() == 1190  # the lower median: a place both islands reached
+    assert sync.run.run_step() == 1190  # the lower median: a place both islands reached
     clock.advance(3.0)  # island 1 was killed: still live, but it must not drag the clock ahead
     sync.heartbeat(0, 530, 0.01, schedule_step=1230)
     assert sync.join(2, 1, SPECS).run_step == 1190
     sync.heartbeat(0, 531, 0.01, schedule_step=1000)  # a report older than one already made
     clock.advance(3.0)  # island 1 is gone: the two live islands are at 1230 and 1190 (the joiner)
     sync.heartbeat(2, 0, 0.01, schedule_step=1231)
-    assert sync.run_step() == 1230
+    assert sync.run.run_step() == 1230
 
 
 def test_a_send_for_a_round_the_run_has_passed_is_late_even_after_a_restart():
@@ -306,7 +306,7 @@ def test_a_restarted_synchronizer_knows_the_runs_step_from_its_rounds(tmp_path):
     sync.poll()
     sync.shutdown()  # as the process's end does: the directory is the restarted one's
     restarted = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, clock=FakeClock()))
-    assert restarted.run_step() == 30 * 4 + 2
+    assert restarted.run.run_step() == 30 * 4 + 2
     assert restarted.status().rounds[0].round == 31
 
 

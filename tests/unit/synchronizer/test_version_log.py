@@ -41,7 +41,7 @@ def _killed_after_versions(tmp_path, config, versions: int, pulls: dict | None =
             pulls[v + 1] = sync.pull(1)[1]
     version, pulled = sync.pull(1)
     assert version == versions
-    sync.release_checkpoint_dir()  # no final checkpoint: the kill
+    sync.directory.release()  # no final checkpoint: the kill
     return pulled
 
 
@@ -89,7 +89,7 @@ def test_with_no_island_giving_it_back_the_checkpoint_is_served_after_the_wait_a
     with caplog.at_level(logging.ERROR):
         assert restarted.versions() == {0: 0, 1: 0}
     assert "no island gave back its version 2" in caplog.text and "LOST" in caplog.text
-    restarted.release_checkpoint_dir()
+    restarted.directory.release()
     # the fallback is logged too: the next restart serves version 0 at once
     again = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path))
     assert again.versions() == {0: 0, 1: 0}
