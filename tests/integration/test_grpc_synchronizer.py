@@ -396,7 +396,7 @@ def test_learners_carry_on_after_a_synchronizer_restart_from_checkpoint(tmp_path
         events.first(lambda e: e.fragment == 1 and e.base_version == -1, "full values of fragment 1 after the restart",
                      after=events_before_restart)
         after_restart = restarted["server"].service
-        assert after_restart.state.fragments[0].version == 3
+        assert after_restart.run.state.fragments[0].version == 3
         assert restarted["resumed"][0] == 2 and torch.equal(before[1], restarted["resumed"][1])
     finally:
         client.close()
@@ -428,7 +428,7 @@ def test_a_synchronizer_restart_noticed_by_push_heartbeat_and_subscription_costs
         _seeded(client, config)
         events.subscribe(client, 0, {0: 0, 1: 0})
         server.stop(grace=0)  # checkpoints on the way down
-        restarted = SynchronizerServer(CountedJoins(config, checkpoint_dir=tmp_path), port=server.port).start()
+        restarted = SynchronizerServer(CountedJoins(config, SynchronizerSettings(checkpoint_dir=tmp_path)), port=server.port).start()
         numel = layout(config).fragment_numel(0)
         callers = [
             threading.Thread(target=client.heartbeat, args=(0, 5, 0.1, 5), name="diloco-test-heartbeat"),
