@@ -277,7 +277,7 @@ def test_an_island_that_took_several_int4_steps_at_one_step_boundary_holds_the_p
     synchronizer takes back. Summed first, they did not, nor did any later version built on them:
     the island gave nothing back (issue 48, 4)."""
     config = run_config(num_fragments=1, downlink="int4")
-    sync = Synchronizer(config, checkpoint_dir=tmp_path).start()
+    sync = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path)).start()
     link = LocalLink(sync)
     learner = None
     try:
@@ -305,7 +305,7 @@ def test_an_island_that_took_several_int4_steps_at_one_step_boundary_holds_the_p
             learner.close()
         link.close()
         sync.shutdown()  # no final checkpoint: the kill
-    restarted = Synchronizer(config, checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1)
+    restarted = Synchronizer(config, SynchronizerSettings(checkpoint_dir=tmp_path, recovery_wait=60, num_islands=1))
     assert restarted.versions() == {0: -1}
     restarted_link = LocalLink(restarted)
     restarted_link.join(0, 1, SPECS, num_islands=1)
