@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -39,10 +40,8 @@ from typing import TypeVar
 
 import torch
 
-try:
+if sys.platform != "win32":  # Windows has no fcntl: there a directory's second owner is not detected
     import fcntl
-except ImportError:  # not on Windows: there a directory's second owner is not detected
-    fcntl = None
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -101,7 +100,7 @@ def lock_directory(directory: str | os.PathLike, holder: dict) -> DirectoryLock:
     ValueError naming the current holder when another synchronizer has it."""
     directory = Path(directory)
     fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    if fcntl is None:
+    if sys.platform == "win32":
         return DirectoryLock(directory, fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -238,6 +238,7 @@ class BlockQuantCodec(Codec):
             whole = min(hi, nfull) - lo  # rows of this chunk in ``full``; the rest is the tail
             torch.div(full[lo : lo + whole], divisor[lo : lo + whole, None], out=q[:whole])
             if whole < hi - lo:
+                assert tail is not None  # rows past ``full`` are the tail's, made above when nfull < nblocks
                 torch.div(tail, divisor[-1], out=q[whole:])
             dest = body[lo * bs // per_byte : hi * bs // per_byte]
             if self.bits == 8:

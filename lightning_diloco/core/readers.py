@@ -65,6 +65,7 @@ class Readers:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
         running = [t for t in self._threads if t.is_alive() and t is not threading.current_thread()]
         for thread in running:
+            assert thread.ident is not None  # it is alive, so it was started and has one
             callback = self._inside.get(thread.ident)
             inside = f"inside its callback {_name(callback)}" if callback is not None else "not inside a callback"
             log.warning("%s: closed, but its reader %s is still running %g s later, %s; it ends once that returns "

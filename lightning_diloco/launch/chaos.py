@@ -103,5 +103,5 @@ def due_faults(pending: list[Fault], elapsed_s: float, steps: dict[int, int]) ->
     return [
         f for f in pending
         if (f.at_s is not None and elapsed_s >= f.at_s)
-        or (f.at_step is not None and steps.get(f.island, 0) >= f.at_step)
+        or (f.at_step is not None and f.island is not None and steps.get(f.island, 0) >= f.at_step)
     ]

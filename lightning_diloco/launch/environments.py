@@ -64,7 +64,7 @@ LINE_EVERY_S = 10.0  # a line per island every 10 s, in its log or behind its [i
 
 def island_environment(options: RunOptions, island: int, workdir: Path, synchronizer: str | None) -> dict[str, str]:
     """Island ``island``'s environment (with ``--baseline ddp``: the one DDP job's, ``island`` 0);
-    ``synchronizer`` is the address the islands join."""
+    ``synchronizer`` is the address the islands join (None only with ``--baseline ddp``)."""
     ddp = options.baseline == "ddp"
     extra = {
         "MASTER_ADDR": "127.0.0.1",
@@ -87,6 +87,9 @@ def island_environment(options: RunOptions, island: int, workdir: Path, synchron
     if ddp:
         extra["DILOCO_STRATEGY"] = "ddp"
     else:
+        if synchronizer is None:
+            raise ValueError(f"island {island} of a decoupled DiLoCo run needs the synchronizer's address to join; "
+                             "pass --synchronizer HOST:PORT or let the launcher start one")
         extra.update(DILOCO_STRATEGY="decoupled_diloco", DILOCO_ISLAND=str(island), DILOCO_SYNCHRONIZER=synchronizer)
         if options.token:  # each island its own credential: it can act only as itself
             extra["DILOCO_TOKEN"] = island_credential(options.token, island)

@@ -90,17 +90,18 @@ class Run:
 
     # ---- processes ------------------------------------------------------------------------------
 
-    def _start_synchronizer(self) -> None:
+    def _start_synchronizer(self) -> str:
+        """Start the run's own synchronizer; returns the address it serves."""
         port = free_port()
-        self.address = f"127.0.0.1:{port}"
         self.synchronizer = Supervised("synchronizer", synchronizer_command(self.options, self.workdir, port),
                                        lambda: synchronizer_environment(self.token), self.console.output_of("synchronizer"))
         self.synchronizer.start()
+        return f"127.0.0.1:{port}"
 
     def start(self) -> None:
-        if not self.ddp and self.address is None:
-            self._start_synchronizer()
         if not self.ddp:
+            if self.address is None:
+                self.address = self._start_synchronizer()
             from lightning_diloco.transport.client import SynchronizerClient
 
             self.client = SynchronizerClient(self.address, token=self.token, max_retries=0, timeout=2.0)
@@ -125,6 +126,8 @@ class Run:
     def _rank_pid(self, rank: int) -> int | None:
         """PID of rank ``rank`` of the DDP job: the top process is rank 0, the others its children."""
         top = self.islands[0].proc
+        if top is None:  # the job has not started: no rank to fault
+            return None
         if rank == 0:
             return top.pid
         for child in children(top.pid):
@@ -144,6 +147,7 @@ class Run:
                 with self._lock:
                     self._synchronizer_went_down(now)
             return
+        assert fault.island is not None  # parse_schedule gives every fault but kill-synchronizer an island
         if self.ddp:
             pid = self._rank_pid(fault.island)
             if pid is None:
@@ -185,7 +189,7 @@ class Run:
         steps = {i: read_progress(f) for i, f in files.items()}
         alive = {i for i in range(self.options.islands) if self._unit(i).alive}
         status = None
-        if not self.ddp:
+        if self.client is not None:  # (None: the DDP baseline has no synchronizer)
             try:
                 status = self.client.status()
             except Exception:  # noqa: BLE001 - the synchronizer is down: its own restart window
@@ -245,7 +249,7 @@ class Run:
                     note = without_checkpoint(island.name, checkpoint_folder(self.workdir, index))
                     if note:
                         self.echo(note)
-            elif island.state is UnitState.PAUSED and now >= island.due:
+            elif island.state is UnitState.PAUSED and island.due is not None and now >= island.due:
                 island.resume()
         if self.synchronizer is not None and self.synchronizer.poll() is not None and not self._stop.is_set():
             self.echo("[launcher] synchronizer exited; restarting it from its checkpoint\n")
@@ -380,7 +384,7 @@ def run(options: RunOptions, command: list[str], observers: Sequence[Callable[[S
         raise ValueError("give the training command after --, e.g. "
                          "lightning-diloco run --islands 2 -- python examples/train_lm.py --steps 48")
     check_command(command, clean_environment({}))
-    replaces = bool(options.report) and Path(options.report).exists()
+    replaces = bool(options.report and Path(options.report).exists())
     if options.report:  # its folder now, not after the whole run
         Path(options.report).parent.mkdir(parents=True, exist_ok=True)
     launcher = Run(options, command, observers)

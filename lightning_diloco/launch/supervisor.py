@@ -67,7 +67,7 @@ class Supervised:
         self.name, self.command, self.make_env = name, list(command), make_env
         self.echo = echo or (lambda line: sys.stdout.write(f"[{name}] {line}"))
         self.proc: subprocess.Popen | None = None
-        self.lifetimes: list[list[float | None]] = []  # [start, end or None] per incarnation
+        self.lifetimes: list[tuple[float, float | None]] = []  # (start, end or None) per incarnation
         self.restarts = 0
         self.started_wall = 0.0  # time.time() at the latest start
         self.state = UnitState.WAITING
@@ -123,20 +123,25 @@ class Supervised:
         self.last_lines.clear()  # this process's output only: the last one's failure is not its own
         self.proc = subprocess.Popen(self.command, env=self.make_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, start_new_session=True)
-        self.lifetimes.append([time.monotonic(), None])
+        self.lifetimes.append((time.monotonic(), None))
         self.started_wall = time.time()  # beside a progress file's mtime: has this incarnation stepped yet
         self._reader = threading.Thread(target=self._pump, args=(self.proc,), name=f"diloco-launch-{self.name}", daemon=True)
         self._reader.start()
 
     def _pump(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None  # start() opens it with stdout=PIPE
         for line in proc.stdout:
             self.last_lines.append(line.rstrip())
             self.echo(line)
         proc.stdout.close()
 
+    def _running(self) -> subprocess.Popen | None:
+        """Its current process while that runs, else None."""
+        return self.proc if self.proc is not None and self.proc.poll() is None else None
+
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self._running() is not None
 
     def activity(self, progress: Path) -> str:
         """What the progress line says of it: ``training`` once its current process wrote
@@ -165,30 +170,32 @@ class Supervised:
             return None
         code = self.proc.poll()
         if code is not None:
-            self.lifetimes[-1][1] = time.monotonic()
+            self.lifetimes[-1] = (self.lifetimes[-1][0], time.monotonic())
             if self._reader is not None:
                 self._reader.join(timeout=5)
         return code
 
     def signal(self, sig: int) -> None:
-        if self.alive:
+        proc = self._running()
+        if proc is not None:
             try:
-                os.killpg(self.proc.pid, sig)
+                os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGCONT (if paused), SIGTERM, then SIGKILL after ``timeout``; waits for the exit."""
-        if not self.alive:
+        proc = self._running()
+        if proc is None:
             self.poll()
             return
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
-            self.proc.wait()
+            proc.wait()
         self.poll()
 
     def alive_seconds(self, now: float) -> float:

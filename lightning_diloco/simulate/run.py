@@ -291,7 +291,10 @@ class Simulation:
         assert model is not None
         with torch.no_grad():
             named = dict(model.named_parameters())
-            layout = self.service.run.state.layout
+            state = self.service.run.state
+            if state is None:
+                raise RuntimeError("no island of the simulated run joined its synchronizer: there is no model to evaluate")
+            layout = state.layout
             for p, members in enumerate(layout.fragments):
                 _, value = self.service.pull(p)
                 offset = 0

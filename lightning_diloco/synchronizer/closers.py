@@ -91,8 +91,9 @@ class Closers:
             with fragment.cond:
                 before = fragment.rounds.last
                 self._poll_fragment(fragment, now)
-                if fragment.rounds.last is not before:
-                    closed.append(fragment.rounds.last)
+                last = fragment.rounds.last
+                if last is not None and last is not before:
+                    closed.append(last)
         return closed
 
     def _poll_fragment(self, fragment: Fragment, now: float) -> float:

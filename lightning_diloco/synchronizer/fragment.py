@@ -138,6 +138,8 @@ class Fragment:
     def updates_for(self, island: int, have: int) -> list[VersionUpdate]:
         """What ``island``, holding version ``have``, is sent to hold the current one (rounds.py ``publish``)."""
         with self.cond:
+            if self.state is None:  # not served yet: nothing to send
+                return []
             return self.rounds.publish(self.state, island, have)
 
     def round_status(self) -> RoundStatus:
@@ -263,6 +265,7 @@ class Fragment:
         apply everything the close changes beyond the fragment, each part even if another fails
         (rounds.py ``each_part``): the counters, the membership's credit, the withdrawal of the
         round's requests (which wakes the subscriptions) and the checkpoint's signal."""
+        assert self.state is not None  # a closer closes only what rounds.py decide() found due, which needs a state
         closed = self.rounds.close(self.state, now, reason, taking_part=taking_part)
         self.cond.notify_all()
         if closed.dropped:
@@ -321,6 +324,7 @@ class Fragment:
 
     def _recover(self, version: int, value: torch.Tensor, island: int | None) -> None:
         """(With ``cond`` held.) Serve ``value``, whose digest is logged ``version``'s."""
+        assert self.recovering is not None  # only a recovering fragment takes a value back
         p, newest, versions = self.number, max(self.recovering), self.shared.versions
         if version < newest and versions is not None:  # the log's last line is what is served
             versions.record(p, version, value)

@@ -224,7 +224,8 @@ class Membership:
 
     def _step_time(self, live: set[int]) -> float:
         times = [self.members[i].step_time for i in live if i in self.members and self.members[i].step_time > 0]
-        return lower_median(times) if times else 0.0
+        median = lower_median(times)  # None: no finite time among them
+        return 0.0 if median is None else median
 
     def _max_rate(self, live: set[int]) -> float:
         """Steps per second an island's place may advance by (beyond its lead on the clock)."""
@@ -232,7 +233,8 @@ class Membership:
         return MAX_STEPS_PER_SECOND if step_time <= 0 else min(MAX_STEPS_PER_SECOND, RATE_SLACK / step_time)
 
     def _clock(self, live: set[int]) -> int:
-        return lower_median([self.members[i].schedule_step for i in live if i in self.members]) if live else 0
+        median = lower_median([self.members[i].schedule_step for i in live if i in self.members])
+        return 0 if median is None else median
 
     def run_step(self, now: float) -> int | None:
         """The run's clock: the lower median of the live islands' schedule steps (None: none live)."""

@@ -56,7 +56,7 @@ class Run:
         self.closers = Closers(self.fragments, shared.membership, clock=shared.clock, closing=closing, quorum=self.quorum)
         self.started = False
         if self.state is not None:
-            self._make_fragments(self.state.layout)
+            self._make_fragments(self.state)
 
     def start(self) -> None:
         """Run one closer thread per owned fragment, now or once the layout is adopted."""
@@ -64,11 +64,12 @@ class Run:
             self.started = True
             self.closers.start()
 
-    def _make_fragments(self, layout: FragmentLayout) -> None:
+    def _make_fragments(self, state: SynchronizerState) -> None:
         """(Once the run's state, layout and schedule are settled.)"""
+        layout = state.layout
         for p in range(layout.num_fragments):
             if self.owned(p) and p not in self.fragments:
-                self.fragments[p] = Fragment(p, layout.fragment_specs(p), self.offsets[p], self.config, self.state,
+                self.fragments[p] = Fragment(p, layout.fragment_specs(p), self.offsets[p], self.config, state,
                                              self.shared, self.logged.get(p, []))
         if self.started:
             self.closers.start()
@@ -117,7 +118,7 @@ class Run:
                 if problem:
                     raise tally.refuse(Reason.LAYOUT_MISMATCH, problem)
                 self.state = SynchronizerState(self.config, layout, {})
-                self._make_fragments(layout)
+                self._make_fragments(self.state)
                 log.info("run layout adopted from island %d: %d tensors, hash %s", island, len(specs), layout.hash)
             elif self.state.layout.hash != layout.hash:
                 raise tally.refuse(Reason.LAYOUT_MISMATCH, layout_difference(self.state.layout, layout))

@@ -28,7 +28,7 @@ class Refused(Exception):
     """The shard answered with a refusal. ``code``: the transport's status (gRPC's code; None in
     process), carried into the island's ``SynchronizerError``; ``label``: how the message names it."""
 
-    def __init__(self, code: Any, reason: Reason | None, label: str, details: str) -> None:
+    def __init__(self, code: Any, reason: Reason, label: str, details: str) -> None:
         super().__init__(details)
         self.code, self.reason, self.label, self.details = code, reason, label, details
 

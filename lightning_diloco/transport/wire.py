@@ -79,10 +79,11 @@ def _fields(buf: memoryview) -> dict[int, list[memoryview]]:
             fields.setdefault(number, []).append(buf[pos : pos + length])
             pos += length
         elif kind in _SKIP:
-            if _SKIP[kind] is None:
+            skip = _SKIP[kind]
+            if skip is None:
                 _, pos = _read_varint(buf, pos)
             else:
-                pos += _SKIP[kind]
+                pos += skip
         else:
             raise DecodeError(f"wire type {kind} (a group) is not used by this protocol")
         if number == 0:
@@ -212,7 +213,7 @@ class DownlinkMessages:
         with self.lock:
             built = self.entries.get(key)
             builder = built is None
-            if builder:
+            if built is None:
                 built = self.entries[key] = _Built()
                 for old in [k for k in self.entries if k[0] == update.fragment and k[1] < update.version]:
                     del self.entries[old]

@@ -70,6 +70,14 @@ def test_a_thread_count_the_user_set_is_kept(tmp_path, monkeypatch):
     assert _island_environment(tmp_path, 1, "--islands", "4", "--synchronizer", "127.0.0.1:1")["OMP_NUM_THREADS"] == "3"
 
 
+def test_an_island_without_a_synchronizer_address_is_refused_by_name(tmp_path):
+    """Only the DDP baseline starts islands with no synchronizer; a decoupled island started
+    without one would have joined "None"."""
+    with pytest.raises(ValueError, match="island 1 .* needs the synchronizer's address.*--synchronizer"):
+        island_environment(RunOptions(islands=2), 1, tmp_path, None)
+    assert "DILOCO_SYNCHRONIZER" not in island_environment(RunOptions(islands=2, baseline="ddp"), 0, tmp_path, None)
+
+
 def test_staggered_islands_wait_their_turn(tmp_path, monkeypatch):
     started = []
 
