@@ -19,8 +19,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("kill", "pause", "kill-synchronizer")
-
 
 @dataclass(frozen=True)
 class Fault:

@@ -28,7 +28,7 @@ def host_of(address: str) -> str | None:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def check_resolves(addresses: list[str], patience: float = RESOLVE_PATIENCE, *, pause: float = 1.0) -> None:
+def check_resolves(addresses: list[str], patience: float = RESOLVE_PATIENCE) -> None:
     """Raise ``ValueError`` naming the first of ``addresses`` whose host the system's
     resolver says does not exist, after looking it up again for ``patience`` seconds."""
     for address in addresses:
@@ -54,4 +54,4 @@ def check_resolves(addresses: list[str], patience: float = RESOLVE_PATIENCE, *, 
                     said = True
                     log.warning("the synchronizer's host %r (address %s) does not resolve (%s); looking it up again for "
                                 "%.0f s before failing", host, address, err.strerror, patience)
-            time.sleep(pause)
+            time.sleep(1.0)  # between lookups
