@@ -119,10 +119,8 @@ class LocalEvents:
 class LocalLink(IslandLink):
     """A :class:`~lightning_diloco.learner.link.SynchronizerLink` over a service in this process."""
 
-    def __init__(self, service: Synchronizer, *, tick: float = 0.5) -> None:
-        """``tick``: seconds the subscription waits for news before looking again (a close wakes
-        it at once)."""
-        super().__init__(LocalShards(service, tick), backoff=REOPEN_DELAY)
+    def __init__(self, service: Synchronizer) -> None:
+        super().__init__(LocalShards(service), backoff=REOPEN_DELAY)
         self.service = service
 
     @property

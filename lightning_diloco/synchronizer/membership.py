@@ -242,12 +242,6 @@ class Membership:
             live = self._live(now)
             return self._clock(live) if live else None
 
-    def place(self, island: int) -> int:
-        """The island's place on the run's clock (bounded as the module says; 0: not joined)."""
-        with self.lock:
-            m = self.members.get(island)
-            return m.schedule_step if m is not None else 0
-
     def reach(self, island: int, now: float) -> int:
         """The furthest place the island may have reached by ``now`` at the rate bound (its place
         lags its steps by up to a heartbeat; 0: not joined)."""

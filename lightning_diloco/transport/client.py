@@ -9,7 +9,6 @@ a shard's global fragments with the operator's credential.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,13 +50,12 @@ class SynchronizerClient(IslandLink):
         max_retries: int = 8,
         backoff: float = 0.2,
         max_backoff: float = 5.0,
-        rng: random.Random | None = None,
     ) -> None:
         """``timeout``: seconds per call. ``max_retries``: attempts after the first on an
         unreachable synchronizer, with delays ``backoff * 2**k`` capped at ``max_backoff``, each
         jittered by up to 50%."""
         self.grpc = GrpcShards(parse_addresses(addresses), token=token, tls_root_cert=tls_root_cert, timeout=timeout)
-        super().__init__(self.grpc, max_retries=max_retries, backoff=backoff, max_backoff=max_backoff, rng=rng)
+        super().__init__(self.grpc, max_retries=max_retries, backoff=backoff, max_backoff=max_backoff)
         self.timeout, self.metadata, self.stubs = timeout, self.grpc.metadata, self.grpc.stubs
 
     def join(self, island: int, world_size: int, specs: Sequence[TensorSpec], patience: float = 0.0,

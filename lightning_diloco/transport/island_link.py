@@ -66,13 +66,13 @@ class IslandLink:
     """Seconds a join refused as ``island_running`` is retried (core/protocol.py)."""
 
     def __init__(self, transport: ShardTransport, *, max_retries: int = 8, backoff: float = 0.2,
-                 max_backoff: float = 5.0, rng: random.Random | None = None) -> None:
+                 max_backoff: float = 5.0) -> None:
         """``max_retries``: attempts after the first on an unreachable synchronizer, with delays
         ``backoff * 2**k`` capped at ``max_backoff``, each jittered by up to 50%."""
         self.transport = transport
         self.addresses = list(transport.addresses)
         self.max_retries, self.backoff, self.max_backoff = max_retries, backoff, max_backoff
-        self.rng = rng or random.Random()
+        self.rng = random.Random()  # the retries' jitter
         self._lock = threading.Lock()
         self.shard_sessions = ShardSessions(transport)
         self._subscriptions: list[Subscription] = []  # kept after close: every close joins them
