@@ -266,23 +266,15 @@ class Run:
             island.finish()
             self.echo(f"[launcher] {island.name} finished\n")
         elif code == EXIT_REFUSED:  # a restart would be refused the same way
-            island.fail()
             why = next((line for line in reversed(island.last_lines) if "refused" in line), "see its output above")
-            self.failures.append(f"{island.name} was refused by the synchronizer: {why}")
-            self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
-            self._stop.set()  # every island runs the same command: the others would be refused too
+            self._stop_run(island, f"{island.name} was refused by the synchronizer: {why}")
         elif (missing := import_failure(island.last_lines)) is not None:  # a restart would crash the same way
-            island.fail()
-            self.failures.append(f"{island.name} cannot start: {missing}; install it into the Python the command runs "
-                                 f"(this launcher's is {sys.executable})")
-            self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
-            self._stop.set()
+            self._stop_run(island, f"{island.name} cannot start: {missing}; install it into the Python the command runs "
+                                   f"(this launcher's is {sys.executable})")
         elif not killed and (repeated := self._failed_again_before_stepping(island, code)) is not None:
-            island.fail()  # a bug in the set-up, not a crash: a restart would fail the same way again
-            self.failures.append(f"{island.name} failed the same way twice before its first training step ({repeated}); "
-                                 "a restart would fail again: fix what its output above says")
-            self.echo(f"[launcher] {self.failures[-1]}; not restarting it, stopping the run\n")
-            self._stop.set()  # every island runs the same command
+            # a bug in the set-up, not a crash: a restart would fail the same way again
+            self._stop_run(island, f"{island.name} failed the same way twice before its first training step ({repeated}); "
+                                   "a restart would fail again: fix what its output above says")
         elif island.restarts >= self.options.max_restarts:
             island.fail()
             last = next((line for line in reversed(island.last_lines) if line.strip()), None)
@@ -294,6 +286,14 @@ class Run:
             island.wait_until(now + delay)
             if self.ddp:
                 island.signal(signal.SIGKILL)  # one rank died: the whole job goes down and restarts
+
+    def _stop_run(self, island: Supervised, failure: str) -> None:
+        """``island`` fails for good, and so does the run: every island runs the same command, so
+        the others would fail the same way."""
+        island.fail()
+        self.failures.append(failure)
+        self.echo(f"[launcher] {failure}; not restarting it, stopping the run\n")
+        self._stop.set()
 
     def _failed_again_before_stepping(self, island: Supervised, code: int) -> str | None:
         """How ``island`` failed, when its process and the one before it both failed that way
