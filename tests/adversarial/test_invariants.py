@@ -34,8 +34,8 @@ from dataclasses import replace
 
 import pytest
 
+from benchmarks.arena import MIXES, Arena, H, honest_distance
 from lightning_diloco.synchronizer.requests import Refusal
-from tests.adversarial.arena import MIXES, Arena, H, honest_distance
 from tests.helpers import contribution
 
 TICKS = 300

@@ -37,13 +37,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from benchmarks.fakes import SPECS, FakeClock, contribution, initial_fragments
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
 from lightning_diloco.reasons import Reason
 from lightning_diloco.synchronizer.requests import Refusal
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.synchronizer.settings import SynchronizerSettings
-from tests.helpers import SPECS, FakeClock, contribution, initial_fragments
 
 H = 4
 TICK_S = 0.1  # seconds per honest inner step
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     """The figures behind test_invariants.py's bounds: each mix's model distance over the
     honest-only run's of the same seed, median and worst over ``--seeds`` seeds.
 
-        python -m tests.adversarial.arena --seeds 20 --grace-gamma 0.5
+        python -m benchmarks.arena --seeds 20 --grace-gamma 0.5
     """
     import argparse
 
