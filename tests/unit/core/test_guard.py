@@ -128,9 +128,10 @@ def test_a_feedback_loop_that_pushes_past_the_step_budget_lowers_it_and_its_drif
     """Issue 48: each step asked for 1.5x the last (an honest island correcting against a flipped
     model, its steps growing with the distance). Left to grow, 60 steps are 1.5**60 = 3.7e10 times
     the first. Counted at their length, the steps the budget held raised it linearly; counted as
-    the mean, they held it where it was and the fragment drifted linearly at that rate (60 steps:
-    about 60 x 7.1). A held step now counts at the mean x the factor it was held by, so the budget
-    falls to its floor (the peak x 4 / steps) and the drift grows as the logarithm of the steps."""
+    the mean, they held it where it was and the fragment drifted linearly at that rate (every step
+    after the warm-up at 2 x 2.03). A held step now counts at the mean x the factor it was held by,
+    so the budget falls to its floor (its peak x 4 / steps) and the drift grows as the logarithm
+    of the steps."""
     budget = StepBudget()
     asked, moved = 1.0, []
     for _ in range(600):
