@@ -1,4 +1,5 @@
-"""Small shared test fixtures: a tiny layout, its parameters, and contributions against it."""
+"""Small shared test fixtures. The tiny layout, its parameters, contributions against it and the fake
+clock live in benchmarks/fakes.py (the arena benchmark uses them too) and are re-exported here."""
 
 from __future__ import annotations
 
@@ -10,18 +11,10 @@ import time
 
 import torch
 
-from lightning_diloco.core.codecs import get_codec
+from benchmarks.fakes import SPECS, FakeClock, contribution, initial_fragments, layout
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
-from lightning_diloco.core.fragments import DENSE, EMBEDDING, TensorSpec, build_layout
-from lightning_diloco.core.protocol import Contribution
 
-SPECS = [
-    TensorSpec(name="embed.weight", shape=(16, 4), dtype="float32", role=EMBEDDING),
-    TensorSpec(name="layer.weight", shape=(8, 4), dtype="float32", role=DENSE),
-    TensorSpec(name="layer.bias", shape=(8,), dtype="float32", role=DENSE),
-    TensorSpec(name="head.weight", shape=(4, 8), dtype="float32", role=DENSE),
-]
-
+__all__ = ["SPECS", "FakeClock", "contribution", "initial_fragments", "layout"]  # (benchmarks/fakes.py's, for the tests)
 
 def run_config(num_fragments=2, min_quorum=1, gamma=0.0, overlap=1, uplink="fp32", downlink="fp32", history=4, **merge):
     return RunConfig(
@@ -29,32 +22,6 @@ def run_config(num_fragments=2, min_quorum=1, gamma=0.0, overlap=1, uplink="fp32
         merge=MergeConfig(min_quorum=min_quorum, grace_gamma=gamma, history=history, **merge),
         outer=OuterConfig(lr=0.7, momentum=0.9),
         codec=CodecConfig(uplink=uplink, downlink=downlink),
-    )
-
-
-def layout(config):
-    return build_layout(SPECS, config.schedule.num_fragments)
-
-
-def initial_fragments(config, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lay = layout(config)
-    return {p: torch.randn(lay.fragment_numel(p), generator=g) for p in range(lay.num_fragments)}
-
-
-def contribution(config, island, fragment, delta, *, round=0, base_version=0, seq=0, tokens=100.0, steps=4, codec="fp32",
-                 layout_hash=None):
-    return Contribution(
-        island=island,
-        fragment=fragment,
-        round=round,
-        base_version=base_version,
-        tokens=tokens,
-        steps=steps,
-        codec=codec,
-        seq=seq,
-        payload=get_codec(codec).encode(delta),
-        layout_hash=layout_hash or layout(config).hash,
     )
 
 
@@ -66,19 +33,6 @@ def with_peer_votes(sync, islands) -> None:
     for fragment in sync.run.fragments.values():
         for island in islands:
             fragment.rounds.guard.record(island, 1e30, 1e30, 1)
-
-
-class FakeClock:
-    """Monotonic seconds that move only when a test says so."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:

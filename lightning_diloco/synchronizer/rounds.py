@@ -300,7 +300,7 @@ class FragmentRounds:
         bounded = self.guard.bound_round(entries, fragment=frag.value, version=frag.version,
                                          staleness_discount=self.config.merge.staleness_discount)
         gradients, weights, clipped, shares = bounded.gradients, bounded.weights, bounded.clipped, bounded.shares
-        version, step_norm, step_scale, opposed = None, 0.0, 1.0, 1.0
+        version, step_norm, step_scale, opposed, share = None, 0.0, 1.0, 1.0, 1.0
         kept = list(range(len(entries)))
         while kept and version is None:
             step = torch.empty(frag.value.numel())
@@ -319,8 +319,9 @@ class FragmentRounds:
                 step.mul_(opposed)
             merged_islands = {entries[i].island for i in kept}
             moved: dict[str, float] = {}
-            version = frag.apply(step, share=min(1.0, len(merged_islands) / max(taking_part or 0, len(merged_islands))),
-                                 bound=functools.partial(self._within_step_budget, moved=moved))
+            share = min(1.0, len(merged_islands) / max(taking_part or 0, len(merged_islands)))
+            version = frag.apply(step, share=share,
+                                 bound=functools.partial(self._within_step_budget, moved=moved, share=share))
             step_norm, step_scale = moved.get("length", 0.0), moved.get("scale", 1.0)
             if version is None:
                 kept.remove(max(kept, key=lambda i: entries[i].norm))
@@ -342,16 +343,18 @@ class FragmentRounds:
         each_part(self.last, [
             ("merged-in versions", lambda: self.merged_in.update({e.island: frag.version for e in merged})),
             ("influence guard's history", lambda: self._record(merged, shares)),
-            ("step budget", lambda: self.guard.step_budget.record(step_norm * step_scale, held=step_scale < 1.0, opposed=opposed)
+            ("step budget", lambda: self.guard.step_budget.record(step_norm * step_scale, scale=step_scale, opposed=opposed,
+                                                                          share=share)
              if version is not None else None),
             ("versions' rounds", lambda: self._remember_round(frag, version, index)),
             ("round totals", lambda: self._count(len(merged), late, clipped, dropped, grace)),
         ])
         return self.last
 
-    def _within_step_budget(self, length: float, moved: dict[str, float]) -> float:
-        """The factor the step budget allows a step that moves the fragment ``length``; notes both in ``moved``."""
-        moved["length"], moved["scale"] = length, self.guard.step_budget.scale(length)
+    def _within_step_budget(self, length: float, moved: dict[str, float], share: float) -> float:
+        """The factor the step budget allows a step that moves the fragment ``length`` for a round
+        that merged ``share`` of the islands taking part; notes both in ``moved``."""
+        moved["length"], moved["scale"] = length, self.guard.step_budget.scale(length, share)
         return moved["scale"]
 
     def _settle(self, entries: list[Entry], index: int) -> dict[int, _Settled]:

@@ -124,21 +124,40 @@ def test_an_island_that_moved_the_model_least_cannot_hold_its_peers_budgets_at_n
     assert guard.budgets([0], step_reference=0.5) == [pytest.approx(1.5 * 7.0 + 0.5 - 7.0)]
 
 
-def test_a_feedback_loop_that_pushes_past_the_step_budget_leaves_it_where_it_is():
+def test_a_feedback_loop_that_pushes_past_the_step_budget_lowers_it_and_its_drift_stops_growing_linearly():
     """Issue 48: each step asked for 1.5x the last (an honest island correcting against a flipped
     model, its steps growing with the distance). Left to grow, 60 steps are 1.5**60 = 3.7e10 times
-    the first. Counted at their length, the steps the budget held raised it linearly (49.6x the
-    first step after 60) and the drift grew quadratically; a held step counts as the mean, so the
-    budget stays what the unheld steps set."""
+    the first. Counted at their length, the steps the budget held raised it linearly; counted as
+    the mean, they held it where it was and the fragment drifted linearly at that rate (every step
+    after the warm-up at 2 x 2.03). A held step now counts at the mean x the factor it was held by,
+    so the budget falls to its floor (its peak x 4 / steps) and the drift grows as the logarithm
+    of the steps."""
     budget = StepBudget()
-    asked = 1.0
-    for _ in range(60):
+    asked, moved = 1.0, []
+    for _ in range(600):
         scale = budget.scale(asked)
-        taken = asked * scale
-        budget.record(taken, held=scale < 1.0)
-        asked = 1.5 * taken
-    warm = (1.0 + 1.5 + 2.25 + 3.375) / 4  # the warm-up's four steps; the fifth asks 5.06, past 2x their mean: held, as all after
-    assert budget.cap() == pytest.approx(2.0 * warm), budget.state_dict()
+        moved.append(asked * scale)
+        budget.record(moved[-1], scale=scale)
+        asked = 1.5 * moved[-1]
+    warm = (1.0 + 1.5 + 2.25 + 3.375) / 4  # the warm-up's four steps: every later step is held
+    assert budget.cap() < 2.0 * warm / 100, budget.state_dict()
+    held_at_the_old_budget = 2.0 * warm * (600 - 4)
+    assert sum(moved[4:]) < held_at_the_old_budget / 10  # was every step at 2 x warm
+    assert sum(moved[300:]) < sum(moved[4:300]) / 2  # the second half moves less than the first: not linear
+
+
+def test_a_round_without_a_majority_moves_its_share_of_the_budget_and_does_not_set_it():
+    """Two colluding islands of four open rounds of their own ahead of the clock (issue 48): such a
+    round may move the fragment only its share (2 of 4: half) of the budget, and neither raises nor
+    lowers it (one island's tiny or huge steps in rounds of its own would set the run's budget)."""
+    budget = StepBudget()
+    for _ in range(4):
+        budget.record(1.0)
+    assert budget.cap(share=0.5) == pytest.approx(0.5) and budget.cap(share=0.75) == pytest.approx(2.0)
+    assert budget.scale(4.0, share=0.25) == pytest.approx(0.25 / 4.0)
+    for norm in (0.0, 0.5, 100.0):
+        budget.record(norm, share=0.5, scale=0.01)
+    assert budget.cap() == pytest.approx(2.0) and budget.steps == 4
 
 
 def test_a_step_its_entries_opposition_shortened_counts_at_the_length_they_stated_within_the_budget():
@@ -169,6 +188,7 @@ def test_the_step_budget_is_part_of_the_guards_checkpoint():
     restored = _guard()
     restored.load_state_dict(guard.state_dict())
     assert restored.step_budget.cap() == guard.step_budget.cap() == pytest.approx(2.0 * 2.0)
+    assert restored.step_budget.peak == guard.step_budget.peak
     assert restored.step_budget.scale(8.0) == pytest.approx(0.5)
     older = _guard()
     older.load_state_dict({k: v for k, v in guard.state_dict().items() if k != "step_budget"})
