@@ -142,7 +142,9 @@ class InfluenceWindow:
 
     def load_state_dict(self, state: list[dict]) -> None:
         self.rounds.clear()
-        for shares in state[-self.rounds.maxlen:]:
+        window = self.rounds.maxlen
+        assert window is not None  # made with maxlen in __init__
+        for shares in state[-window:]:
             self.add({int(i): float(v) for i, v in shares.items()})
 
 

@@ -92,7 +92,7 @@ class FragmentState:
             # round's closer looks again after an error and must not step twice (closers.py)
             self.value.copy_(saved[0])
             self.outer.load_state_dict(saved[1])
-            if chain is not None:
+            if chain is not None and saved_chain is not None:  # saved whenever there is a chain
                 chain.value, chain.version, chain.first, chain.steps = saved_chain
             if isinstance(err, NonFiniteError):
                 return None
