@@ -1,7 +1,7 @@
 """The GPU check: one command, at most 8 minutes on one H100, each figure against a baseline of the same run.
 
     python -m benchmarks.gpu --out DIR            # on a CUDA machine (docs/benchmarks.md: the exact command)
-    python -m benchmarks.gpu --smoke --out DIR    # all of it at toy size on the CPU (tests/unit/benchmarks)
+    python -m benchmarks.gpu --smoke --out DIR    # all of it at toy size on the CPU (tests/benchmarks)
 
 0. **Staging**: the CUDA copy path (learner/staging.py) against plain ``.cpu()`` / ``.to(device)``
    on the device itself: a snapshot, an upload, an in-place mix.

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
 rm -rf gpu_carry
 mkdir -p gpu_carry/wheels gpu_carry/data
-# the versions installed here: the ones the smoke run (tests/unit/benchmarks/test_gpu_check.py) passes with
+# the versions installed here: the ones the smoke run (tests/benchmarks/test_gpu_check.py) passes with
 pins=$("$python" -c '
 from importlib.metadata import version
 print(" ".join(f"{d}=={version(d)}" for d in ("grpcio", "protobuf", "typing-extensions", "prometheus-client")))')

@@ -73,18 +73,18 @@ _PRIVATE_TMP = pytest.StashKey[str]()
 
 # tests that set up network namespaces, veth pairs and a bridge with fixed names and addresses
 # (benchmarks/netns.py, tests/deploy/hosts.py): one xdist worker runs them, one after the other
-_FIXED_NETWORKS = ("tests/deploy/", "tests/unit/benchmarks/test_network_benchmarks.py", "tests/integration/test_container.py")
+_FIXED_NETWORKS = ("tests/deploy/", "tests/benchmarks/test_network_benchmarks.py", "tests/integration/test_container.py")
 
 
 # end-to-end runs of a benchmark or a recipe at toy size, a minute or more each on this machine:
 # the `long` tier, out of the default run (pyproject addopts) so that the suite fits CI's 25
 # minutes; `bash scripts/test.sh -m long` runs them (before a GPU session: the GPU check's smoke run)
 _LONG = (
-    "tests/unit/benchmarks/test_inner_parallelism_benchmark.py", "tests/unit/benchmarks/test_chaos_benchmark.py",
-    "tests/unit/benchmarks/test_fabric_benchmark.py", "tests/unit/benchmarks/test_overhead_benchmark.py",
-    "tests/unit/benchmarks/test_network_benchmarks.py", "tests/unit/benchmarks/test_rounds_benchmark.py",
-    "tests/unit/benchmarks/test_fsdp_overhead_benchmark.py", "tests/unit/benchmarks/test_synchronizer_benchmark.py",
-    "tests/unit/benchmarks/test_gpu_check.py::test_the_smoke_run_in_a_bare_environment",
+    "tests/benchmarks/test_inner_parallelism_benchmark.py", "tests/benchmarks/test_chaos_benchmark.py",
+    "tests/benchmarks/test_fabric_benchmark.py", "tests/benchmarks/test_overhead_benchmark.py",
+    "tests/benchmarks/test_network_benchmarks.py", "tests/benchmarks/test_rounds_benchmark.py",
+    "tests/benchmarks/test_fsdp_overhead_benchmark.py", "tests/benchmarks/test_synchronizer_benchmark.py",
+    "tests/benchmarks/test_gpu_check.py::test_the_smoke_run_in_a_bare_environment",
     "tests/recipes/test_recipes_run.py::test_a_killed_fsdp2_island_resumes",  # tests/learner/test_fsdp_islands.py resumes one exactly
     "tests/recipes/test_recipes_run.py::test_compare_runs_ddp_and_diloco",
     "tests/recipes/test_litgpt_pretrain.py::test_litgpt_islands_learn",

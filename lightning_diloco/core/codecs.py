@@ -1,6 +1,6 @@
 """Wire encodings of a flat fp32 fragment: fp32, bf16, and int8/int4/int2 with per-block scales.
 
-Error bounds (per element, x the input, x' the decoded value), tested in tests/unit:
+Error bounds (per element, x the input, x' the decoded value), tested in tests/core/test_codecs.py:
 
 - ``fp32``: exact.
 - ``bf16``: |x - x'| <= 2**-8 * |x| (round to nearest, 8 significant bits).

@@ -5,7 +5,7 @@ global_v whole (as many bytes as an fp32 delta; global_h + (global_v - global_h)
 global_v only where the subtraction was exact, core/state.py ``FragmentState.downlink``). A lossy codec (bf16, int8, int4) cannot carry the global value exactly, and
 a delta of exact global values added to an island's copy carries that copy's error along: each
 downlink adds its quantisation error, so the copy drifts from the global model as a random walk
-over versions (tests/unit/core/test_downlink.py measures it).
+over versions (tests/core/test_downlink.py measures it).
 
 With a lossy codec each version v goes down as one step, encoded once whatever the number of
 islands (error feedback on the synchronizer's side):

@@ -10,7 +10,7 @@ leader) and adds it to the next delta of the fragment before encoding:
     sent_n = encode(delta_n + residual_{n-1}),    residual_n = delta_n + residual_{n-1} - decode(sent_n)
 
 so the sum of what the synchronizer received tracks the sum of the island's progress within one
-message's error, however many rounds pass (tests/unit/core/test_feedback.py). This is what lets
+message's error, however many rounds pass (tests/core/test_feedback.py). This is what lets
 int2 (a relative error of about 0.34 per message) and the sparse codec (0.95 at density 1/64: the
 residual holds what the chunks' top-k left out until it is among the largest) train; the downlink has its own, on the
 synchronizer's side (core/downlink.py).

@@ -469,7 +469,7 @@ class InfluenceGuard:
     def state_dict(self) -> dict:
         """The votes, for a checkpoint: a restart without them bounded the next round as the run's
         first, by the fragment's own norm (a lone push then moved the model 13.3x its norm, 0.12x
-        with the votes: tests/unit/synchronizer/test_rounds.py)."""
+        with the votes: tests/synchronizer/test_rounds.py)."""
         return {"norms": self.norms.state_dict(), "tokens_per_step": self.tokens_per_step.state_dict(),
                 "influence": self.influence.state_dict(), "step_budget": self.step_budget.state_dict()}
 

@@ -1,7 +1,7 @@
 """Protocol records (core/protocol.py) to and from their gRPC messages, field by field by name.
 
 One generic conversion instead of a hand-written copy per field: a field that exists on one side
-only raises here (and in tests/unit/transport/test_messages.py) rather than silently reading as 0.
+only raises here (and in tests/transport/test_messages.py) rather than silently reading as 0.
 A record that carries a payload (a :class:`~lightning_diloco.core.protocol.Contribution`, a
 :class:`~lightning_diloco.core.protocol.VersionUpdate`) travels as a header message, every field
 but ``payload`` by name plus the payload's size, and the payload in chunks (wire.py):

@@ -12,7 +12,7 @@ is a view of the received bytes (:func:`chunk_reader`, :func:`read_event`), and
 
 Any valid encoding of the messages is read (fields in any order, repeated, unknown fields skipped),
 so a client built from the .proto alone talks to these functions and the other way round;
-tests/unit/transport/test_wire.py checks both directions against protobuf.
+tests/transport/test_wire.py checks both directions against protobuf.
 """
 
 from __future__ import annotations

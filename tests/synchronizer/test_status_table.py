@@ -1,7 +1,7 @@
 """`lightning-diloco status`'s table: what an operator reads about each island."""
 
 from lightning_diloco.synchronizer.main import format_status
-from tests.unit.transport.test_messages import _status
+from tests.transport.test_messages import _status
 
 
 def test_the_table_shows_each_islands_processes():

@@ -8,7 +8,7 @@ import torch
 
 from lightning_diloco.core.checkpoints import KEEP, check_writable
 from lightning_diloco.core.state import SynchronizerState
-from tests.unit.core.test_state import _advance, _state
+from tests.core.test_state import _advance, _state
 
 
 def _saved(tmp_path, rounds=3):

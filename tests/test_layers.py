@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "lightning_diloco"
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_diloco"
 
 # What each layer may import from the package, itself included.
 MAY_IMPORT = {

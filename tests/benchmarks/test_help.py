@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = sorted(p.stem for p in (Path(__file__).resolve().parents[3] / "benchmarks").glob("*.py")
+BENCHMARKS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py")
                     if "def main(" in p.read_text())
 
 

@@ -4,7 +4,7 @@ import dataclasses
 
 from lightning_diloco.launch.console import Console, progress_line
 from lightning_diloco.launch.supervisor import Progress, read_progress, read_progress_line
-from tests.unit.launch.test_report import _status
+from tests.launch.test_report import _status
 
 
 def test_progress_mode_logs_every_line_and_shows_each_problem_once(tmp_path):
