@@ -8,12 +8,9 @@ same collectives in the same order.
 
 The island follows the run's clock: its *schedule step* starts at the run's step when it joins
 and jumps forward when the synchronizer asks for a round it has not reached yet, so it sends each
-fragment in the same round as every other island. It applies every new global version it
-receives (contributor or not) at its next step boundary, except that a fragment it sent waits
-``overlap_steps`` steps first; the send's flight ends with the first version of the round it was
-sent for, or a later one. At the end of the run (:meth:`IslandLearner.finish`) the leader's
-:func:`~lightning_diloco.learner.end_of_run.end_of_run` waits for the last rounds and pulls the
-final global model, which every rank loads.
+fragment in the same round as every other island. Each fragment's send and apply are its
+:class:`~lightning_diloco.learner.fragment.IslandFragment`'s; the island plans each step
+boundary and routes the plan to them. The end of the run: :meth:`IslandLearner.finish` (end_of_run.py).
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,11 +50,11 @@ class StepPlan:
     """What the island does at one step boundary (the leader's decisions, carried out by every rank)."""
 
     schedule_step: int
-    fail: list[int] = field(default_factory=list)
+    fail: list[int]
     """Fragments whose send failed: their flight ends without a version."""
-    send: list[tuple[int, int]] = field(default_factory=list)
+    send: list[tuple[int, int]]
     """(fragment, round) to send now."""
-    apply: list[Apply] = field(default_factory=list)
+    apply: list[Apply]
 
 
 class IslandLearner:
