@@ -46,14 +46,9 @@ def end_of_run(link: SynchronizerLink, island: int, *, fragments: list[IslandFra
     # the end of a run nobody may, so it is not waited for: it stays queued and is merged if
     # the run goes on. Whether a send is late is known only from its ack, which may come
     # during the wait: the wait ends once every send is settled or known late.
-    in_flight = [f for f in fragments if f.flight is not None]
-
-    def settled(f: IslandFragment) -> bool:  # under the inbox's lock
-        return f.settled(inbox.fresh.get(f.number))
-
-    inbox.wait(lambda: all(f.late() or settled(f) for f in in_flight), timeout)
-    late = sorted(f.number for f in in_flight if f.late() and not settled(f))
-    open_rounds = sorted(f.number for f in in_flight if not f.late() and not settled(f))
+    inbox.wait(lambda: not any(f.awaited(inbox) for f in fragments), timeout)
+    late = [f.number for f in fragments if f.late() and not f.settled(inbox)]
+    open_rounds = [f.number for f in fragments if f.awaited(inbox)]
     if late:
         log.info("island %d: late contribution(s) to fragment(s) %s wait for their next round: not merged by the end",
                  island, late)

@@ -99,18 +99,14 @@ class IslandFragment:
 
     def __init__(self, number: int, shards: IslandShards, schedule: ScheduleConfig, base: torch.Tensor) -> None:
         self.number, self.shards, self.schedule = number, shards, schedule
-        self.base = base
-        """The global value last applied (flat): the next outer gradient is measured from it."""
-        self.version = 0
-        """The global version ``base`` is; -1: none yet (its shard was away when the island joined)."""
-        self.sent_round = -1
-        """The latest round it was sent for; -1: none."""
-        self.tokens, self.steps = 0.0, 0
-        """The island's tokens and inner steps not yet counted by a merged send: the next send's weight."""
+        self.base = base  # the global value last applied (flat): the next outer gradient is measured from it
+        self.version = 0  # the global version base is; -1: none yet (its shard was away when the island joined)
+        self.sent_round = -1  # the latest round it was sent for; -1: none
+        self.tokens, self.steps = 0.0, 0  # the island's progress not yet counted by a merged send: the next send's weight
         self.flight: Flight | None = None
         self.pending: Arrival | None = None
-        """Leader: the arrival taken to be applied at this step boundary. The inbox's newest may be
-        a later version by the time it is applied (then that one is applied next)."""
+        """Leader: the arrival taken to be applied at this step boundary (the inbox's newest may be
+        a later version by then: applied next)."""
 
     def stepped(self, tokens: float) -> None:
         self.tokens += tokens
@@ -180,10 +176,15 @@ class IslandFragment:
         for it, so no wait of this island's is for it."""
         return self.flight is not None and self.flight.late()
 
-    def settled(self, fresh: Arrival | None) -> bool:
-        """(Under the inbox's lock, ``fresh`` its newest arrival of the fragment.) Its send is
-        answered: the version of its round arrived, or its push failed (no send: settled)."""
+    def settled(self, inbox: Inbox) -> bool:
+        """(Under the inbox's lock.) Its send is answered: the version of its round arrived, or its
+        push failed (no send: settled)."""
+        fresh = inbox.fresh.get(self.number)
         return self.flight is None or (fresh is not None and self.flight.ended_by(fresh)) or self.flight.failure() is not None
+
+    def awaited(self, inbox: Inbox) -> bool:
+        """(Under the inbox's lock.) Worth a wait: sent, neither settled nor late."""
+        return not self.late() and not self.settled(inbox)
 
     def take(self, arrival: Arrival) -> Apply:
         """Decide to apply ``arrival``, kept as ``pending`` until applied."""
@@ -214,21 +215,18 @@ class IslandFragment:
         # kappa applies to the progress since a merged send; progress on an older version is all unmerged
         self.shards.apply(p, mode, value, self.base if snapshot is None else snapshot, alpha=sched.mix_alpha,
                           keep=1.0 if snapshot is None else sched.rebase_keep)
-        return self._applied(value, a.version, mode, a.ends_flight)
-
-    def _applied(self, value: torch.Tensor, version: int, mode: str, ends_flight: bool) -> int:
         flight = self.flight
         if keeps_counters(mode):
-            if ends_flight and flight is not None:  # what the send counted is in the global model now
+            if a.ends_flight and flight is not None:  # what the send counted is in the global model now
                 self.tokens -= flight.tokens_at_send
                 self.steps -= flight.steps_at_send
             elif flight is not None and flight.snapshot is not None:  # the flight's progress moved with us
                 flight.snapshot.add_(value).sub_(self.base)
         else:
             self.tokens, self.steps = 0.0, 0
-        staleness = max(0, version - self.version - 1) if self.version >= 0 else 0  # -1: never had one
-        self.base, self.version = value, version
-        if ends_flight:
+        staleness = max(0, a.version - self.version - 1) if self.version >= 0 else 0  # -1: never had one
+        self.base, self.version = value, a.version
+        if a.ends_flight:
             self.flight = None
         return staleness
 

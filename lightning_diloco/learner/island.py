@@ -322,14 +322,15 @@ class IslandLearner:
         opens only when some island sends for it on time, and the islands that would were
         blocked, or done; the main job at tau 0 had one island wait out push_wait (120 s) at
         every due fragment while the others finished. Its version is applied when it comes."""
-        inbox.wait(lambda: all(self.settled(p) or self.fragments[p].late() for p in fragments), self.push_wait)
+        inbox.wait(lambda: not any(self.fragments[p].awaited(inbox) for p in fragments), self.push_wait)
         arrivals = inbox.take(lambda a: a.fragment in fragments and self.fragments[a.fragment].ended_by(a))
         return [self.fragments[a.fragment].take(a) for a in arrivals]
 
     def settled(self, p: int) -> bool:
         """(Leader, under the inbox's lock) fragment p's send is answered: the version of its
         round arrived, or its push failed."""
-        return self.fragments[p].settled(self.inbox.fresh.get(p) if self.inbox is not None else None)
+        leader = self._started_leader()
+        return leader is not None and self.fragments[p].settled(leader[1])
 
     @contextmanager
     def global_weights(self) -> Iterator[None]:
