@@ -107,7 +107,15 @@ class IslandSettings:
         self.explicit = {k: v for k, v in self.settings.items() if v is not None}
         self.base_config = as_run_config(self.run_config)
         self.config = config_with(self.explicit, self.base_config)
-        self.tokens_per_batch = self.tokens_per_batch or default_tokens_per_batch
+
+    def place(self) -> tuple[int, int]:
+        """(island, num_islands): the arguments or DILOCO_ISLAND / DILOCO_NUM_ISLANDS."""
+        assert self.island is not None and self.num_islands is not None, "__post_init__ resolves both, or refuses"
+        return self.island, self.num_islands
+
+    def count_tokens(self, batch: Any) -> float:
+        """``batch``'s tokens for the merge weights: ``tokens_per_batch``, or by default the token ids'."""
+        return (self.tokens_per_batch or default_tokens_per_batch)(batch)
 
     @classmethod
     def split(cls, strategy: str, kwargs: dict[str, Any], inner: set[str], inner_kind: str

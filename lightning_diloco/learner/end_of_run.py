@@ -1,7 +1,7 @@
 """The end of an island's run: wait for its last rounds, then end with the global model.
 
 When training ends, the contributions still in flight may yet be merged: the island's
-:meth:`~lightning_diloco.learner.island.IslandLearner.finish` has its leader's :class:`EndOfRun`
+:meth:`~lightning_diloco.learner.island.IslandLearner.finish` has its leader (:func:`end_of_run`)
 wait for their rounds a few step times (:func:`final_wait`; a late one, whose round opens only
 when some island sends for it, is not waited for) and pull the current global model, if it holds
 some of this island's work; otherwise the local weights stay, and a warning says why. The leader
@@ -14,10 +14,8 @@ islands still training waits for it. A stop (SIGTERM) ends the wait for the last
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
-from lightning_diloco.learner.flights import Flight
-from lightning_diloco.learner.fragment_sync import FragmentSync
+from lightning_diloco.learner.fragment import IslandFragment
 from lightning_diloco.learner.inbox import Inbox
 from lightning_diloco.learner.link import SynchronizerLink
 
@@ -33,56 +31,44 @@ def final_wait(overlap_steps: int, step_time: float, push_wait: float) -> float:
     return min(push_wait, max(FINAL_WAIT_MIN_S, FINAL_WAIT_STEPS * (overlap_steps + 1) * step_time))
 
 
-class EndOfRun:
-    """The leader's part of the end: its last heartbeat, the wait for the last rounds, the pull
-    of the final global model.
-
-    ``progress()``: the island's (steps, step time, schedule step), for the last heartbeat;
-    ``count_unmerged(n)``: adds to the island's ``unmerged`` counter."""
-
-    def __init__(self, *, island: int, link: SynchronizerLink, num_fragments: int,
-                 progress: Callable[[], tuple[int, float, int]], count_unmerged: Callable[[int], None]) -> None:
-        self.island, self.link, self.num_fragments = island, link, num_fragments
-        self.progress, self.count_unmerged = progress, count_unmerged
-
-    def plan(self, *, fragments: list[FragmentSync], inbox: Inbox, settled: Callable[[int], bool], timeout: float,
-             merged_any: bool) -> tuple[dict[int, int] | None, bool]:
-        """Wait at most ``timeout`` seconds for the rounds of the sends in flight (``settled(p)``:
-        fragment p's round closed, or its push failed), then pull the global model into each
-        fragment's ``base``. Returns (fragment -> version pulled, None to keep the local weights;
-        whether a contribution of this island is in the global model, ``merged_any`` before)."""
-        try:  # the final step count, so that the run's report gives the steps as trained
-            self.link.heartbeat(self.island, *self.progress())
-        except Exception as err:  # noqa: BLE001 - liveness only
-            log.debug("island %d: final heartbeat failed: %s", self.island, err)
-        # A late contribution waits for a round that opens only when some island sends for it; at
-        # the end of a run nobody may, so it is not waited for: it stays queued and is merged if
-        # the run goes on. Whether a send is late is known only from its ack, which may come
-        # during the wait: the wait ends once every send is settled or known late.
-        in_flight: dict[int, Flight] = {p: f.flight for p, f in enumerate(fragments) if f.flight is not None}
-        inbox.wait(lambda: all(f.late() or settled(p) for p, f in in_flight.items()), timeout)
-        late = sorted(p for p, f in in_flight.items() if f.late() and not settled(p))
-        open_rounds = sorted(p for p, f in in_flight.items() if not f.late() and not settled(p))
-        if late:
-            log.info("island %d: late contribution(s) to fragment(s) %s wait for their next round: not merged by the end",
-                     self.island, late)
-        if open_rounds:
-            log.warning("island %d: the round(s) of fragment(s) %s did not close within %.1f s of the end: those "
-                        "contributions are not in the global model this island ends with", self.island, open_rounds, timeout)
-        self.count_unmerged(len(late) + len(open_rounds))
-        merged_any = merged_any or any(a.included for a in inbox.take(lambda a: True))
-        if not merged_any:
-            log.warning("island %d: none of its contributions was merged into the global model before training ended "
-                        "(a run shorter than the sync schedule?); keeping the local weights", self.island)
-            return None, False
-        plan, missed = {}, {}
-        for p in range(self.num_fragments):
-            try:
-                version, fragments[p].base = self.link.pull(p)
-                plan[p] = version
-            except Exception as err:  # keep the local values rather than crash at the very end
-                missed[p] = err
-        if missed:  # e.g. a dead shard: its fragments keep this island's own progress
-            log.warning("island %d: could not pull fragment(s) %s of the final global model, keeping their local "
-                        "weights: %s", self.island, sorted(missed), next(iter(missed.values())))
-        return plan or None, True
+def end_of_run(link: SynchronizerLink, island: int, *, fragments: list[IslandFragment], inbox: Inbox,
+               progress: tuple[int, float, int], timeout: float, merged_any: bool) -> tuple[dict[int, int] | None, bool, int]:
+    """The leader's part of the end: the last heartbeat (``progress``: steps, step time, schedule
+    step), a wait of at most ``timeout`` seconds for the rounds of the sends in flight, the pull
+    of the global model into each fragment's ``base``. Returns (fragment -> version pulled, None to
+    keep the local weights; whether a contribution of this island is in the global model,
+    ``merged_any`` before; how many sends were not merged by the end)."""
+    try:  # the final step count, so that the run's report gives the steps as trained
+        link.heartbeat(island, *progress)
+    except Exception as err:  # noqa: BLE001 - liveness only
+        log.debug("island %d: final heartbeat failed: %s", island, err)
+    # A late contribution waits for a round that opens only when some island sends for it; at
+    # the end of a run nobody may, so it is not waited for: it stays queued and is merged if
+    # the run goes on. Whether a send is late is known only from its ack, which may come
+    # during the wait: the wait ends once every send is settled or known late.
+    inbox.wait(lambda: not any(f.awaited(inbox) for f in fragments), timeout)
+    late = [f.number for f in fragments if f.late() and not f.settled(inbox)]
+    open_rounds = [f.number for f in fragments if f.awaited(inbox)]
+    if late:
+        log.info("island %d: late contribution(s) to fragment(s) %s wait for their next round: not merged by the end",
+                 island, late)
+    if open_rounds:
+        log.warning("island %d: the round(s) of fragment(s) %s did not close within %.1f s of the end: those "
+                    "contributions are not in the global model this island ends with", island, open_rounds, timeout)
+    unmerged = len(late) + len(open_rounds)
+    merged_any = merged_any or any(a.included for a in inbox.take(lambda a: True))
+    if not merged_any:
+        log.warning("island %d: none of its contributions was merged into the global model before training ended "
+                    "(a run shorter than the sync schedule?); keeping the local weights", island)
+        return None, False, unmerged
+    plan, missed = {}, {}
+    for f in fragments:
+        try:
+            version, f.base = link.pull(f.number)
+            plan[f.number] = version
+        except Exception as err:  # keep the local values rather than crash at the very end
+            missed[f.number] = err
+    if missed:  # e.g. a dead shard: its fragments keep this island's own progress
+        log.warning("island %d: could not pull fragment(s) %s of the final global model, keeping their local "
+                    "weights: %s", island, sorted(missed), next(iter(missed.values())))
+    return plan or None, True, unmerged

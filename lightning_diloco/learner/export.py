@@ -41,6 +41,7 @@ def read_global_model(*, synchronizer: str | Sequence[str] | None = None, token:
         if isinstance(checkpoint_dirs, (str, os.PathLike)):
             checkpoint_dirs = [checkpoint_dirs]
         return from_checkpoints(checkpoint_dirs)
+    assert synchronizer is not None, "one of the two is given (checked above)"
     with SynchronizerClient(synchronizer, token=token, tls_root_cert=tls_root_cert, timeout=timeout, max_retries=2) as client:
         try:
             return GlobalModel.from_shards([client.export_shard(shard) for shard in range(client.num_shards)])

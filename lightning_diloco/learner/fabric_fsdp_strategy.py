@@ -126,10 +126,13 @@ class DecoupledDiLoCoFabricFSDPStrategy(ModelParallelStrategy):
                         weights_only: bool | None = None) -> dict[str, Any]:
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if self.diloco.load(state, remainder):
-            learner = self.diloco.resume.get("learner")
+            learner = (self.diloco.resume or {}).get("learner")
             if learner is not None and learner.pop("bases_in", None) == BASES_KEY:
                 from torch.distributed.checkpoint import load
 
+                if self.diloco.module is None:
+                    raise RuntimeError("a sharded island's checkpoint loads its bases like the model's shards: set the "
+                                       "model up (fabric.setup) before fabric.load")
                 targets = bases_to_load(self.diloco.module)
                 load({BASES_KEY: targets}, checkpoint_id=Path(self.broadcast(path)))
                 learner["bases_by_name"] = targets

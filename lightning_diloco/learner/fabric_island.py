@@ -102,6 +102,7 @@ class FabricIsland(IslandMembership):
         if self.embedded is not None:  # restarted from the checkpoint's state by the join
             self.embedded.shutdown()
             self.embedded = None
+        assert self.module is not None, "the island joined with its module (after_setup_optimizer), kept since"
         self.join(self.module)
 
     def teardown(self) -> None:

@@ -125,7 +125,9 @@ class DecoupledDiLoCoFSDPStrategy(ModelParallelStrategy):
         if learner is not None and learner.pop("bases_in", None) == "state_dict":
             from torch.distributed.checkpoint import load
 
-            targets = {BASES + name: value for name, value in bases_to_load(self.lightning_module).items()}
+            module = self.lightning_module
+            assert module is not None, "the Trainer restores a checkpoint into the module it was given"
+            targets = {BASES + name: value for name, value in bases_to_load(module).items()}
             load({"state_dict": targets}, checkpoint_id=Path(self.broadcast(checkpoint_path)))
             learner["bases_by_name"] = {key[len(BASES):]: value for key, value in targets.items()}
         return checkpoint

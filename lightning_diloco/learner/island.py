@@ -8,12 +8,9 @@ same collectives in the same order.
 
 The island follows the run's clock: its *schedule step* starts at the run's step when it joins
 and jumps forward when the synchronizer asks for a round it has not reached yet, so it sends each
-fragment in the same round as every other island. It applies every new global version it
-receives (contributor or not) at its next step boundary, except that a fragment it sent waits
-``overlap_steps`` steps first; the send's flight ends with the first version of the round it was
-sent for, or a later one. At the end of the run (:meth:`IslandLearner.finish`) the leader's
-:class:`~lightning_diloco.learner.end_of_run.EndOfRun` waits for the last rounds and pulls the
-final global model, which every rank loads.
+fragment in the same round as every other island. Each fragment's send and apply are its
+:class:`~lightning_diloco.learner.fragment.IslandFragment`'s; the island plans each step
+boundary and routes the plan to them. The end of the run: :meth:`IslandLearner.finish` (end_of_run.py).
 """
 
 from __future__ import annotations
@@ -23,26 +20,24 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout
-from lightning_diloco.core.outer import island_delta
-from lightning_diloco.core.protocol import Beat
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
 from lightning_diloco.core.threads import torch_on_this_thread
 from lightning_diloco.learner.clock import SYSTEM_CLOCK, Clock
 from lightning_diloco.learner.collective import Collective
-from lightning_diloco.learner.end_of_run import EndOfRun, final_wait
-from lightning_diloco.learner.flights import Apply, Flight, StartPlan, StepPlan
-from lightning_diloco.learner.fragment_sync import FragmentSync, fragments_from_state_dict, fragments_state_dict
-from lightning_diloco.learner.inbox import Arrival, Inbox
+from lightning_diloco.learner.end_of_run import end_of_run, final_wait
+from lightning_diloco.learner.fragment import Apply, Flight, IslandFragment, fragments_state_dict, load_fragments
+from lightning_diloco.learner.inbox import Inbox
 from lightning_diloco.learner.leader import LeaderSync, sync_pool
 from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.learner.shards import IslandShards
-from lightning_diloco.learner.staging import HostCopy
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +45,16 @@ STATE_FORMAT = 2
 COUNTERS = ("sent", "applied", "received", "skipped", "failed", "requested", "realigned", "unmerged")
 
 
-def _replaces_late(flight: Flight, r: int) -> bool:
-    """A send for round ``r`` replaces ``flight``, acked late: that one waits in round
-    ``merged_in``, which opens only when some island sends for it, and this send (for it or a
-    later one) may be that send. Its entry replaces the late one in the synchronizer's round (one
-    entry per island): the older one's progress is in it as far as the apply rule kept it through
-    the versions applied in between (rebase: whole; mix: alpha of it per version; overwrite: none,
-    as it would be at the older one's own apply). Held back
-    instead, an island whose sends were all late (behind rounds opened by islands that have since
-    left the run) waited out its push wait with every fragment, sending nothing."""
-    merged_in = flight.merged_in()
-    return flight.late() and merged_in is not None and r >= merged_in
+@dataclass(kw_only=True, frozen=True)
+class StepPlan:
+    """What the island does at one step boundary (the leader's decisions, carried out by every rank)."""
+
+    schedule_step: int
+    fail: list[int]
+    """Fragments whose send failed: their flight ends without a version."""
+    send: list[tuple[int, int]]
+    """(fragment, round) to send now."""
+    apply: list[Apply]
 
 
 class IslandLearner:
@@ -103,7 +97,7 @@ class IslandLearner:
         P = layout.num_fragments
         self.step = 0
         self.schedule_step = 0
-        self.fragments = [FragmentSync(self.shards.read(p)) for p in range(P)]  # local parts, as everything below
+        self.fragments = [IslandFragment(p, self.shards, sched, self.shards.read(p)) for p in range(P)]  # local parts
         self.seq = int(clock.time() * 1e6)  # increasing across restarts: the synchronizer dedups by it
         self.merged_any = False  # a contribution of this island is in the global model
         self._lock = threading.Lock()  # counters: written by the training thread, read by metrics() from any
@@ -115,20 +109,16 @@ class IslandLearner:
         self._measure_step_time = step_time is None
         self._last_step_at: float | None = None
 
-        self.inbox: Inbox | None = None
-        self._taken: dict[int, Arrival] = {}  # leader: the arrivals decided on, until applied
+        self.inbox: Inbox | None = None  # the leader's, from start()
         self._seen_reconnects = 0
         self._realigned_at: int | None = None  # the inner step of the last realignment
         self.leader: LeaderSync | None = None
-        self.end: EndOfRun | None = None  # the leader's
-        if self.is_leader:
+        if link is not None:
             self.leader = LeaderSync(
                 link, island=island, uplink=self.uplink, feedback=config.codec.uplink_feedback, layout_hash=layout.hash,
                 executor=executor or sync_pool(island, min(P, sched.overlap_steps + 2)), progress=self._progress,
-                heartbeat_every=heartbeat_every, holds=self._held, clock=clock,
+                heartbeat_every=heartbeat_every, holds=lambda p: self.fragments[p].held(), clock=clock,
             )
-            self.end = EndOfRun(island=island, link=link, num_fragments=P, progress=self._progress,
-                                count_unmerged=self._count_unmerged)
 
     @property
     def versions(self) -> list[int]:
@@ -136,41 +126,35 @@ class IslandLearner:
 
     @property
     def in_flight(self) -> dict[int, Flight]:
-        """Fragment -> its send in flight (a view: change ``fragments``)."""
-        return {p: f.flight for p, f in enumerate(self.fragments) if f.flight is not None}
+        """Fragment -> its send in flight (a view: the fragments own them)."""
+        return {f.number: f.flight for f in self.fragments if f.flight is not None}
 
     @property
     def reachable(self) -> bool:
         return self.leader.reachable if self.leader else True
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self.counters[name] += 1
-
-    def _count_unmerged(self, n: int) -> None:
-        with self._lock:
-            self.counters["unmerged"] += n
-
-    def _held(self, p: int) -> tuple[int, torch.Tensor] | None:
-        """(version, value) of global fragment p as this island holds it, when whole on the leader
-        (read from the heartbeat thread: ``base`` is replaced, never changed in place, and a torn
-        pair's digest does not match the synchronizer's log)."""
-        f = self.fragments[p]
-        return None if self.shards.any_sharded(p) else (f.version, f.base)
+            self.counters[name] += n
 
     def _progress(self) -> tuple[int, float, int]:
         """(steps, step time, schedule step): what a heartbeat tells the synchronizer."""
         return self.step, self._step_time, self.schedule_step
 
-    # ---- joining ----------------------------------------------------------------------------
-
-    def _share(self, obj):
+    def _share(self, obj: Any) -> Any:
         """The leader's ``obj`` on every rank of the island."""
         return self.collective.broadcast_object(obj)
 
-    def _share_fragment(self, p: int, value: torch.Tensor | None) -> torch.Tensor:
-        """This rank's part of the leader's whole flat fragment ``p`` (the others pass None)."""
-        return self.shards.scatter(p, value)
+    def _started_leader(self) -> tuple[LeaderSync, Inbox] | None:
+        """The leader's sync and inbox; None on the other ranks."""
+        if self.leader is None:
+            return None
+        if self.inbox is None:
+            raise RuntimeError("IslandLearner.start() opens the island's subscription: call it once, before the first "
+                               "after_step() or finish()")
+        return self.leader, self.inbox
+
+    # ---- joining ----------------------------------------------------------------------------
 
     def start(self, resume: dict | None = None, run_step: int = 0) -> None:
         """Seed unseeded fragments, pull every global fragment and start from the global model,
@@ -181,45 +165,44 @@ class IslandLearner:
         """
         if resume is not None:
             self.load_state_dict(resume)
-        beat = self.link.heartbeat(self.island, self.step, 0.0, self.schedule_step) if self.is_leader else None
-        for p in self._share(sorted(p for p, v in beat.versions.items() if v < 0) if self.is_leader else None):
+        link = self.link
+        beat = link.heartbeat(self.island, self.step, 0.0, self.schedule_step) if link is not None else None
+        for p in self._share(sorted(p for p, v in beat.versions.items() if v < 0) if beat is not None else None):
             whole = self.shards.gather(p, self.shards.read(p))  # the first island seeds the global model
-            if self.is_leader:
-                self.link.seed(self.island, p, whole)
-        plan = self._share(self._start_plan(run_step, beat) if self.is_leader else None)
+            if link is not None:
+                assert whole is not None, "IslandShards.gather returns the whole fragment on the leader"
+                link.seed(self.island, p, whole)
+        # pull the fragments of the shards that answered; start at the run's step, unless this
+        # island's own (resumed) clock is ahead of it
+        pull, schedule_step = self._share(([p for p in range(self.layout.num_fragments) if p in beat.versions],
+                                           max(self.schedule_step, run_step, beat.run_step)) if beat is not None else None)
         if resume is None:
-            for p in plan.absent:  # its shard is not answering: trained locally, sent once a version arrives
-                self.fragments[p].version = -1
+            for f in self.fragments:
+                if f.number not in pull:  # its shard is not answering: trained locally, sent once a version arrives
+                    f.version = -1
         adopted = 0
-        for p in plan.pull:  # one fragment at a time: no rank ever holds the whole global model
-            pulled = self.link.pull(p) if self.is_leader else None
-            version = self._share(pulled[0] if self.is_leader else None)
+        for p in pull:  # one fragment at a time: no rank ever holds the whole global model
+            pulled = link.pull(p) if link is not None else None
+            version = self._share(pulled[0] if pulled is not None else None)
             f = self.fragments[p]
             if resume is not None and resume["versions"][p] == version:
                 f.version = version  # nothing merged since our checkpoint: its base and counters hold
                 continue
-            value = self._share_fragment(p, pulled[1] if self.is_leader else None)
+            value = self.shards.scatter(p, pulled[1] if pulled is not None else None)
             f.adopt(value, version)
-            self.write_fragment(p, value)
+            self.shards.write(p, value)
             adopted += 1
             del pulled
-        self.schedule_step = plan.schedule_step
-        if self.is_leader:
+        self.schedule_step = schedule_step
+        if link is not None and self.leader is not None:
             numels = [self.layout.fragment_numel(p) for p in range(self.layout.num_fragments)]
             self.inbox = Inbox(self.versions, numels, self.config.codec.block_size, self.config.codec.sparse_density,
                                clock=self.clock, max_steps=self.config.merge.history)
-            self.link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
-                                on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
+            link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
+                           on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
             self.leader.start_heartbeat()
         log.info("island %d joined at schedule step %d, versions %s (%d fragments from the global model)",
                  self.island, self.schedule_step, self.versions, adopted)
-
-    def _start_plan(self, run_step: int, beat: Beat) -> StartPlan:
-        """Which fragments to pull (those of the shards that answered) and the step to start at."""
-        pull = [p for p in range(self.layout.num_fragments) if p in beat.versions]
-        absent = [p for p in range(self.layout.num_fragments) if p not in beat.versions]  # no global value yet
-        # the run's clock wins, unless this island's own (resumed) clock is ahead of it
-        return StartPlan(pull=pull, absent=absent, schedule_step=max(self.schedule_step, run_step, beat.run_step))
 
     # ---- the inner-step hook ------------------------------------------------------------------
 
@@ -238,19 +221,27 @@ class IslandLearner:
         island_tokens = tokens * self.collective.world_size  # ranks see equal shards
         for f in self.fragments:
             f.stepped(island_tokens)
-        plan: StepPlan = self._share(self._plan() if self.is_leader else None)
+        leader = self._started_leader()
+        plan: StepPlan = self._share(self._plan(*leader) if leader is not None else None)
         self.schedule_step = plan.schedule_step
         for p in plan.fail:
-            self.fragments[p].flight = None
+            self.fragments[p].flight = None  # (the leader's plan ended it there already)
         for p, r in plan.send:
-            self._send(p, r)
+            if self.is_leader:
+                self.seq += 1
+            self.fragments[p].send(r, apply_at=self.step + self._overlap(), clock=self.clock, leader=self.leader,
+                                   seq=self.seq, inbox=self.inbox)
+            self._count("sent")
         applies = plan.apply
         if self._overlap() == 0 and plan.send:  # synchronous DiLoCo waits for its rounds
             waited_from = self.clock.now()
-            applies = applies + self._share(self._await_rounds([p for p, _ in plan.send]) if self.is_leader else None)
+            sent = [p for p, _ in plan.send]
+            applies = applies + self._share(self._await_rounds(leader[1], sent) if leader is not None else None)
             self.network_wait_s += self.clock.now() - waited_from
         for a in applies:
-            self._apply(a)
+            self.staleness = self.fragments[a.fragment].apply(a)
+            self.merged_any = self.merged_any or a.included
+            self._count("applied" if a.ends_flight else "received")
         self._last_step_at = self.clock.now()
         self.blocked_s += self._last_step_at - started
 
@@ -259,10 +250,12 @@ class IslandLearner:
         sched = self.config.schedule
         return 0 if self.schedule_step <= sched.synchronous_steps else sched.overlap_steps
 
-    def _plan(self) -> StepPlan:
-        """The leader's decisions for this step boundary: realign, send, apply, give up."""
+    def _plan(self, leader: LeaderSync, inbox: Inbox) -> StepPlan:
+        """The leader's decisions for this step boundary: realign, give up, send, apply. A flight
+        given up ends here on the leader (on the other ranks when they carry the plan out), so
+        that the decisions after it see its fragment free."""
         H = self.config.schedule.sync_every
-        requests = self.inbox.take_requests()
+        requests = inbox.take_requests()
         furthest = max((r.due_step for r in requests.values()), default=-1)
         # the run is ahead of us: skip to its step, at most once per H of our own steps (the
         # synchronizer asks only for rounds due on the run's clock; this holds even if it did not,
@@ -275,127 +268,69 @@ class IslandLearner:
         due = due_fragment(self.schedule_step, self.offsets, H)
         if due is not None:
             wanted[due] = max(wanted.get(due, -1), round_of(self.schedule_step, H))
-        fail = self._failed_flights()
-        in_flight = self.in_flight
+        fail = self._give_up_failed_flights(leader)
         send = []
         for p, r in sorted(wanted.items()):
-            if self.fragments[p].version < 0:
+            f = self.fragments[p]
+            if f.version < 0:
                 continue  # no global version yet (its shard was away at the join): nothing to send against
-            if self.fragments[p].sent_round >= r:
+            if f.sent_round >= r:
                 continue  # already sent for that round (asked for it, then due by our own clock)
-            if p in in_flight and p not in fail and not _replaces_late(in_flight[p], r):
-                self._count("skipped")  # never two sends of one fragment in flight
+            if f.blocks_send(r):
+                self._count("skipped")
                 continue
             send.append((p, r))
             if p in requests:
                 self._count("requested")
-        reconnected = self.inbox.reconnects != self._seen_reconnects
-        self._seen_reconnects = self.inbox.reconnects
+        reconnected = inbox.reconnects != self._seen_reconnects
+        self._seen_reconnects = inbox.reconnects
         if reconnected:  # what waited in rounds may be gone with a restarted synchronizer
-            for p in in_flight:
-                if p not in fail:
-                    fail.append(p)
+            for f in self.fragments:
+                if f.flight is not None:
+                    f.flight = None
+                    fail.append(f.number)
                     self._count("failed")
         # synchronous DiLoCo waits for the version of each round it sends for now: a version of
         # such a fragment that came before stays in the inbox, where that one supersedes it (taken
         # here as well, it was a second apply of the fragment in the step: KeyError, 2026-11-27)
         awaited = {p for p, _ in send} if self._overlap() == 0 else set()
-        # the version of a send's round may come before the send's ack (the round closed while the
-        # ack was on its way): taken then, it could not end the flight, which went on to wait for
-        # the next round's version and skipped the send for it (a 1-in-6 hang of a test, 2026-11-28)
-        arrivals = self.inbox.take(lambda a: a.fragment not in awaited and (
-            a.fragment not in in_flight or a.fragment in fail or
-            (self.step >= in_flight[a.fragment].apply_at and in_flight[a.fragment].answered())))
+        arrivals = inbox.take(lambda a: a.fragment not in awaited and self.fragments[a.fragment].may_take(self.step))
         return StepPlan(schedule_step=self.schedule_step, fail=fail, send=send,
-                        apply=[self._decision(a, ends=a.fragment in in_flight and a.fragment not in fail) for a in arrivals])
+                        apply=[self.fragments[a.fragment].take(a) for a in arrivals])
 
-    def _decision(self, a: Arrival, ends: bool) -> Apply:
-        """Decide to apply ``a``; the leader keeps ``a`` itself until applied, because the inbox's
-        newest value may be a later version by then (it is still fresh, to be applied next)."""
-        ends = ends and self.fragments[a.fragment].flight.ended_by(a)
-        self._taken[a.fragment] = a
-        return Apply(fragment=a.fragment, version=a.version, base_version=a.base_version, steps=len(a.steps),
-                     ends_flight=ends, included=a.included)
-
-    def _failed_flights(self) -> list[int]:
-        """Flights whose push was refused or unreachable (at their apply step), or that waited too long."""
+    def _give_up_failed_flights(self, leader: LeaderSync) -> list[int]:
+        """End the flights whose push was refused or unreachable (at their apply step), or that waited too long."""
         now, out = self.clock.now(), []
-        for p, f in self.in_flight.items():
-            refused = f.failed() and self.step >= f.apply_at
-            if refused or now - f.sent_at > self.push_wait:
-                why = f.future.exception() if refused else f"no version of round {f.round} within {self.push_wait:.0f}s"
-                log.warning("island %d: sync of fragment %d failed: %s", self.island, p, why)
-                if refused:
-                    self.leader.answered(False)
+        for f in self.fragments:
+            flight = f.flight
+            if flight is None:
+                continue
+            refusal = flight.failure() if self.step >= flight.apply_at else None
+            if refusal is not None or now - flight.sent_at > self.push_wait:
+                why = refusal if refusal is not None else f"no version of round {flight.round} within {self.push_wait:.0f}s"
+                log.warning("island %d: sync of fragment %d failed: %s", self.island, f.number, why)
+                if refusal is not None:
+                    leader.answered(False)
                 self._count("failed")
-                out.append(p)
+                f.flight = None
+                out.append(f.number)
         return out
 
-    def _await_rounds(self, fragments: list[int]) -> list[Apply]:
+    def _await_rounds(self, inbox: Inbox, fragments: list[int]) -> list[Apply]:
         """Synchronous DiLoCo (overlap 0): wait for the version of each round just sent for. A
         send acked late is not waited for (as at the end of the run): it waits in a round that
         opens only when some island sends for it on time, and the islands that would were
         blocked, or done; the main job at tau 0 had one island wait out push_wait (120 s) at
         every due fragment while the others finished. Its version is applied when it comes."""
-        def arrived() -> bool:
-            return all(self._settled(p) or self.fragments[p].flight.late() for p in fragments)
+        inbox.wait(lambda: not any(self.fragments[p].awaited(inbox) for p in fragments), self.push_wait)
+        arrivals = inbox.take(lambda a: a.fragment in fragments and self.fragments[a.fragment].ended_by(a))
+        return [self.fragments[a.fragment].take(a) for a in arrivals]
 
-        self.inbox.wait(arrived, self.push_wait)
-        arrivals = self.inbox.take(lambda a: a.fragment in fragments and self.fragments[a.fragment].flight.ended_by(a))
-        return [self._decision(a, ends=True) for a in arrivals]
-
-    def _settled(self, p: int) -> bool:
-        """(Under the inbox lock) the version of p's round arrived, or its push failed."""
-        arrival = self.inbox.fresh.get(p)
-        flight = self.fragments[p].flight
-        return (arrival is not None and flight.ended_by(arrival)) or flight.failed()
-
-    def _send(self, p: int, r: int) -> None:
-        f, future, snapshot, staged = self.fragments[p], None, None, None
-        rebase, sharded = self.config.schedule.apply == "rebase", self.shards.any_sharded(p)
-        if self.is_leader or sharded or rebase:  # a whole non-sharded fragment is sent from the leader's copy alone
-            staged = self.shards.snapshot(p)  # host copy of this rank's part, 1/P of the model (on CUDA, still copying)
-        if sharded or rebase:
-            # sharded: every rank's part of the outer gradient is gathered whole on the leader (a
-            # collective, so here); rebase: its apply changes the kept snapshot in place, so the
-            # outer gradient is taken from it now: both wait for the copy
-            snapshot = staged.wait()
-            local: torch.Tensor | HostCopy | None = self.shards.gather(p, island_delta(snapshot, f.base))
-            base = None
-        else:  # the push thread forms the outer gradient (once the copy is done): the snapshot is the push's alone, the base is never changed
-            local, base = staged, f.base
-        if self.is_leader:
-            self.seq += 1
-            future = self.leader.push(fragment=p, round=r, local=local, base=base, base_version=f.version,
-                                      tokens=f.tokens, steps=f.steps, seq=self.seq)
-            future.add_done_callback(lambda _: self.inbox.poke())  # a failed push settles its flight too
-        f.sent(Flight(fragment=p, round=r, apply_at=self.step + self._overlap(),
-                      snapshot=snapshot if rebase else None, tokens_at_send=f.tokens, steps_at_send=f.steps,
-                      sent_at=self.clock.now(), future=future))
-        self._count("sent")
-
-    def _apply(self, a: Apply) -> None:
-        p, sched = a.fragment, self.config.schedule
-        steps = self._taken.pop(p).steps if self.is_leader else (None,) * a.steps
-        f = self.fragments[p]
-        if a.base_version >= 0:  # deltas from the version this island holds: onto each rank's own part
-            # one at a time, in the synchronizer's order (published + step): its published value bit for bit
-            value = f.base + self._share_fragment(p, steps[0])
-            for step in steps[1:]:
-                value.add_(self._share_fragment(p, step))
-        else:
-            value = self._share_fragment(p, steps[0])
-        ends_send = a.ends_flight and f.flight.snapshot is not None
-        reference = f.flight.snapshot if ends_send else f.base
-        # kappa applies to the progress since a merged send; progress on an older version is all unmerged
-        self.shards.apply(p, sched.apply, value, reference, alpha=sched.mix_alpha, keep=sched.rebase_keep if ends_send else 1.0)
-        self.staleness = f.applied(value, a.version, sched.apply, a.ends_flight)
-        self.merged_any = self.merged_any or a.included
-        self._count("applied" if a.ends_flight else "received")
-
-    def write_fragment(self, p: int, flat: torch.Tensor) -> None:
-        """Put this rank's part of fragment ``p`` into the parameters."""
-        self.shards.write(p, flat)
+    def settled(self, p: int) -> bool:
+        """(Leader, under the inbox's lock) fragment p's send is answered: the version of its
+        round arrived, or its push failed."""
+        leader = self._started_leader()
+        return leader is not None and self.fragments[p].settled(leader[1])
 
     @contextmanager
     def global_weights(self) -> Iterator[None]:
@@ -403,7 +338,7 @@ class IslandLearner:
         saved = self.shards.save()
         try:
             for p, f in enumerate(self.fragments):
-                self.write_fragment(p, f.base)
+                self.shards.write(p, f.base)
             yield
         finally:
             self.shards.restore(saved)
@@ -420,10 +355,12 @@ class IslandLearner:
         (end_of_run.py). Returns whether the global model was loaded.
         """
         plan = None
-        if self.is_leader:
-            plan, self.merged_any = self.end.plan(fragments=self.fragments, inbox=self.inbox, settled=self._settled,
-                                                  timeout=self.final_wait() if timeout is None else timeout,
-                                                  merged_any=self.merged_any)
+        leader = self._started_leader()
+        if leader is not None:
+            plan, self.merged_any, unmerged = end_of_run(
+                leader[0].link, self.island, fragments=self.fragments, inbox=leader[1], progress=self._progress(),
+                timeout=self.final_wait() if timeout is None else timeout, merged_any=self.merged_any)
+            self._count("unmerged", unmerged)
         for f in self.fragments:
             f.flight = None
         plan = self._share(plan)
@@ -431,8 +368,8 @@ class IslandLearner:
             return False
         for p, version in plan.items():
             f = self.fragments[p]
-            f.base, f.version = self._share_fragment(p, f.base if self.is_leader else None), version
-            self.write_fragment(p, f.base)
+            f.base, f.version = self.shards.scatter(p, f.base if self.is_leader else None), version
+            self.shards.write(p, f.base)
         return True
 
     def final_wait(self) -> float:
@@ -475,7 +412,7 @@ class IslandLearner:
             )
         self.step = int(state["step"])
         self.schedule_step = int(state["schedule_step"])
-        self.fragments = fragments_from_state_dict(state)
+        load_fragments(self.fragments, state)
         self.seq = max(self.seq, int(state["seq"]))
         saved = state.get("counters", {})  # absent from checkpoints written before they were saved
         with self._lock:

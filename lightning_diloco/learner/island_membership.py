@@ -82,7 +82,7 @@ class IslandMembership:
         island overlap a one-process one). The seed too: Lightning's default is this process's
         PL_GLOBAL_SEED, which differs between islands seeded apart, and shards cut from different
         permutations overlap."""
-        island, num_islands = self.settings.island, self.settings.num_islands
+        island, num_islands = self.settings.place()
         config = self.learner.config if self.learner is not None else self.settings.config  # the synchronizer's, once joined
         return {"num_replicas": num_islands * inner["num_replicas"], "rank": inner["rank"] * num_islands + island,
                 "seed": config.data.seed}
@@ -94,11 +94,11 @@ class IslandMembership:
             return
         from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-        for warning in unsplit_data_warnings(loaders, self.settings.island, self.settings.num_islands, part):
+        for warning in unsplit_data_warnings(loaders, *self.settings.place(), part):
             rank_zero_warn(warning)
 
     def count(self, batch: Any) -> None:
-        self.tokens += self.settings.tokens_per_batch(batch)
+        self.tokens += self.settings.count_tokens(batch)
 
     # ---- joining --------------------------------------------------------------------------------
 
@@ -124,29 +124,30 @@ class IslandMembership:
             nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
             collective = TorchCollective(host.world_size, host.root_device if nccl else torch.device("cpu"))
             config_dict = collective.broadcast_object(config_dict)
+        assert config_dict is not None, "rank 0 joined the run, and the island's other ranks were sent its settings"
         config = RunConfig.from_dict(config_dict)
         layout = build_layout(specs, config.schedule.num_fragments)
-        self.learner = IslandLearner(params, layout, config, island=self.settings.island, link=link,
-                                     collective=collective, push_wait=self.settings.push_wait)
+        learner = self.learner = IslandLearner(params, layout, config, island=self.settings.place()[0], link=link,
+                                               collective=collective, push_wait=self.settings.push_wait)
         if self.sharded:
-            self.learner.shards.before_write = partial(reshard, module)
+            learner.shards.before_write = partial(reshard, module)
         resume = (self.resume or {}).get("learner")
         if resume is not None and "bases_by_name" in resume:  # a sharded island's bases, by parameter name
-            resume = bases_from_names(resume, self.learner)
-        self.learner.start(resume=resume, run_step=run_step)
+            resume = bases_from_names(resume, learner)
+        learner.start(resume=resume, run_step=run_step)
         if host.global_rank == 0:
             for logger in loggers:  # the run's settings beside the module's hyperparameters
                 logger.log_hyperparams(self.hyperparameters(config))
-            self._info(self._start_line(config))
+            self._info(self._start_line(config, learner))
 
-    def _start_line(self, config: RunConfig) -> str:
+    def _start_line(self, config: RunConfig, learner: IslandLearner) -> str:
         sched, merge, s = config.schedule, config.merge, self.settings
         return (
             f"Decoupled DiLoCo: island {s.island} of {s.num_islands} ({self.host.world_size} process(es)), "
             f"synchronizer {s.synchronizer or 'embedded'}; P={sched.num_fragments} H={sched.sync_every} "
             f"tau={sched.overlap_steps} quorum K={merge.min_quorum} apply={sched.apply}; "
             f"uplink {config.codec.uplink}, downlink {config.codec.downlink}; this island starts at its step "
-            f"{self.learner.step} (the run's clock, which schedules the fragments, is at {self.learner.schedule_step})"
+            f"{learner.step} (the run's clock, which schedules the fragments, is at {learner.schedule_step})"
         )
 
     @staticmethod
@@ -202,6 +203,7 @@ class IslandMembership:
 
     def after_step(self) -> None:
         """An inner step has ended: the island's step boundary, with the tokens counted since."""
+        assert self.learner is not None, "the strategies call it once the island has joined"
         self.learner.after_step(self.tokens)
         self.tokens = 0.0
 
@@ -209,8 +211,11 @@ class IslandMembership:
         """What a checkpoint carries under CHECKPOINT_KEY: the learner's outer state (its
         ``state_dict()``, unless a strategy keeps part of it elsewhere: ``learner_state``) and,
         for an embedded synchronizer, the synchronizer's."""
+        if learner_state is None:
+            assert self.learner is not None, "the strategies save an island's outer state once it has joined"
+            learner_state = self.learner.state_dict()
         return {
-            "learner": learner_state if learner_state is not None else self.learner.state_dict(),
+            "learner": learner_state,
             "embedded": self.embedded.snapshot().state_dict() if self.embedded and self.embedded.run.state else None,
         }
 

@@ -102,7 +102,8 @@ class IslandShards:
         if self.before_write is not None:
             self.before_write()
         new_global = self.staging.upload(new_global)
-        reference = self.staging.upload(reference) if reads_reference(mode) else None
+        # rebase reads the reference (apply_global refuses a missing one); the other modes do not
+        reference = self.staging.upload(reference) if reference is not None and reads_reference(mode) else None
         start = 0
         for i in self._members(p):
             local = _local(self.params[i])

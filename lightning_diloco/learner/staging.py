@@ -63,15 +63,15 @@ class HostStaging:
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.device, self.dtype = torch.device(device), dtype
-        self.cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        """The side stream of the copies on CUDA; None elsewhere, where a copy is done when made."""
 
     @torch.no_grad()
     def snapshot(self, tensors: Sequence[torch.Tensor]) -> HostCopy:
         """A flat host copy of ``tensors`` (all on ``device``) as they are at this point of the
         training stream; later changes to them do not reach it."""
-        n = sum(t.numel() for t in tensors)
-        if not self.cuda:
+        n, stream = sum(t.numel() for t in tensors), self._stream
+        if stream is None:
             return HostCopy(flatten_fragment(tensors).to(self.dtype))
         # CUDA: pack on the training stream (queued behind the step that produced the values)
         packed = torch.empty(n, dtype=self.dtype, device=self.device)
@@ -80,19 +80,19 @@ class HostStaging:
             packed[start : start + t.numel()].copy_(t.detach().reshape(-1))
             start += t.numel()
         host = torch.empty(n, dtype=self.dtype, pin_memory=True)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             host.copy_(packed, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self._stream)
-        packed.record_stream(self._stream)  # not reused by the training stream until the copy has read it
+            done.record(stream)
+        packed.record_stream(stream)  # not reused by the training stream until the copy has read it
         return HostCopy(host, done)
 
     @torch.no_grad()
     def upload(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (host) on ``device``, ready for the training stream's next kernels; ``flat``
         itself on the CPU."""
-        if not self.cuda:
+        if self._stream is None:
             return flat
         # CUDA: host -> pinned (a host copy), pinned -> device on the side stream; the training
         # stream waits for it on the GPU, the host does not

@@ -64,7 +64,7 @@ def islands():
 
 def _settle(learner):
     """Wait until every fragment in flight has the version of its round (or its push failed)."""
-    settled = learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), WAIT_S)
+    settled = learner.inbox.wait(lambda: all(learner.settled(p) for p in learner.in_flight), WAIT_S)
     flights = {p: (f.round, f.future.done() and (f.future.exception() or f.future.result()))
                for p, f in learner.in_flight.items()}
     assert settled, f"flights (round, ack) {flights}; versions received {learner.inbox.held()}, not yet taken " \
@@ -168,7 +168,7 @@ def test_training_goes_on_while_the_synchronizer_is_down_and_resyncs_after(islan
         _step(learner, params)
         if learner.counters["applied"] >= 1:
             break
-        learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), 0.05)
+        learner.inbox.wait(lambda: all(learner.settled(p) for p in learner.in_flight), 0.05)
     assert learner.counters["applied"] >= 1 and learner.versions[0] >= 1 and learner.reachable
 
 
@@ -458,26 +458,6 @@ def test_an_island_that_cannot_leave_says_so_and_closes_anyway(islands, caplog):
     assert service.status().live_islands == [0]  # waited for until its liveness timeout, as before
 
 
-def test_a_send_acked_late_is_replaced_by_a_send_for_its_round_not_waited_for():
-    """A late send waits for a next round that opens only when some island sends for it: held
-    back, a lone island behind rounds opened by islands that left the run never sent again."""
-    from concurrent.futures import Future
-
-    from lightning_diloco.core.protocol import PushAck
-    from lightning_diloco.learner.flights import Flight
-    from lightning_diloco.learner.island import _replaces_late
-
-    def flight(late):
-        future = Future()
-        future.set_result(PushAck(fragment=0, round=7, late=late, duplicate=False, version=3))
-        return Flight(fragment=0, round=5, apply_at=0, snapshot=None, tokens_at_send=1.0, steps_at_send=1, sent_at=0.0,
-                      future=future)
-
-    assert _replaces_late(flight(late=True), 7) and _replaces_late(flight(late=True), 8)
-    assert not _replaces_late(flight(late=True), 6)  # a send for an earlier round would be late again
-    assert not _replaces_late(flight(late=False), 8)  # on time: its round closes with it
-
-
 def test_state_dict_round_trips_and_refuses_another_model(islands):
     config = _config()
     learner, _, params, _ = islands(config)
@@ -515,7 +495,7 @@ def test_synchronous_diloco_applies_a_fragment_once_when_a_version_came_before_i
     for _ in range(40):  # the first island's next round takes the late entry in
         for _ in range(4):
             _step(first, params0)
-        if second.inbox.wait(lambda: second._settled(0), 1):
+        if second.inbox.wait(lambda: second.settled(0), 1):
             break
     _step(second, params1)
     assert second.counters["applied"] == 1 and second.versions == [service.status().versions[0]] and second.versions[0] >= 2

@@ -70,7 +70,7 @@ def test_islands_hold_the_published_values_of_a_lossy_downlink(monkeypatch):
                         p.add_(0.05 * torch.randn(p.shape, generator=g))  # stands in for inner steps
                 learner.after_step(10.0)
             for learner, _ in islands:
-                assert learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), 20), step  # noqa: B023 - called here
+                assert learner.inbox.wait(lambda: all(learner.settled(p) for p in learner.in_flight), 20), step  # noqa: B023 - called here
                 for p, f in enumerate(learner.fragments):
                     if f.version == 0:
                         continue

@@ -83,7 +83,7 @@ def test_a_bf16_islands_outer_gradient_is_formed_in_fp32_and_the_global_value_is
                     p.add_(0.01)  # stands in for an inner optimizer step, in bf16
             island.after_step(10.0)
         theta = flatten_fragment([params[i] for i in layout.fragments[0]])
-        assert island.inbox.wait(lambda: all(island._settled(p) for p in island.in_flight), WAIT_S)  # pushed, merged
+        assert island.inbox.wait(lambda: all(island.settled(p) for p in island.in_flight), WAIT_S)  # pushed, merged
         assert torch.equal(link.sent[0], theta - start)  # fp32(theta) - fp32 base: the rounding is carried, not lost
         island.after_step(10.0)  # tau = 1 step later its version is applied
         version, new_global = service.pull(0)

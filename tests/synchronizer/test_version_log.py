@@ -242,8 +242,8 @@ def test_a_restarted_synchronizer_takes_back_the_versions_a_learner_island_recei
                 for p in params:
                     p.add_(0.01 * torch.randn(p.shape, generator=g))  # stands in for an inner step
             learner.after_step(10.0)
-            assert learner.inbox.wait(lambda: all(learner._settled(p) for p in learner.in_flight), 120)
-        held = {p: learner._held(p) for p in range(2)}
+            assert learner.inbox.wait(lambda: all(learner.settled(p) for p in learner.in_flight), 120)
+        held = {p: learner.fragments[p].held() for p in range(2)}
         assert min(v for v, _ in held.values()) >= 2, held  # versions came as updates, not only the first pull
     finally:
         if learner is not None:
@@ -303,7 +303,7 @@ def test_an_island_that_took_several_int4_steps_at_one_step_boundary_holds_the_p
         assert len(learner.inbox.fresh[0].steps) == 3  # three int4 steps from version 0, not yet taken
         learner.after_step(10.0)
         assert learner.counters["received"] == 1  # the island's parameters changed once
-        held = learner._held(0)
+        held = learner.fragments[0].held()
         version, published = sync.pull(0)
         assert held[0] == version == 3
         assert torch.equal(held[1], published)
