@@ -5,7 +5,9 @@ Each case draws, tick by tick, the hostile islands' rounds (their own, the fragm
 ahead, 2**40), counters (honest, 1e15 tokens in one step, 10**6 steps), direction (sign flip,
 "away" inside the honest spread, noise, ALIE, min-max) and size (1x to 100x), heartbeats (place 0,
 the honest one, 2**62; step time 1e-9, honest, 1e9), rejoins, joins as an honest island with no
-session and joins saying a wrong island count. Budget: 5 cases of each of 5
+session and joins saying a wrong island count; or, drawn per hostile island from the seed, the
+island is a far-place flipper (arena.py: the flipped honest delta from the farthest place, every
+tick; drawn since two flippers of one run keep the bound with the grace window too). Budget: 5 cases of each of 5
 mixes of honest and hostile islands, 300 ticks (about 75 rounds) each, about 10 s in all; once with
 rounds closing at their first send, once with the library's grace window (half the fragment's
 round: over 20 seeds, one hostile of four moved the model 1.15x the honest-only distance at the
