@@ -49,7 +49,10 @@ the fragment at most ``STEP_RATIO`` x the fragment's recent movement per step, a
 at most half the islands taking part at most its share of one such step; the budget rises no
 faster than linearly, falls with the recent steps, and a step it held lowers it, so a hostile half
 of the run that keeps pushing drifts the model sublinearly (two colluding flippers of four, 30 s:
-9.3e6 from the target with no budget, 132-442 with one that never fell, 4.6-153 now).
+9.3e6 from the target with no budget, 132-442 with one that never fell, 4.6-153 with one that
+falls). In an opposed round of three or more, what a client states (its counters, its claimed
+base) buys its side nothing: every entry has one vote (:func:`one_vote_each`; the same two
+flippers with the grace window: 28x-94x -> 9.9x-12.2x the honest-only distance in 30 s).
 """
 
 from __future__ import annotations
@@ -192,6 +195,25 @@ def capped_weights(weights: list[float], ratio: float = WEIGHT_RATIO) -> list[fl
     return [min(w, ratio * reference) for w in weights]
 
 
+def one_vote_each(weights: list[float]) -> list[float]:
+    """``weights`` in a round whose entries oppose one another: none above the lower median, and no
+    age discount (docs/algorithm.md#bounds-on-one-contribution).
+
+    What sets a weight apart is what its client states: its counters and the base it claims to
+    have worked from, which the synchronizer cannot check and which cost the claimant nothing. In a
+    round of agreeing entries that only shifts the step between islands heading the same way; in an
+    opposed one it decides which side the step takes. Two far-place flippers of four, in every round
+    of the grace window beside the honest islands, claimed the newest base, so the staleness
+    discount halved the honest entries (one version older) and the flippers' side won every
+    tug-of-war: 28x-94x the honest-only distance in 30 s. Held to the lower median, an entry
+    weighs what a typical one does: the side with more islands wins, a tie cancels (12x-14x: the
+    model stays near where it started, as nothing tells the two pairs apart). An entry below the
+    median keeps its weight: stating less only lowers one's own.
+    """
+    reference = lower_median(weights)
+    return list(weights) if reference is None else [min(w, reference) for w in weights]
+
+
 def agreeing(weights: list[float], gradients: list[torch.Tensor], norms: list[float] | None = None) -> list[float]:
     """``weights`` scaled by how well each entry agrees with the others, in a round of three or more.
 
@@ -279,9 +301,13 @@ class StepBudget:
     - It never falls below ``peak`` x ``warmup`` / steps (``peak``: the highest mean since the
       warm-up): at nothing it would freeze the fragment for good once an attack stopped; shrinking
       as 1/n it bounds a pushing loop's drift by the logarithm of the steps.
-    A step the opposition shortened counts at the length its entries stated, within the budget
-    (counted short, a tug-of-war's steps lowered the budget until it held the honest island's
-    winning steps: one flipper of two, grace window, 4.1x -> 3.6x the one-honest distance at worst).
+    A step the opposition shortened, in a round of two, counts at the length its entries stated,
+    within the budget (counted short, a tug-of-war's steps lowered the budget until it held the
+    honest island's winning steps: one flipper of two, grace window, 4.1x -> 3.6x the one-honest
+    distance at worst). In a larger round (synchronizer/rounds.py passes ``opposed`` 1.0) each entry
+    had one vote and a tie's short step counts as it moved: counted as stated, it kept the budget
+    where the early steps set it while two flippers of four drifted the model by their coherence
+    (seed 0, grace window: 30.4 from the target at 60 s, 23.8 counted as moved).
     """
 
     def __init__(self, ratio: float = STEP_RATIO, warmup: int = STEP_WARMUP, window: int = STEP_WINDOW) -> None:
@@ -394,8 +420,12 @@ class InfluenceGuard:
             ages.append(max(0, version - e.base_version))
             weights.append(contribution_weight(b.tokens, b.steps))
         # what the islands claim is capped against each other; the age discount is the synchronizer's own
-        weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=staleness_discount)
-                   for w, a in zip(capped_weights(weights), ages)]
+        weights = capped_weights(weights)
+        if len(entries) >= 3 and opposition_scale(weights, [e.outer_gradient for e in entries], [e.norm for e in entries]) < 1.0:
+            weights = one_vote_each(weights)
+        else:
+            weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=staleness_discount)
+                       for w, a in zip(weights, ages)]
         weights = agreeing(weights, [e.outer_gradient for e in entries], [e.norm for e in entries])
         shares = self._within_budgets([e.island for e in entries], weights, norms, scales)
         gradients = [e.outer_gradient * s if s < 1.0 else e.outer_gradient for e, s in zip(entries, scales)]

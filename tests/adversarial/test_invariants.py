@@ -5,7 +5,9 @@ Each case draws, tick by tick, the hostile islands' rounds (their own, the fragm
 ahead, 2**40), counters (honest, 1e15 tokens in one step, 10**6 steps), direction (sign flip,
 "away" inside the honest spread, noise, ALIE, min-max) and size (1x to 100x), heartbeats (place 0,
 the honest one, 2**62; step time 1e-9, honest, 1e9), rejoins, joins as an honest island with no
-session and joins saying a wrong island count. Budget: 5 cases of each of 5
+session and joins saying a wrong island count; or, drawn per hostile island from the seed, the
+island is a far-place flipper (arena.py: the flipped honest delta from the farthest place, every
+tick; drawn since two flippers of one run keep the bound with the grace window too). Budget: 5 cases of each of 5
 mixes of honest and hostile islands, 300 ticks (about 75 rounds) each, about 10 s in all; once with
 rounds closing at their first send, once with the library's grace window (half the fragment's
 round: over 20 seeds, one hostile of four moved the model 1.15x the honest-only distance at the
@@ -110,17 +112,20 @@ def test_one_far_place_flipper_of_two_cannot_drive_the_model_away(seed, grace_ga
     assert math.isfinite(report.distance) and report.distance < BOUNDED * start, report
 
 
-def test_two_colluding_far_place_flippers_of_four_drift_the_model_less_and_less():
+def test_two_colluding_far_place_flippers_of_four_hold_the_model_near_its_start_and_drift_less_and_less():
     """Issue 48: two far-place flippers of four agree with each other in rounds of their own opened
-    ahead of the clock, and with the grace window outweigh the honest islands in every round (their
-    claimed base is the newest). The step budget held every step and counted it as its mean, so
-    the model drifted linearly at the rate the early steps set (2.2 a version: 96x-272x the
-    honest-only distance in 30 s). Now a held step lowers the budget and a round of two of four
-    moves the fragment half a typical step: the drift slows (seed 0, from 10 at the start: 40 at
-    20 s, 46 at 40 s)."""
+    ahead of the clock, and with the grace window are in every round beside the honest islands. The
+    step budget held every step and counted it as its mean, so the model drifted linearly at the
+    rate the early steps set (96x-272x the honest-only distance in 30 s); with a falling budget
+    their entries, claiming the newest base, still outweighed the honest ones (a version older,
+    halved by the staleness discount) until the budget stopped them (seed 0: 10 -> 49.5 at 30 s).
+    In an opposed round each entry now has one vote (core/guard.py one_vote_each) and a tie's short
+    steps lower the budget: seed 0, 16.3 at 20 s, 18.9 at 30 s, 21.1 at 40 s."""
     arena = Arena(2, 2, seed=0, grace_gamma=0.5)
     arena.kinds = {i: "far_flip" for i in arena.hostile}
     start = arena.run(0).distance
     first = arena.run(TICKS * 2 // 3).distance
-    second = arena.run(TICKS * 2 // 3).distance
-    assert math.isfinite(second) and second - first < 0.5 * (first - start), (start, first, second)
+    at_30_s = arena.run(TICKS // 3).distance
+    second = arena.run(TICKS // 3).distance
+    assert math.isfinite(second) and at_30_s < 2.5 * start, (start, first, at_30_s)  # before: 4.9x
+    assert second - first < first - start, (start, first, second)

@@ -277,3 +277,45 @@ def test_the_step_budget_bounds_the_fragments_movement_momentum_included():
     assert moved == pytest.approx(0.5 * lengths[0], rel=1e-5)
     assert torch.allclose(frag.outer.momentum_buffer, 0.5 * 0.9 * momentum)  # what was not taken is not carried on
     assert torch.equal(frag.history[6], frag.value)  # the version published is the value as bounded
+
+
+def test_in_an_opposed_round_of_four_a_claimed_newer_base_or_bigger_counters_buy_no_weight():
+    """Two entries claim the newest base and the most tokens, the two they oppose are a version
+    older with honest counters (issue 48: two far-place flippers of four in every round of the
+    grace window). The staleness discount halved the older entries and the counters were capped at
+    1.4x, so the claimants weighed 2.8x each and their side took every step. In an opposed round
+    each entry now weighs the round's lower median at most: the claims buy nothing, the two sides
+    cancel, and the step is about nothing."""
+    import torch
+
+    from lightning_diloco.core.merge import merge_outer_gradients
+
+    direction = torch.nn.functional.normalize(torch.ones(100), dim=0)
+
+    class E:
+        def __init__(self, island, g, base_version, tokens, steps):
+            self.island, self.outer_gradient, self.base_version = island, g, base_version
+            self.tokens, self.steps, self.norm = tokens, steps, float(g.norm())
+
+    honest = [E(i, direction.clone(), 9, 400.0, 4) for i in (0, 1)]
+    claimants = [E(i, -direction, 10, 1e15, 1) for i in (2, 3)]
+    bounded = _guard().bound_round([*honest, *claimants], fragment=torch.zeros(100), version=10, staleness_discount=1.0)
+    assert max(bounded.weights[2:]) <= min(bounded.weights[:2]), bounded.weights  # before: 2.8x each
+    [step] = merge_outer_gradients([[g] for g in bounded.gradients], bounded.weights, ["dense"])
+    assert float(step @ direction) > -1e-6, bounded.weights  # before: the claimants' whole step
+
+
+def test_in_a_round_of_agreeing_entries_the_age_discount_still_applies():
+    """Only an opposed round ignores the claimed base: agreeing entries, as honest islands' are,
+    keep the staleness discount (honest runs merge as before)."""
+    import torch
+
+    class E:
+        def __init__(self, island, base_version):
+            self.island, self.base_version = island, base_version
+            self.outer_gradient = torch.ones(100) + 0.01 * island
+            self.tokens, self.steps, self.norm = 400.0, 4, float(self.outer_gradient.norm())
+
+    bounded = _guard().bound_round([E(0, 9), E(1, 10), E(2, 10)], fragment=torch.zeros(100), version=10,
+                                   staleness_discount=1.0)
+    assert bounded.weights[0] == pytest.approx(bounded.weights[1] / 2)
