@@ -44,7 +44,7 @@ against the flipped model, the bounds followed them, and the distance to the tar
 geometrically (issue 48; tests/adversarial/test_invariants.py: 10 -> 5,900-17,000 in 15 s, one
 honest island alone 2.1). Two rules close it. An entry over its influence budget is cut in weight
 as in length (:meth:`InfluenceGuard._within_budgets`): now 2.3-4.8 in 15 s. And the step itself is
-bounded in absolute terms, by a rate the run established (:class:`StepBudget`): an outer step moves
+bounded in absolute terms, by a rate the run established (:class:`StepBudget`, core/step_budget.py): an outer step moves
 the fragment at most ``STEP_RATIO`` x the fragment's recent movement per step, a round that merged
 at most half the islands taking part at most its share of one such step; the budget rises no
 faster than linearly, falls with the recent steps, and a step it held lowers it, so a hostile half
@@ -67,6 +67,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from lightning_diloco.core.merge import common_scale, contribution_weight, norm64
+from lightning_diloco.core.step_budget import StepBudget
 
 Number = TypeVar("Number", int, float)
 
@@ -76,12 +77,7 @@ NORM_FLOOR = 1e-3
 WEIGHT_RATIO = 1.4
 ROUND_NORM_RATIO = 1.4
 PRESENT_ROUNDS = 4  # closed rounds: a peer with no share in them is away, not a yardstick
-STEP_RATIO = 2.0  # x the mean outer step so far: a linear ramp of honest steps (the learning rate's warm-up) fits under it
-STEP_WARMUP = 4  # outer steps of a fragment before the step budget applies: its mean is its first steps' own
 OPPOSED_AT = math.sqrt(0.75)  # opposition_scale: |sum w u|^2 >= 3/4 sum w^2 leaves the step untouched (two entries: cosine >= -0.25)
-STEP_WINDOW = 4
-MINORITY_SHARE = 0.5
-STEP_MEASURES = "movement"  # what StepBudget's mean is of, in its checkpoint: the fragment's movement per outer step
 BUDGET_RATIO = 1.5  # x the peers' influence over the window: above WEIGHT_RATIO (1.0 trimmed honest islands of unequal tokens)
 
 
@@ -272,97 +268,6 @@ def opposition_scale(weights: Sequence[float], gradients: Sequence[torch.Tensor]
         directions.add_(g, alpha=w / top / n * scale)
     independent = math.sqrt(sum((w / top) ** 2 for w, _, _ in live))
     return min(1.0, norm64(directions) / scale / (independent * OPPOSED_AT))
-
-
-class StepBudget:
-    """How far one outer step may move a fragment, in absolute terms: ``ratio`` x the budget's
-    ``mean`` (the fragment's recent movement per outer step, its outer momentum's part included),
-    once ``warmup`` steps have set it; a round that merged ``share`` <= ``MINORITY_SHARE`` of the
-    islands taking part moves it at most ``share`` x the mean (its share of a typical step). A
-    longer step is scaled down to the bound, its direction kept.
-
-    The movement, not the merged outer gradient: with outer momentum a round whose own entries the
-    other rules had cut to nothing still moved the fragment by the momentum.
-
-    The invariant it keeps (docs/algorithm.md#bounds-on-one-contribution): islands without a
-    majority of the run move the fragment no farther, over the run, than honest training does, and
-    honest training converges (its steps shrink).
-    - A round of a minority (two colluding islands of four open rounds of their own ahead of the
-      clock) has its share of a typical step, and neither raises nor lowers the mean after the
-      warm-up: counted, one island's tiny or huge steps in rounds of its own would set the budget
-      of the whole run.
-    - The mean rises no faster than the run's mean (by at most mean x (ratio - 1) / n at the n-th
-      step, linearly in n; a learning rate's warm-up ramp x_n = a n, mean a (n + 1) / 2, fits)
-      and falls as fast as the last ``window`` steps: it follows honest training down.
-    - A step it held counts at the mean x the factor it was held by, so pushing past the budget
-      lowers it, the harder the more. Counted as the mean (the rule before), two colluding
-      flippers of four held it where the honest islands' early steps set it and drifted the model
-      linearly at that rate (2.2 a version; 80x-272x the honest-only distance in 30 s).
-    - It never falls below ``peak`` x ``warmup`` / steps (``peak``: the highest mean since the
-      warm-up): at nothing it would freeze the fragment for good once an attack stopped; shrinking
-      as 1/n it bounds a pushing loop's drift by the logarithm of the steps.
-    A step the opposition shortened, in a round of two, counts at the length its entries stated,
-    within the budget (counted short, a tug-of-war's steps lowered the budget until it held the
-    honest island's winning steps: one flipper of two, grace window, 4.1x -> 3.6x the one-honest
-    distance at worst). In a larger round (synchronizer/rounds.py passes ``opposed`` 1.0) each entry
-    had one vote and a tie's short step counts as it moved: counted as stated, it kept the budget
-    where the early steps set it while two flippers of four drifted the model by their coherence
-    (seed 0, grace window: 30.4 from the target at 60 s, 23.8 counted as moved).
-    """
-
-    def __init__(self, ratio: float = STEP_RATIO, warmup: int = STEP_WARMUP, window: int = STEP_WINDOW) -> None:
-        self.ratio, self.warmup, self.window = ratio, warmup, window
-        self.steps = 0
-        self.mean = 0.0
-        self.peak = 0.0
-
-    def cap(self, share: float = 1.0) -> float | None:
-        """The longest step allowed now for a round that merged ``share`` of the islands taking
-        part (None: still in warm-up)."""
-        if self.steps < self.warmup:
-            return None
-        return share * self.mean if share <= MINORITY_SHARE else self.ratio * self.mean
-
-    def scale(self, norm: float, share: float = 1.0) -> float:
-        """The factor that brings a step of length ``norm`` within the budget (1.0: it fits)."""
-        cap = self.cap(share)
-        return 1.0 if cap is None or norm <= cap else cap / norm
-
-    def record(self, norm: float, *, scale: float = 1.0, opposed: float = 1.0, share: float = 1.0) -> None:
-        """A step taken, of length ``norm`` (after :meth:`scale`); ``scale``: the factor the budget
-        held it by (1.0: it fitted); ``opposed``: the factor its entries' opposition shortened it
-        by (:func:`opposition_scale`); ``share``: the part of the islands taking part it merged.
-        In the warm-up (no budget yet) every step counts at ``norm``."""
-        if not math.isfinite(norm):
-            return
-        cap = self.cap()
-        if cap is not None and share <= MINORITY_SHARE:
-            return
-        if scale < 1.0:
-            norm = self.mean * scale
-        elif cap is not None and 0.0 < opposed < 1.0:
-            norm = min(norm / opposed, cap)
-        self.steps += 1
-        rate = 1.0 / (min(self.steps, self.window) if norm < self.mean else self.steps)
-        self.mean += (norm - self.mean) * rate
-        if self.steps >= self.warmup:  # (the warm-up's means are of a step or two)
-            self.peak = max(self.peak, self.mean)
-            self.mean = max(self.mean, self.peak * self.warmup / self.steps)
-
-    def state_dict(self) -> dict[str, float | str]:
-        return {"steps": self.steps, "mean": self.mean, "peak": self.peak, "measures": STEP_MEASURES}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("measures") != STEP_MEASURES:
-            # a checkpoint of the merged outer gradient's lengths (before 2026-11-28's second part):
-            # with outer momentum a movement is several of them, and held steps no longer raise the
-            # mean, so that mean would have held every honest step from then on. It warms up again
-            self.steps, self.mean, self.peak = 0, 0.0, 0.0
-            return
-        self.steps, self.mean = int(state.get("steps", 0)), float(state.get("mean", 0.0))
-        self.peak = float(state.get("peak", self.mean))  # (none before the falling budget: its mean)
-        if self.steps < 0 or not all(math.isfinite(v) and v >= 0.0 for v in (self.mean, self.peak)):
-            raise ValueError(f"step budget state {state!r} must have steps >= 0 and a finite mean and peak >= 0")
 
 
 class InfluenceGuard:

@@ -68,7 +68,7 @@ class FragmentState:
         was and None is returned. Any other error in the step also leaves the state as it was.
         ``share``: the part of the islands taking part that the step merged (the outer optimizer's).
         ``bound``: given the length the step moves the value (its momentum part included), the
-        factor it may take of it (core/guard.py StepBudget; below 1 the step and the momentum are
+        factor it may take of it (core/step_budget.py; below 1 the step and the momentum are
         scaled by it); called once, before the step is published.
         """
         saved = (self.value.clone(), self.outer.state_dict())

@@ -92,7 +92,7 @@ class ClosedRound:
     reason: str
     closed_at: float
     step_scale: float = 1.0
-    """The factor the step budget scaled the fragment's movement by (core/guard.py StepBudget; 1.0: untouched)."""
+    """The factor the step budget scaled the fragment's movement by (core/step_budget.py; 1.0: untouched)."""
     opposed: float = 1.0
     """The factor the step was shortened by because its entries opposed each other (core/guard.py opposition_scale)."""
 

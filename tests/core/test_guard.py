@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from lightning_diloco.core.guard import InfluenceGuard, StepBudget, lower_median, opposition_scale
+from lightning_diloco.core.guard import InfluenceGuard, lower_median, opposition_scale
+from lightning_diloco.core.step_budget import StepBudget
 
 
 def _guard():
