@@ -12,8 +12,8 @@ import math
 
 STEP_RATIO = 2.0  # x the mean outer step so far: a linear ramp of honest steps (the learning rate's warm-up) fits under it
 STEP_WARMUP = 4  # outer steps of a fragment before the step budget applies: its mean is its first steps' own
-STEP_WINDOW = 4
-MINORITY_SHARE = 0.5
+STEP_WINDOW = 4  # steps a falling mean follows: it comes down with honest training within a few rounds
+MINORITY_SHARE = 0.5  # a round merging at most this share of the islands taking part has no majority of the run
 STEP_MEASURES = "movement"  # what StepBudget's mean is of, in its checkpoint: the fragment's movement per outer step
 
 
