@@ -91,6 +91,8 @@ class Apply:
     """How many tensors the leader shares (:attr:`Arrival.steps`): the other ranks take as many."""
     ends_flight: bool
     included: bool
+    exact: bool
+    """Whether the island's copy is the published value after it (:attr:`Arrival.exact`)."""
 
 
 class IslandFragment:
@@ -101,6 +103,9 @@ class IslandFragment:
         self.number, self.shards, self.schedule = number, shards, schedule
         self.base = base  # the global value last applied (flat): the next outer gradient is measured from it
         self.version = 0  # the global version base is; -1: none yet (its shard was away when the island joined)
+        self.exact = True
+        """``base`` is, as far as the island can tell, the published value of ``version`` bit for bit
+        (False: it took summed steps, inbox.py): what a restarted synchronizer could take back."""
         self.sent_round = -1  # the latest round it was sent for; -1: none
         self.tokens, self.steps = 0.0, 0  # the island's progress not yet counted by a merged send: the next send's weight
         self.flight: Flight | None = None
@@ -114,14 +119,29 @@ class IslandFragment:
 
     def adopt(self, value: torch.Tensor, version: int) -> None:
         """Start over from the global ``value``: nothing of this island's progress is in it."""
-        self.base, self.version = value, version
+        self.base, self.version, self.exact = value, version, True
         self.tokens, self.steps = 0.0, 0
 
+    def may_give_back(self) -> bool:
+        """Whether ``base`` may be a global version a restarted synchronizer waits for: it holds
+        one, and no summed steps took it off the published value."""
+        return self.version >= 0 and self.exact
+
     def held(self) -> tuple[int, torch.Tensor] | None:
-        """(version, value) of the global fragment as the leader holds it whole (None: sharded).
+        """(version, value) of the global fragment as the leader holds it whole, to be given back
+        (None: nothing to give, or sharded: :meth:`gather_held` at a step boundary instead).
         Read from the heartbeat thread: ``base`` is replaced, never changed in place, and a torn
         pair's digest does not match the synchronizer's log."""
-        return None if self.shards.any_sharded(self.number) else (self.version, self.base)
+        if self.shards.any_sharded(self.number) or not self.may_give_back():
+            return None
+        return self.version, self.base
+
+    def gather_held(self) -> tuple[int, torch.Tensor] | None:
+        """(Every rank, at a step boundary: a collective of the whole fragment.) (version, whole
+        value) of the global fragment whose parts the ranks hold in ``base``, on the leader (None
+        elsewhere): bit for bit the parts, so what a whole copy of the same version would be."""
+        whole = self.shards.gather(self.number, self.base)
+        return None if whole is None else (self.version, whole)
 
     # ---- the send -----------------------------------------------------------------------------
 
@@ -190,7 +210,8 @@ class IslandFragment:
         """Decide to apply ``arrival``, kept as ``pending`` until applied."""
         self.pending = arrival
         return Apply(fragment=self.number, version=arrival.version, base_version=arrival.base_version,
-                     steps=len(arrival.steps), ends_flight=self.ended_by(arrival), included=arrival.included)
+                     steps=len(arrival.steps), ends_flight=self.ended_by(arrival), included=arrival.included,
+                     exact=arrival.exact)
 
     # ---- the apply (every rank) ---------------------------------------------------------------
 
@@ -226,6 +247,7 @@ class IslandFragment:
             self.tokens, self.steps = 0.0, 0
         staleness = max(0, a.version - self.version - 1) if self.version >= 0 else 0  # -1: never had one
         self.base, self.version = value, a.version
+        self.exact = a.base_version < 0 or (self.exact and a.exact)  # a whole value is the published one
         if a.ends_flight:
             self.flight = None
         return staleness
@@ -240,6 +262,7 @@ def fragments_state_dict(fragments: list[IslandFragment]) -> dict:
         "sent_round": [f.sent_round for f in fragments],
         "tokens": [f.tokens for f in fragments],
         "steps": [f.steps for f in fragments],
+        "exact": [f.exact for f in fragments],
     }
 
 
@@ -250,3 +273,5 @@ def load_fragments(fragments: list[IslandFragment], state: dict) -> None:
     for f, base, version, sent_round, tokens, steps in fields:
         f.base, f.version, f.sent_round = base.clone(), int(version), int(sent_round)
         f.tokens, f.steps, f.flight, f.pending = float(tokens), int(steps), None, None
+    for f, exact in zip(fragments, state.get("exact", [True] * len(fragments)), strict=True):  # absent before 2026-11-28
+        f.exact = bool(exact)

@@ -45,6 +45,10 @@ class Arrival:
     base_version: int
     included: bool
     """A contribution of this island was merged since the version it held before."""
+    exact: bool = True
+    """False: more than the inbox keeps apart came before the island took them, and were summed:
+    added to the base, they round away from the published value (its copy is not the version it
+    names until the fragment is sent whole, and is not offered back meanwhile)."""
 
 
 class Inbox:
@@ -101,26 +105,29 @@ class Inbox:
             old = self.fresh.get(arrival.fragment)
             if old is not None:
                 if arrival.base_version != -1:  # chain it onto what waits: still against the island's version
-                    arrival = dataclasses.replace(arrival, steps=self._chained(old, arrival), base_version=old.base_version)
+                    steps, exact = self._chained(old, arrival)
+                    arrival = dataclasses.replace(arrival, steps=steps, base_version=old.base_version,
+                                                  exact=exact and old.exact and arrival.exact)
                 if old.included:  # keep the news that our work is in
                     arrival = dataclasses.replace(arrival, included=True)
             self.received[arrival.fragment] = arrival.version
             self.fresh[arrival.fragment] = arrival
             self.cond.notify_all()
 
-    def _chained(self, old: Arrival, new: Arrival) -> tuple[torch.Tensor, ...]:
-        """The steps of ``old`` followed by ``new``'s (one delta step)."""
+    def _chained(self, old: Arrival, new: Arrival) -> tuple[tuple[torch.Tensor, ...], bool]:
+        """The steps of ``old`` followed by ``new``'s (one delta step), and whether adding them to
+        the island's base still lands on the published value (False once summed)."""
         if old.base_version == -1:  # published_v = published_{v-1} + step_v: the synchronizer's own sum
-            return (old.steps[0] + new.steps[0],)
+            return (old.steps[0] + new.steps[0],), True
         if len(old.steps) < self.max_steps:
-            return old.steps + new.steps
+            return old.steps + new.steps, True
         summed = old.steps[0].clone()  # memory stays bounded; the island's copy leaves the published value
         for step in old.steps[1:] + new.steps:
             summed.add_(step)
         log.info("fragment %d: more than %d steps came before the island took one: summed (its copy of version %d "
                  "rounds away from the published value until the fragment is sent whole)",
                  new.fragment, self.max_steps, new.version)
-        return (summed,)
+        return (summed,), False
 
     def on_request(self, request: RoundRequest) -> None:
         with self.cond:

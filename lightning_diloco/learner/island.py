@@ -55,6 +55,9 @@ class StepPlan:
     send: list[tuple[int, int]]
     """(fragment, round) to send now."""
     apply: list[Apply]
+    gather: list[int]
+    """Fragments (at most one) to gather whole after the applies, for the leader to give back to a
+    restarted synchronizer: their parts are on every rank (sharded), so every rank gathers."""
 
 
 class IslandLearner:
@@ -242,6 +245,11 @@ class IslandLearner:
             self.staleness = self.fragments[a.fragment].apply(a)
             self.merged_any = self.merged_any or a.included
             self._count("applied" if a.ends_flight else "received")
+        for p in plan.gather:
+            held = self.fragments[p].gather_held()
+            if self.leader is not None:
+                assert held is not None, "IslandFragment.gather_held returns the whole fragment on the leader"
+                self.leader.hold_gathered(p, *held)
         self._last_step_at = self.clock.now()
         self.blocked_s += self._last_step_at - started
 
@@ -295,8 +303,16 @@ class IslandLearner:
         # here as well, it was a second apply of the fragment in the step: KeyError, 2026-11-27)
         awaited = {p for p, _ in send} if self._overlap() == 0 else set()
         arrivals = inbox.take(lambda a: a.fragment not in awaited and self.fragments[a.fragment].may_take(self.step))
+        # a restarted synchronizer waits for a fragment that no rank holds whole: gathered (after
+        # this step's applies) and offered by the leader's next heartbeat, once per recovery; not
+        # one this step applies to (its version is the one after the apply) or sends for
+        changing = awaited | {a.fragment for a in arrivals}
+        candidates = {f.number: f.version for f in self.fragments
+                      if f.number not in changing and self.shards.any_sharded(f.number) and f.may_give_back()}
+        gather = leader.to_gather(candidates)
         return StepPlan(schedule_step=self.schedule_step, fail=fail, send=send,
-                        apply=[self.fragments[a.fragment].take(a) for a in arrivals])
+                        apply=[self.fragments[a.fragment].take(a) for a in arrivals],
+                        gather=[] if gather is None else [gather])
 
     def _give_up_failed_flights(self, leader: LeaderSync) -> list[int]:
         """End the flights whose push was refused or unreachable (at their apply step), or that waited too long."""

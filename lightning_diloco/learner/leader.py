@@ -47,13 +47,20 @@ class LeaderSync:
         ``progress()``: (inner steps, seconds per step, schedule step), read by the heartbeat;
         ``feedback``: carry what a lossy ``uplink`` could not send into the next push
         (core/feedback.py); ``holds(p)``: (version, whole value) of the global fragment p this
-        island holds (None: none, or not whole on the leader), offered to a restarted synchronizer
+        island holds (None: none, or not whole on the leader: the island gathers it at a step
+        boundary and hands it over, :meth:`hold_gathered`), offered to a restarted synchronizer
         that waits for an island to give it back (synchronizer/version_log.py)."""
         self.link, self.island, self.uplink, self.layout_hash = link, island, uplink, layout_hash
         self.feedback = UplinkFeedback(uplink) if feedback and not uplink.lossless else None
         self.progress, self.holds = progress, holds
-        self._offered: set[tuple[int, int]] = set()  # (fragment, version): each offered once
-        self.lock = threading.Lock()  # the counters below, written from pool threads
+        self.lock = threading.Lock()  # the counters and the give-back state below, written from several threads
+        self._offered: set[tuple[int, int]] = set()
+        """(fragment, version) offered in the recovery under way: each once; forgotten once the
+        fragment is served again, so the next restart is offered it again."""
+        self._waiting: frozenset[int] = frozenset()  # the fragments the latest heartbeat showed at -1
+        self._gathered: tuple[int, int, torch.Tensor] | None = None
+        """(fragment, version, whole value) gathered at a step boundary, until the next heartbeat
+        offers it: one fragment at a time."""
         self.bytes_up = 0
         self.late = 0
         self.reachable = True
@@ -123,8 +130,12 @@ class LeaderSync:
             self.answered(False)
             log.debug("island %d: heartbeat failed: %s", self.island, err)
             return
+        waiting = [p for p, v in beat.versions.items() if v < 0]
+        with self.lock:
+            self._waiting = frozenset(waiting)
+            self._offered = {(p, v) for p, v in self._offered if p in self._waiting}
         try:
-            self._give_back([p for p, v in beat.versions.items() if v < 0])
+            self._give_back(waiting)
         except Exception as err:  # noqa: BLE001 - the synchronizer serves its checkpoint's after its wait
             log.warning("island %d: offering a fragment back to the restarted synchronizer failed: %s", self.island, err)
 
@@ -132,15 +143,49 @@ class LeaderSync:
         """Offer the global fragments the synchronizer serves no version of (-1: restarted after
         publishing a version its checkpoint lacks) that this island holds: it takes one only if
         its digest is the logged version's, so this island's value need not be, and each
-        (fragment, version) is offered once."""
-        for p in waiting:
-            held = self.holds(p)
-            if held is None or held[0] < 0 or (p, held[0]) in self._offered:
-                continue
-            self._offered.add((p, held[0]))
-            taken, version = self.link.seed(self.island, p, held[1])
-            log.info("island %d: offered fragment %d at version %d to the restarted synchronizer: %s", self.island, p,
-                     held[0], "taken" if taken else f"not taken (it serves version {version})")
+        (fragment, version) is offered once per recovery. A fragment no rank holds whole is offered
+        once the island has gathered it (:meth:`to_gather`, :meth:`hold_gathered`)."""
+        with self.lock:
+            gathered = self._gathered
+        try:
+            for p in waiting:
+                held = self.holds(p)
+                if held is None and gathered is not None and gathered[0] == p:
+                    held = gathered[1:]
+                with self.lock:
+                    if held is None or held[0] < 0 or (p, held[0]) in self._offered:
+                        continue
+                    self._offered.add((p, held[0]))
+                try:
+                    taken, version = self.link.seed(self.island, p, held[1])
+                except BaseException:
+                    with self.lock:  # not answered: offered again (gathered again) while it is still wanted
+                        self._offered.discard((p, held[0]))
+                    raise
+                log.info("island %d: offered fragment %d at version %d to the restarted synchronizer: %s", self.island,
+                         p, held[0], "taken" if taken else f"not taken (it serves version {version})")
+        finally:
+            with self.lock:  # offered, or no longer wanted: dropped (to_gather gathers none while it is kept)
+                if gathered is not None and self._gathered is gathered:
+                    self._gathered = None
+
+    def to_gather(self, candidates: dict[int, int]) -> int | None:
+        """(The leader's step plan) which fragment the island gathers whole at this step boundary
+        to give it back: of ``candidates`` (fragment -> version held, each held in parts and
+        possibly the published value), one the latest heartbeat showed the restarted synchronizer
+        waiting for and not yet offered at that version in this recovery; None while a gathered
+        fragment waits for its offer (one whole fragment on the leader at a time)."""
+        with self.lock:
+            if self._gathered is not None:
+                return None
+            return next((p for p, v in sorted(candidates.items()) if p in self._waiting and (p, v) not in self._offered),
+                        None)
+
+    def hold_gathered(self, fragment: int, version: int, value: torch.Tensor) -> None:
+        """Keep the whole ``value`` of ``fragment`` gathered at a step boundary for the next
+        heartbeat's offer (dropped there if the synchronizer no longer waits for it)."""
+        with self.lock:
+            self._gathered = (fragment, version, value)
 
     def close(self) -> None:
         """Cancel queued pushes, leave the run, end the link (which cancels pushes in progress),

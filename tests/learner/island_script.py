@@ -7,6 +7,7 @@ each rank's final weights (whole) and the island's metrics to OUT/rank{R}.pt.
 """
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,32 @@ class WaitForAllIslands(Callback):
         time.sleep(self.step_seconds)
 
 
+class PauseAt(Callback):
+    """Test control (``--pause-at N,M --control DIR``): at the first step from each of these on
+    which rank 0's learner holds every version it was sent (no send in flight, none waiting in its
+    inbox), rank 0 writes its versions to DIR/paused-N.json and waits for DIR/resume-N (the other
+    ranks wait in the next step's collectives), so a test can act on a synchronizer while the
+    island holds exactly what it was sent."""
+
+    def __init__(self, steps: list[int], control: Path) -> None:
+        self.steps, self.control = sorted(steps), control
+
+    def on_train_batch_end(self, trainer, *args):
+        learner = trainer.strategy.learner
+        if not self.steps or learner.step < self.steps[0] or learner.inbox is None:  # only the leader has an inbox
+            return
+        with learner.inbox.cond:
+            holds_all = not learner.in_flight and not learner.inbox.fresh and min(learner.versions) >= 0
+        if not holds_all:
+            return
+        n = self.steps.pop(0)
+        (self.control / f"paused-{n}.json").write_text(json.dumps({"step": learner.step, "versions": learner.versions}))
+        deadline = time.monotonic() + 180
+        while not (self.control / f"resume-{n}").exists():
+            assert time.monotonic() < deadline, f"no {self.control / f'resume-{n}'} within 180 s"
+            time.sleep(0.05)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -73,6 +100,8 @@ def main() -> None:
     parser.add_argument("--wrapping", choices=WRAPPINGS, default="plain", help="the model as users write it (models.py)")
     parser.add_argument("--precision", default="32-true", help="Lightning's precision, e.g. bf16-true or bf16-mixed")
     parser.add_argument("--no-wait", action="store_true", help="start training at once, whoever else has joined")
+    parser.add_argument("--pause-at", default="", help="steps to pause at (PauseAt), comma-separated; with --control")
+    parser.add_argument("--control", help="the directory of PauseAt's files")
     args = parser.parse_args()
     settings = dict(sync_every=4, num_fragments=2, overlap_steps=args.overlap, uplink_codec="fp32", downlink_codec="fp32")
     if args.fsdp:
@@ -82,6 +111,8 @@ def main() -> None:
     seed = args.seed + strategy.island  # joining aligns them
     model = ShardedTinyRegressor(seed=seed) if args.fsdp else wrapped_regressor(args.wrapping, seed=seed)
     callbacks = [WaitForAllIslands(0 if args.no_wait else strategy.num_islands, args.step_seconds)]
+    if args.pause_at:
+        callbacks.append(PauseAt([int(n) for n in args.pause_at.split(",")], Path(args.control)))
     if args.checkpoint_dir:
         callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, save_last=True, save_top_k=0))
     island = trainer(strategy, devices=args.devices, num_nodes=args.num_nodes, max_epochs=args.epochs,

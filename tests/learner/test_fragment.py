@@ -90,3 +90,22 @@ def test_the_checkpoint_form_round_trips_without_flights():
     load_fragments(back, fragments_state_dict(fragments))
     assert [(f.version, f.sent_round, f.tokens, f.steps, f.flight) for f in back] == [(2, 5, 7.0, 3, None), (0, 3, 0.0, 0, None)]
     assert torch.equal(back[0].base, fragments[0].base) and back[0].base is not fragments[0].base
+
+
+def test_a_copy_taken_off_the_published_value_by_summed_steps_is_not_given_back_until_sent_whole():
+    """An island that took summed steps (more than the inbox keeps apart, inbox.py) holds a value
+    a restarted synchronizer's digest check refuses: it offers nothing (and an FSDP island does not
+    gather it) until the fragment comes whole; the checkpoint keeps that."""
+    f, _ = _fragment("overwrite", 1.0)
+    assert f.held() == (0, f.base)
+    summed = Arrival(fragment=0, version=3, round=3, steps=(torch.ones(2),), base_version=0, included=False, exact=False)
+    f.apply(f.take(summed))
+    assert f.version == 3 and f.held() is None and not f.may_give_back()
+    later = Arrival(fragment=0, version=4, round=4, steps=(torch.ones(2),), base_version=3, included=False)
+    f.apply(f.take(later))
+    assert f.held() is None  # built on that copy: still off
+    back = _fragment("overwrite")[0]
+    load_fragments([back], fragments_state_dict([f]))
+    assert back.held() is None
+    _apply_whole(f, 2.0, version=5, round=5)
+    assert f.held() == (5, f.base)

@@ -3,8 +3,12 @@ algorithm whatever the inner parallelism."""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ import torch
 from lightning_diloco.core.config import CodecConfig, MergeConfig, RunConfig, ScheduleConfig
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
+from lightning_diloco.synchronizer.settings import SynchronizerSettings
 from tests.helpers import holds_final_global_model
 from tests.learner.models import TinyRegressor
 from tests.learner.test_islands_multiprocess import SCRIPT, _env, _run
@@ -104,3 +109,82 @@ def test_an_fsdp_island_resumed_from_its_checkpoint_matches_an_uninterrupted_run
         for a, b in zip(straight["weights"], resumed[0]["weights"]):
             assert a.dtype == (torch.bfloat16 if kind.endswith("bf16") else torch.float32)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _killed(server: SynchronizerServer) -> None:
+    """Stop ``server`` as a SIGKILL would: no final checkpoint (the versions published since the
+    last one are in its version log alone), its directory released for the next one."""
+    server.service.shutdown()
+    server.server.stop(0).wait()
+    server.servicer.deadlines.close()
+    server.executor.shutdown(wait=True)
+
+
+def _paused(control, n, proc, timeout=120.0) -> dict:
+    """The island's versions once it pauses at step ``n`` (island_script.py's PauseAt)."""
+    path, deadline = control / f"paused-{n}.json", time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"the island did not pause at step {n} within {timeout:.0f} s"
+        time.sleep(0.05)
+    return {p: v for p, v in enumerate(json.loads(path.read_text())["versions"])}
+
+
+def _taken_back(log: str) -> dict[int, int]:
+    """Fragment -> the version a restarted synchronizer took back from an island, as it logs it."""
+    return {int(p): int(v) for p, v in re.findall(r"fragment (\d+): version (\d+) taken back from island", log)}
+
+
+def test_an_fsdp_island_gives_back_the_versions_it_holds_to_a_synchronizer_restarted_from_an_older_checkpoint(
+        tmp_path, caplog):
+    """Issue 48, 4(c): every fragment of the FSDP2 island is sharded, whole on no rank. The
+    synchronizer checkpoints early, publishes more versions (logged), and is killed; restarted, it
+    serves neither fragment until an island gives it back. The island gathers each one at a step
+    boundary and its leader offers it: the restart serves exactly the versions the island held,
+    at once. Before, it offered nothing, and each fragment waited the whole recovery wait (here
+    600 s) before the checkpoint's version was served, the versions since lost."""
+    config = RunConfig(
+        schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1),
+        merge=MergeConfig(min_quorum=1, grace_gamma=0.0),
+        codec=CodecConfig(uplink="fp32", downlink="fp32"),
+    )
+
+    def synchronizer(port=0):
+        settings = SynchronizerSettings(checkpoint_dir=tmp_path / "sync", recovery_wait=600, num_islands=1)
+        return SynchronizerServer(Synchronizer(config, settings), port=port).start()
+
+    control = tmp_path / "control"
+    control.mkdir()
+    caplog.set_level(logging.WARNING, logger="lightning_diloco.synchronizer")
+    servers = [synchronizer()]
+    island = _island(tmp_path / "fsdp", "--fsdp", "--devices", "2", "--max-steps", "200", "--epochs", "100",
+                     "--step-seconds", "0.05", "--pause-at", "2,24", "--control", str(control),
+                     DILOCO_SYNCHRONIZER=servers[0].address, DILOCO_NUM_ISLANDS="1")
+    try:
+        _paused(control, 2, island)
+        servers[0].service.checkpoint()  # the only checkpoint: every later version is the log's alone
+        checkpointed = servers[0].service.versions()
+        (control / "resume-2").touch()
+        held = _paused(control, 24, island)
+        assert held == servers[0].service.versions()  # it holds the newest versions...
+        assert all(held[p] > checkpointed[p] for p in held), (held, checkpointed)  # ...newer than the checkpoint's
+        port = servers[0].port
+        _killed(servers.pop())
+        servers.append(synchronizer(port))
+        assert servers[0].service.versions() == {0: -1, 1: -1}  # served to no one until given back
+        (control / "resume-24").touch()
+        deadline = time.monotonic() + 120  # a fifth of the recovery wait: a stall would run past it
+        while len(resumed := _taken_back(caplog.text)) < len(held):
+            assert island.poll() is None and time.monotonic() < deadline, (resumed, held)
+            time.sleep(0.05)
+        assert resumed == held  # nothing the island held was lost (each fragment trains on once served)
+        _run([island])
+        final = servers[0].service.versions()
+    finally:
+        if island.poll() is None:
+            island.kill()
+            island.communicate()
+        for server in servers:
+            server.stop(grace=0)
+    assert "LOST" not in caplog.text, caplog.text
+    assert all(final[p] > held[p] for p in held), (final, held)  # it trained on with the restarted synchronizer

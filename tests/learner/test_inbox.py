@@ -39,6 +39,17 @@ def test_past_the_synchronizers_history_the_steps_not_yet_taken_are_summed():
     [a] = inbox.take(lambda a: True)
     assert (a.version, a.base_version) == (5, 0)
     assert sum(s[0].item() for s in a.steps) == 15 and len(a.steps) == 2  # (1 + 2 + 3 + 4), then 5
+    assert not a.exact  # summed: the island's copy leaves the published value, offered back to no one
+    inbox.on_version(_update(6, 5, [1, 0, 0, 0]))
+    inbox.on_version(_update(7, 6, [1, 0, 0, 0]))
+    [kept_apart] = inbox.take(lambda a: True)
+    assert kept_apart.exact  # (not added to that copy: the fragment records that, fragment.py)
+    inbox.on_version(_update(8, 7, [1, 0, 0, 0]))
+    for v in range(9, 12):
+        inbox.on_version(_update(v, v - 1, [1, 0, 0, 0]))
+    inbox.on_version(_update(12, -1, [9, 9, 9, 9]))  # sent whole: the published value again
+    [whole] = inbox.take(lambda a: True)
+    assert whole.exact and whole.base_version == -1
 
 
 def test_a_delta_from_another_version_than_the_one_received_is_ignored():
