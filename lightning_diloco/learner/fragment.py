@@ -232,6 +232,8 @@ class IslandFragment:
                 value.add_(self.shards.scatter(p, step))
         else:
             value = self.shards.scatter(p, steps[0])
+        if a.base_version < 0 and a.version == self.version:
+            return self._correct(value)
         snapshot = self.flight.snapshot if self.flight is not None and a.ends_flight else None
         # kappa applies to the progress since a merged send; progress on an older version is all unmerged
         self.shards.apply(p, mode, value, self.base if snapshot is None else snapshot, alpha=sched.mix_alpha,
@@ -251,6 +253,18 @@ class IslandFragment:
         if a.ends_flight:
             self.flight = None
         return staleness
+
+    def _correct(self, value: torch.Tensor) -> int:
+        """Take ``value``, the version the island holds, sent whole (pulled after its inbox summed
+        steps, inbox.py): already applied once with the apply rule, it only replaces ``base`` (a
+        second mix would pull the parameters to it again, an overwrite would drop the progress
+        since): the parameters, and a kept snapshot, move by the base's rounding error, the
+        progress since and the counters stay, the flight is not ended. Returns the staleness, 0."""
+        self.shards.apply(self.number, "rebase", value, self.base, alpha=0.0, keep=1.0)
+        if self.flight is not None and self.flight.snapshot is not None:
+            self.flight.snapshot.add_(value).sub_(self.base)
+        self.base, self.exact = value, True
+        return 0
 
 
 def fragments_state_dict(fragments: list[IslandFragment]) -> dict:

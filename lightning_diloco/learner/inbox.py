@@ -5,7 +5,9 @@ island holds, or whole) and round requests in; the island leader takes them at s
 Only the newest version of each fragment is taken: an island that was busy applies the latest once
 and skips the ones in between. The steps received meanwhile are kept apart, in order, and added to
 the island's base one by one (:class:`Arrival`), so that its copy is the published value bit for
-bit and can be given back to a restarted synchronizer (synchronizer/version_log.py).
+bit and can be given back to a restarted synchronizer (synchronizer/version_log.py); past
+``max_steps`` of them they are summed, and the leader pulls the fragment whole
+(:meth:`Inbox.put_pulled`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Arrival:
     exact: bool = True
     """False: more than the inbox keeps apart came before the island took them, and were summed:
     added to the base, they round away from the published value (its copy is not the version it
-    names until the fragment is sent whole, and is not offered back meanwhile)."""
+    names, and is not offered back, until the fragment comes whole: the leader pulls it at once,
+    :meth:`Inbox.put_pulled`)."""
 
 
 class Inbox:
@@ -58,15 +61,21 @@ class Inbox:
     leader, the global model it kept as the base of the next delta)."""
 
     def __init__(self, versions: list[int], numels: list[int], block_size: int,
-                 sparse_density: float = DEFAULT_DENSITY, clock: Clock = SYSTEM_CLOCK, max_steps: int = 4) -> None:
+                 sparse_density: float = DEFAULT_DENSITY, clock: Clock = SYSTEM_CLOCK, max_steps: int = 4,
+                 on_summed: Callable[[int], None] = lambda p: None) -> None:
         """``clock``: what :meth:`wait` waits on (the island's). ``max_steps``: the most steps of
         one fragment kept apart until the island takes them (the synchronizer's ``history``, S:
         a reopened stream brings at most S - 1), each a decoded fp32 copy of the fragment; past
         it they are summed, as they all were before (memory stays at S copies per fragment), and
-        the island's copy rounds away from the published value until it is sent the fragment whole."""
+        the island's copy rounds away from the published value until the fragment comes whole:
+        ``on_summed(p)`` is called then (on the reader thread, outside the lock), and the leader
+        pulls fragment p whole (leader.py) and puts it here (:meth:`put_pulled`)."""
         assert max_steps >= 1, f"{max_steps=}"
         self.block_size, self.sparse_density, self.numels, self.clock = block_size, sparse_density, numels, clock
-        self.max_steps = max_steps
+        self.max_steps, self.on_summed = max_steps, on_summed
+        self.summed: set[int] = set()
+        """Fragments whose steps were summed and no whole value came since: the island's copy is,
+        or will be once it takes them, off the published value (:meth:`wants_whole`)."""
         self.cond = threading.Condition()
         self.received = dict(enumerate(versions))  # the newest version known per fragment
         self.fresh: dict[int, Arrival] = {}
@@ -100,19 +109,70 @@ class Inbox:
     def put(self, arrival: Arrival, payload_bytes: int = 0) -> None:
         """Make ``arrival`` the newest known version of its fragment: a delta is chained onto the
         one not yet taken (the island holds the version before both)."""
+        summed = False
         with self.cond:
             self.bytes_received += payload_bytes
             old = self.fresh.get(arrival.fragment)
+            if arrival.base_version == -1:
+                self.summed.discard(arrival.fragment)  # sent whole: the published value again
             if old is not None:
                 if arrival.base_version != -1:  # chain it onto what waits: still against the island's version
                     steps, exact = self._chained(old, arrival)
+                    summed = not exact
                     arrival = dataclasses.replace(arrival, steps=steps, base_version=old.base_version,
                                                   exact=exact and old.exact and arrival.exact)
                 if old.included:  # keep the news that our work is in
                     arrival = dataclasses.replace(arrival, included=True)
+            if summed:
+                self.summed.add(arrival.fragment)
             self.received[arrival.fragment] = arrival.version
             self.fresh[arrival.fragment] = arrival
             self.cond.notify_all()
+        if summed:
+            self.on_summed(arrival.fragment)
+
+    def ask_whole(self, fragment: int) -> None:
+        """The island's copy of ``fragment`` is off the published value already (it resumed from a
+        checkpoint that took summed steps, IslandFragment.exact False): wanted whole, as after
+        steps summed here."""
+        with self.cond:
+            self.summed.add(fragment)
+        self.on_summed(fragment)
+
+    def wants_whole(self) -> set[int]:
+        """The fragments a whole value would bring back to the published one (:attr:`summed`)."""
+        with self.cond:
+            return set(self.summed)
+
+    def put_pulled(self, fragment: int, version: int, value: torch.Tensor) -> bool:
+        """(The leader's pool.) Put the whole ``value`` of ``fragment`` at ``version``, as the
+        synchronizer's pull answered, so that the island's copy is its published value again
+        after its steps were summed (:meth:`_chained`); returns whether it was put.
+
+        Under the lock, the stream's version numbers decide, so that no step is lost or applied
+        twice, whichever of the pull and the subscription comes first:
+
+        - ``version`` below the newest received: a delta came after the pull read the value and is
+          already chained onto the steps not yet taken (perhaps summed with them): not put; the
+          leader pulls again.
+        - above it: the stream has not brought that version yet, nor its round and whether this
+          island's contribution is in it (what ends a send in flight): not put either; pulled
+          again, the stream's events up to it are in by then.
+        - equal: put as a whole arrival (base_version -1, exact), in place of the one not yet
+          taken (its round and ``included`` kept: the same version), or, that one taken, as the
+          version the island holds again, whole (its apply keeps the island's progress since:
+          fragment.py). Every later delta is chained onto it as onto any whole value (:meth:`put`).
+        """
+        with self.cond:
+            if version != self.received[fragment]:
+                return False
+            old = self.fresh.get(fragment)
+            whole = Arrival(fragment=fragment, version=version, round=-1 if old is None else old.round, steps=(value,),
+                            base_version=-1, included=old is not None and old.included)
+            self.fresh[fragment] = whole
+            self.summed.discard(fragment)
+            self.cond.notify_all()
+            return True
 
     def _chained(self, old: Arrival, new: Arrival) -> tuple[tuple[torch.Tensor, ...], bool]:
         """The steps of ``old`` followed by ``new``'s (one delta step), and whether adding them to
@@ -125,7 +185,7 @@ class Inbox:
         for step in old.steps[1:] + new.steps:
             summed.add_(step)
         log.info("fragment %d: more than %d steps came before the island took one: summed (its copy of version %d "
-                 "rounds away from the published value until the fragment is sent whole)",
+                 "rounds away from the published value until the fragment comes whole: pulled)",
                  new.fragment, self.max_steps, new.version)
         return (summed,), False
 

@@ -200,7 +200,11 @@ class IslandLearner:
         if link is not None and self.leader is not None:
             numels = [self.layout.fragment_numel(p) for p in range(self.layout.num_fragments)]
             self.inbox = Inbox(self.versions, numels, self.config.codec.block_size, self.config.codec.sparse_density,
-                               clock=self.clock, max_steps=self.config.merge.history)
+                               clock=self.clock, max_steps=self.config.merge.history, on_summed=self.leader.want_whole)
+            self.leader.inbox = self.inbox
+            for f in self.fragments:
+                if f.version >= 0 and not f.exact:  # resumed off the published value (summed steps): pulled whole
+                    self.inbox.ask_whole(f.number)
             link.subscribe(self.island, self.inbox.held, on_request=self.inbox.on_request,
                            on_version=self.inbox.on_version, on_reconnect=self.inbox.on_reconnect)
             self.leader.start_heartbeat()

@@ -7,6 +7,8 @@ of its own), reports the island's progress every second.
 Both record whether the synchronizer answered, through one method with one meaning:
 :attr:`LeaderSync.reachable` is whether its latest answer to this island, to a heartbeat or a
 push, was a success.
+An island whose inbox summed steps of a fragment (its copy then rounds away from the published
+value, inbox.py) has the leader pull that fragment whole on the executor (:meth:`LeaderSync.want_whole`).
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.protocol import Contribution
 from lightning_diloco.core.threads import single_threaded_torch
 from lightning_diloco.learner.clock import SYSTEM_CLOCK, Clock
+from lightning_diloco.learner.inbox import Inbox
 from lightning_diloco.learner.link import SynchronizerLink
 from lightning_diloco.learner.staging import HostCopy
 
 log = logging.getLogger(__name__)
+
+WHOLE_PULL_TRIES = 3
+"""Pulls of a fragment whole per :meth:`LeaderSync.want_whole` (or heartbeat) while each answer
+races a version on the stream (:meth:`~lightning_diloco.learner.inbox.Inbox.put_pulled`)."""
+STREAM_CATCH_UP_S = 5.0
+"""How long a pull's answer ahead of the stream waits for the stream to bring its version."""
 
 
 def sync_pool(island: int, workers: int) -> ThreadPoolExecutor:
@@ -61,6 +70,9 @@ class LeaderSync:
         self._gathered: tuple[int, int, torch.Tensor] | None = None
         """(fragment, version, whole value) gathered at a step boundary, until the next heartbeat
         offers it: one fragment at a time."""
+        self.inbox: Inbox | None = None
+        """The island's inbox (set once it opens), into which a fragment pulled whole is put."""
+        self._pulling: set[int] = set()  # fragments whose pull is queued or under way: one at a time each
         self.bytes_up = 0
         self.late = 0
         self.reachable = True
@@ -134,6 +146,8 @@ class LeaderSync:
         with self.lock:
             self._waiting = frozenset(waiting)
             self._offered = {(p, v) for p, v in self._offered if p in self._waiting}
+        if self.inbox is not None:  # a pull that failed (or raced the stream each time) is made again,
+            self._pull(self.inbox.wants_whole() - set(waiting))  # not of a fragment being recovered (refused)
         try:
             self._give_back(waiting)
         except Exception as err:  # noqa: BLE001 - the synchronizer serves its checkpoint's after its wait
@@ -168,6 +182,55 @@ class LeaderSync:
             with self.lock:  # offered, or no longer wanted: dropped (to_gather gathers none while it is kept)
                 if gathered is not None and self._gathered is gathered:
                     self._gathered = None
+
+    def want_whole(self, fragment: int) -> None:
+        """(The inbox's ``on_summed``, on a reader thread.) The inbox summed steps of ``fragment``:
+        pull it whole on the executor, once: not while a pull of it is queued or under way (its
+        answer, put, covers every step summed before); a pull that does not put it is made again
+        at the next heartbeat (:meth:`Inbox.wants_whole`)."""
+        self._pull({fragment})
+
+    def _pull(self, fragments: set[int]) -> None:
+        with self.lock:
+            todo = sorted(fragments - self._pulling)
+            self._pulling.update(todo)
+        for p in todo:
+            try:
+                self.executor.submit(self._pull_whole, p)
+            except RuntimeError:  # the executor is shut down: the island is closing
+                with self.lock:
+                    self._pulling.discard(p)
+
+    def _pull_whole(self, fragment: int) -> None:
+        """Pull ``fragment`` whole and put it into the inbox (:meth:`Inbox.put_pulled` says when
+        it is put): an answer behind the stream is pulled again, one ahead of it waits for the
+        stream to bring its version first, up to :data:`WHOLE_PULL_TRIES` pulls."""
+        inbox = self.inbox
+        assert inbox is not None, "the inbox opens before its subscription, which alone sums steps"
+        put = False
+        try:
+            for _ in range(WHOLE_PULL_TRIES):
+                version, value = self.link.pull(fragment)
+                put = inbox.put_pulled(fragment, version, value)
+                if put:
+                    break
+                # ahead of the stream: wait for it to bring that version (behind: nothing to wait for)
+                inbox.wait(lambda: inbox.received[fragment] >= version or self._stop.is_set(),  # noqa: B023 - waited here
+                           STREAM_CATCH_UP_S)
+                put = inbox.put_pulled(fragment, version, value)
+                if put or self._stop.is_set():
+                    break
+            log.info("island %d: fragment %d pulled whole at version %d: %s", self.island, fragment, version,
+                     "its copy is the published value again" if put else "it raced the stream's versions; pulled "
+                     "again at the next heartbeat")
+        except Exception as err:  # noqa: BLE001 - pulled again at the next heartbeat
+            (log.debug if self._stop.is_set() else log.warning)(  # closing: the link was ended under it
+                "island %d: pulling fragment %d whole failed (%s); again at the next heartbeat", self.island, fragment, err)
+        finally:
+            with self.lock:
+                self._pulling.discard(fragment)
+        if put and fragment in inbox.wants_whole():  # summed again since (the island took it): another event
+            self._pull({fragment})
 
     def to_gather(self, candidates: dict[int, int]) -> int | None:
         """(The leader's step plan) which fragment the island gathers whole at this step boundary

@@ -109,3 +109,25 @@ def test_a_copy_taken_off_the_published_value_by_summed_steps_is_not_given_back_
     assert back.held() is None
     _apply_whole(f, 2.0, version=5, round=5)
     assert f.held() == (5, f.base)
+
+
+def test_the_version_held_sent_whole_replaces_the_base_and_keeps_the_progress_since_in_every_mode():
+    """A copy off the published value by summed steps, corrected by the same version pulled whole
+    (inbox.put_pulled): a second apply with the rule would mix the parameters again or, overwrite,
+    drop the island's progress since; the parameters move by the base's error only, the counters
+    and the flight stay, and the copy is offered back again."""
+    for mode in ("overwrite", "mix", "rebase"):
+        f, param = _fragment(mode, 1.0)
+        summed = Arrival(fragment=0, version=3, round=3, steps=(torch.ones(2),), base_version=0, included=False,
+                         exact=False)
+        f.apply(f.take(summed))  # base 2, off the published 2.25
+        param.fill_(2.5)  # the island's progress since
+        f.stepped(10.0)
+        flight = _sent(f, merged_in=4, snapshot=torch.full((2,), 2.5) if mode == "rebase" else None)
+        assert f.held() is None
+        assert _apply_whole(f, 2.25, version=3, round=-1) == 0
+        assert torch.equal(param, torch.full((2,), 2.75)), mode  # 2.5 + (2.25 - 2)
+        assert (f.version, f.flight, f.tokens, f.steps, f.exact) == (3, flight, 10.0, 1, True), mode
+        assert f.held() == (3, f.base) and torch.equal(f.base, torch.full((2,), 2.25))
+        if mode == "rebase":
+            assert torch.equal(flight.snapshot, torch.full((2,), 2.75))  # the progress since the send stays 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from lightning_diloco.core.codecs import get_codec
@@ -84,3 +86,28 @@ def test_a_chain_of_lossy_steps_taken_at_once_lands_on_the_published_value_bit_f
     assert not torch.equal(held + sum(a.steps), chain.value)  # the sum the inbox used to keep
     eps = torch.finfo(torch.float32).eps * float(held.abs().max())
     assert float((island - value).abs().max()) > 100 * eps  # int4: the published value is not the global one
+
+
+def test_summed_steps_ask_for_the_fragment_whole_and_the_stream_versions_decide_when_a_pull_is_put():
+    """Past ``max_steps`` the inbox calls ``on_summed``; a pulled whole value is put only at the
+    newest version received (one behind or ahead of the stream is refused, pulled again: leader.py),
+    in place of the arrival not yet taken with its round and ``included``, and a delta after it is
+    chained onto it, exactly as onto any whole value."""
+    summed: list[int] = []
+    inbox = Inbox([0], [4], block_size=64, max_steps=2, on_summed=summed.append)
+    for v in range(1, 4):
+        inbox.on_version(dataclasses.replace(_update(v, v - 1, [v, 0, 0, 0]), included=v == 2))
+    assert summed == [0] and not inbox.fresh[0].exact and inbox.wants_whole() == {0}
+    whole = torch.tensor([6.0, 5, 5, 5])
+    assert not inbox.put_pulled(0, 2, whole)  # behind the stream: version 3 is already chained
+    assert not inbox.put_pulled(0, 4, whole)  # ahead: version 4's round is not known yet
+    assert not inbox.fresh[0].exact
+    assert inbox.put_pulled(0, 3, whole)
+    assert inbox.wants_whole() == set()
+    inbox.on_version(_update(4, 3, [1, 0, 0, 0]))  # came after the pull's answer: chained, not lost
+    [a] = inbox.take(lambda a: True)
+    assert (a.version, a.round, a.base_version, a.included, a.exact) == (4, 4, -1, True, True)
+    assert a.steps[0].tolist() == [7, 5, 5, 5]
+    assert inbox.put_pulled(0, 4, whole + 1)  # the version taken, whole again (the island keeps its progress)
+    [b] = inbox.take(lambda a: True)
+    assert (b.version, b.round, b.base_version, b.included) == (4, -1, -1, False)

@@ -514,3 +514,31 @@ def test_only_a_synchronous_island_counts_time_waiting_on_the_network(islands):
         waits[tau] = m["diloco/network_wait_s"]
         assert 0 <= m["diloco/network_wait_s"] <= m["diloco/blocked_s"], m
     assert waits[1] == 0.0 and waits[0] > 0.0, waits
+
+
+def test_an_island_resumed_with_a_copy_off_the_published_value_pulls_it_whole_and_keeps_its_progress(islands):
+    """A checkpoint saved after summed steps (IslandFragment.exact False) holds a copy a restarted
+    synchronizer refuses; the resumed island, at the same version, pulls the fragment whole when it
+    starts, and its next step takes it as its base, keeping the local progress it resumed with."""
+    config = _config()
+    learner, _, params, service = islands(config)
+    _step(learner, params)
+    state = learner.state_dict()
+    state["bases"][1] = state["bases"][1] + 1e-3  # what summed steps rounded to
+    state["exact"] = [True, False]
+    link = ServiceLink(service)
+    link.join(1, 1, SPECS)
+    resumed = IslandLearner([p.detach().clone() for p in params], build_layout(SPECS, 2), config, island=1, link=link,
+                            heartbeat_every=60)
+    try:
+        resumed.start(resume=state)
+        f = resumed.fragments[1]
+        version, published = service.pull(1)
+        assert f.version == version and not f.exact and f.held() is None
+        local = resumed.shards.read(1)
+        assert resumed.inbox.wait(lambda: 1 in resumed.inbox.fresh, WAIT_S)  # the pull's answer, whole
+        resumed.after_step(10.0)
+        assert f.version == version and torch.equal(f.base, published) and f.held() == (version, f.base)
+        assert torch.allclose(resumed.shards.read(1), local - 1e-3)  # its progress kept, moved by the base's error
+    finally:
+        resumed.close()

@@ -1,7 +1,10 @@
 """Islands on an int4 downlink over real gRPC hold the synchronizer's published values: every
-island the same copy, within one quantisation step of the global model (core/downlink.py)."""
+island the same copy, within one quantisation step of the global model (core/downlink.py), also
+after more versions came than an island's inbox keeps apart (it pulls the fragment whole)."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -12,7 +15,7 @@ from lightning_diloco.learner.island import IslandLearner
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
 from lightning_diloco.transport.client import SynchronizerClient
-from tests.helpers import SPECS
+from tests.helpers import SPECS, contribution, layout, run_config, with_peer_votes
 
 CONFIG = RunConfig(
     schedule=ScheduleConfig(num_fragments=2, sync_every=4, overlap_steps=1, apply="mix"),
@@ -93,6 +96,57 @@ def test_islands_hold_the_published_values_of_a_lossy_downlink(monkeypatch):
             assert torch.equal(f.base, published[id(service.run.state.fragments[p]), f.version])
     finally:
         for learner in learners:
+            learner.close()
+        for client in clients:
+            client.close()
+        server.stop(grace=0)
+
+
+def test_an_island_that_missed_more_versions_than_its_inbox_keeps_apart_is_given_the_fragment_whole():
+    """Over gRPC: island 0 takes no step while island 1's sends publish 5 versions of fragment 1
+    (its inbox keeps 2 apart, history 2: the rest are summed, and its copy would round away from
+    the published value for the rest of the run, offered back to no restarted synchronizer). Its
+    leader pulls fragment 1 once, in the background; at its next step its copy is the published
+    value bit for bit, offered back."""
+    config = run_config(downlink="int4", history=2)
+    service = Synchronizer(config)
+    server = SynchronizerServer(service, host="127.0.0.1", port=0).start()
+    clients = [SynchronizerClient(server.address) for _ in range(2)]
+    learner = None
+    pulls: list[int] = []
+    try:
+        info = clients[0].join(0, 1, SPECS)
+        with_peer_votes(service, range(2))  # a lone entry does not wait for a peer's vote
+        real_pull, joined, published = clients[0].pull, threading.Event(), threading.Event()
+
+        def pull(p: int) -> tuple[int, torch.Tensor]:  # after the join, answered once all 5 versions are out: no race
+            if joined.is_set():
+                assert published.wait(30)
+                pulls.append(p)
+            return real_pull(p)
+
+        clients[0].pull = pull  # type: ignore[method-assign]
+        learner = IslandLearner([torch.zeros(s.shape) for s in SPECS], layout(config), config, island=0,
+                                link=clients[0], heartbeat_every=60)
+        learner.start(run_step=info.run_step)
+        joined.set()
+        clients[1].join(1, 1, SPECS)
+        numel = layout(config).fragment_numel(1)
+        g = torch.Generator().manual_seed(0)
+        for v in range(5):
+            clients[1].push(contribution(config, 1, 1, 0.1 * torch.randn(numel, generator=g), round=v + 1, base_version=v,
+                                         seq=v + 1))
+            assert learner.inbox.wait(lambda: learner.inbox.received[1] == v + 1, 30), v  # noqa: B023 - called here
+        assert learner.fragments[1].version == 0 and 1 in learner.inbox.wants_whole()  # summed: off the published value
+        published.set()
+        assert learner.inbox.wait(lambda: learner.inbox.fresh[1].base_version == -1, 30)  # pulled whole
+        assert pulls == [1]  # once, not a pull per summed step
+        learner.after_step(10.0)
+        f = learner.fragments[1]
+        assert f.version == 5 and torch.equal(f.base, service.run.state.fragments[1].published_value())
+        assert f.held() == (5, f.base)
+    finally:
+        if learner is not None:
             learner.close()
         for client in clients:
             client.close()
