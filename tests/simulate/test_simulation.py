@@ -86,6 +86,59 @@ def test_synchronous_islands_equal_a_hand_written_diloco_loop(overlap, synchrono
     torch.testing.assert_close(flat(result.global_model), theta.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("overlap, apply", [(1, "overwrite"), (1, "rebase"), (2, "rebase")])
+def test_overlapping_islands_equal_a_hand_written_streaming_diloco_loop(overlap, apply):
+    """Streaming DiLoCo with overlap, written out by hand (two fragments, each due at its own offset
+    in the H steps; its outer step taken from the islands' progress since the global value they
+    last applied; that global value applied tau steps after the send, overwriting the fragment
+    or keeping the progress since the send on top of it, rebase): the simulator's global model is
+    this loop's bit for bit. So what overlap costs in a simulated run (docs/recipes.md) is the
+    algorithm's, not the island's bookkeeping."""
+    from lightning_diloco.core.fragments import build_layout, tensor_specs
+    from lightning_diloco.core.schedule import due_fragment, fragment_offsets
+
+    M, H, P, rounds = 2, 4, 2, 6
+    config = config_with({"sync_every": H, "num_fragments": P, "overlap_steps": overlap, "min_quorum": M,
+                          "uplink_codec": "fp32", "downlink_codec": "fp32", "merge": "mean", "outlier_z": 0.0,
+                          "apply": apply, "rebase_keep": 1.0})
+    result = Simulation(config, lambda i: Regression(i), [IslandPlan() for _ in range(M)], steps=H * rounds).run()
+    assert result.outer_steps == P * rounds
+
+    loops = [Regression(i) for i in range(M)]
+    members = build_layout(tensor_specs(loops[0].model), P).fragments
+    params = [list(loop.model.parameters()) for loop in loops]
+    with torch.no_grad():
+        for ps in params[1:]:  # every island starts from the global model
+            for p, p0 in zip(ps, params[0]):
+                p.copy_(p0)
+    theta = [p.detach().clone() for p in params[0]]
+    base = [t.clone() for t in theta]
+    outer = [torch.optim.SGD([theta[i] for i in members[f]], lr=config.outer.lr, momentum=config.outer.momentum,
+                             nesterov=True) for f in range(P)]
+    in_flight: dict[int, tuple[int, list[dict[int, torch.Tensor]]]] = {}  # fragment -> (apply step, snapshots)
+    offsets = fragment_offsets(P, H)
+    for step in range(1, H * rounds + 1):
+        for loop in loops:
+            loop.step()
+        for f, (apply_at, snapshots) in list(in_flight.items()):
+            if step >= apply_at:
+                with torch.no_grad():
+                    for ps, snapshot in zip(params, snapshots):
+                        for i in members[f]:
+                            ps[i].copy_(theta[i] + (ps[i] - snapshot[i] if apply == "rebase" else 0))
+                for i in members[f]:
+                    base[i] = theta[i].clone()
+                del in_flight[f]
+        f = due_fragment(step, offsets, H)
+        if f is not None:
+            snapshots = [{i: ps[i].detach().clone() for i in members[f]} for ps in params]
+            for i in members[f]:
+                theta[i].grad = torch.stack([base[i] - snapshot[i] for snapshot in snapshots]).mean(0)
+            outer[f].step()
+            in_flight[f] = (step + overlap, snapshots)
+    torch.testing.assert_close(flat(result.global_model), torch.cat([t.flatten() for t in theta]), rtol=0, atol=0)
+
+
 def test_the_synchronous_warm_start_ends_at_its_step():
     """Islands that overlap (tau 1) after a synchronous warm start of two rounds: the first two
     global versions are synchronous DiLoCo's (the same as a run synchronous throughout), and the
