@@ -270,6 +270,37 @@ def opposition_scale(weights: Sequence[float], gradients: Sequence[torch.Tensor]
     return min(1.0, norm64(directions) / scale / (independent * OPPOSED_AT))
 
 
+def along_the_step(weights: Sequence[float], gradients: Sequence[torch.Tensor], norms: Sequence[float]) -> list[float]:
+    """How much of each entry's direction the round's merged step takes: the cosine of its outer
+    gradient with the weighted sum of the entries' unit directions (RDA's, core/merge.py), 0 for
+    an entry against it. The influence budget counts an entry of an opposed round at its share
+    times this (docs/algorithm.md#bounds-on-one-contribution).
+
+    Why: in a tug-of-war the step goes one side's way and the other side's entries move the
+    fragment nowhere they point. Counted at their whole share, every entry of an opposed round
+    spent influence alike, so the budget held both sides equally, and whatever tipped the round
+    (a claimed fresher base, two flippers' identical directions against two honest islands' noisy
+    ones) tipped it again round after round: one flipper of two, grace window, 1.24x-3.95x the
+    one-honest distance in 15 s (20 seeds); two flippers of four 9.9x-12.2x in 30 s and drifting.
+    Counted as moved its way, the side that won has spent its influence and the side that lost
+    has not, so the next rounds go to the loser until the two are level: over the guard's window
+    no side moves the fragment its way farther than the other side does, whichever is honest.
+    One pass over the entries and a dot product each, no copy of them; only in opposed rounds."""
+    live = [(w, g, n) for w, g, n in zip(weights, gradients, norms) if w > 0 and math.isfinite(n) and n > 1e-300]
+    if not live:
+        return [0.0] * len(gradients)
+    top = max(w for w, _, _ in live)  # (as in opposition_scale: relative weights, a subnormal gradient's 1 / |g|)
+    scale = common_scale([w / top / n for w, _, n in live])
+    direction = torch.zeros_like(live[0][1], dtype=torch.float32)
+    for w, g, n in live:
+        direction.add_(g, alpha=w / top / n * scale)
+    length = norm64(direction)
+    if not length > 1e-6 * scale * sum(w / top for w, _, _ in live):  # a tie: what is left is rounding, no direction
+        return [0.0] * len(gradients)
+    return [max(0.0, min(1.0, float(torch.dot(g, direction)) / (n * length)))
+            if w > 0 and math.isfinite(n) and n > 1e-300 else 0.0 for w, g, n in zip(weights, gradients, norms)]
+
+
 class InfluenceGuard:
     """One fragment's bounds. ``z`` = 0 turns the norm bound off (the weight bound stays)."""
 
@@ -326,21 +357,28 @@ class InfluenceGuard:
             weights.append(contribution_weight(b.tokens, b.steps))
         # what the islands claim is capped against each other; the age discount is the synchronizer's own
         weights = capped_weights(weights)
-        if len(entries) >= 3 and opposition_scale(weights, [e.outer_gradient for e in entries], [e.norm for e in entries]) < 1.0:
+        raw, raw_norms = [e.outer_gradient for e in entries], [e.norm for e in entries]
+        opposed = len(entries) >= 2 and opposition_scale(weights, raw, raw_norms) < 1.0
+        if len(entries) >= 3 and opposed:
             weights = one_vote_each(weights)
         else:
             weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=staleness_discount)
                        for w, a in zip(weights, ages)]
-        weights = agreeing(weights, [e.outer_gradient for e in entries], [e.norm for e in entries])
-        shares = self._within_budgets([e.island for e in entries], weights, norms, scales)
+        weights = agreeing(weights, raw, raw_norms)
+        along = along_the_step(weights, raw, raw_norms) if opposed else None
+        shares = self._within_budgets([e.island for e in entries], weights, norms, scales, along)
+        if along is not None:  # the history keeps what the step, as cut, moved each island's way
+            shares = dict(zip(shares, (share * a for share, a in zip(shares.values(), along_the_step(weights, raw, raw_norms)))))
         gradients = [e.outer_gradient * s if s < 1.0 else e.outer_gradient for e, s in zip(entries, scales)]
         return BoundedRound(gradients, weights, sum(s < 1.0 for s in scales), shares)
 
     def _within_budgets(self, islands: list[int], weights: list[float], norms: list[float],
-                        scales: list[float]) -> dict[int, float]:
+                        scales: list[float], along: list[float] | None = None) -> dict[int, float]:
         """Scale each entry (in place, ``scales`` and ``weights``) so that its share of the step,
-        its weight's share of the round times its bounded length, fits what its island may still
-        move the fragment over the guard's window; returns each island's share as merged.
+        its weight's share of the round times its bounded length (times ``along``, its part of the
+        step's direction, in a round whose entries oppose: :func:`along_the_step`), fits what its
+        island may still move the fragment over the guard's window; returns each island's share as
+        merged (its weight's share times its length, as cut).
 
         Both its length and its weight are scaled: RDA (core/merge.py) takes the merged direction
         from the weights alone, so an entry cut to a tenth of its length still pulled the direction
@@ -349,11 +387,12 @@ class InfluenceGuard:
         staleness discount halves an entry one version old), round after round (issue 48)."""
         total = sum(weights)
         shares = [w / total * n if total > 0 else 0.0 for w, n in zip(weights, norms)]
+        its_way = shares if along is None else [share * a for share, a in zip(shares, along)]
         reference = lower_median(norms) or 0.0
         factors = [1.0] * len(islands)
         for i, budget in enumerate(self.budgets(islands, reference)):
-            if budget is not None and shares[i] > budget:
-                factors[i] = budget / shares[i]
+            if budget is not None and its_way[i] > budget:
+                factors[i] = budget / its_way[i]
         if any(w * f for w, f in zip(weights, factors)):  # (none left: the step is nothing either way)
             weights[:] = [w * f for w, f in zip(weights, factors)]
         scales[:] = [s * f for s, f in zip(scales, factors)]
