@@ -48,14 +48,13 @@ class StepBudget:
     in a round of any size: a tug-of-war's length is the opposition's, not the run's speed.
     Counted short, its steps lowered the budget until it held the winning side's steps: one
     flipper of two, grace window, 4.1x -> 3.6x the one-honest distance at worst; two flippers of
-    four, with the influence budget counting what moved each side's way (core/guard.py
-    along_the_step), 2.9x-5.4x the honest-only distance in 30 s against 1.6x-2.9x counted as
-    stated, the budget at its floor. (Until the influence budget counted that, rounds of three
-    or more counted as moved: a tie leaned to the flippers' identical directions, and counted as
-    stated it kept the budget up while they drifted the model.) In the warm-up, with no budget to
-    bound what they stated, such a step is not counted: counted as moved, one flipper of two's
-    ties set a mean of 0.1 that then held the honest island's winning steps (arena seed 4, 3.3x
-    the one-honest distance).
+    four, with the influence budget charging what moved each side's way (core/guard.py
+    along_the_step), 2.4x-6.4x the honest-only distance in 30 s against 2.0x-3.1x counted as
+    stated. (Until the influence budget charged that, rounds of three or more counted as moved: a
+    tie leaned to the flippers' identical directions, and counted as stated it kept the budget up
+    while they drifted the model.) In the warm-up, with no budget to bound what they stated, such
+    a step is not counted: counted as moved, the first rounds' ties set a low mean that then held
+    the winning side's steps (two flippers of four: 1.8x-6.2x against 2.0x-3.1x).
     """
 
     def __init__(self, ratio: float = STEP_RATIO, warmup: int = STEP_WARMUP, window: int = STEP_WINDOW) -> None:
