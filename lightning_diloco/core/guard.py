@@ -52,7 +52,9 @@ of the run that keeps pushing drifts the model sublinearly (two colluding flippe
 9.3e6 from the target with no budget, 132-442 with one that never fell, 4.6-153 with one that
 falls). In an opposed round of three or more, what a client states (its counters, its claimed
 base) buys its side nothing: every entry has one vote (:func:`one_vote_each`; the same two
-flippers with the grace window: 28x-94x -> 9.9x-12.2x the honest-only distance in 30 s).
+flippers with the grace window: 28x-94x -> 9.9x-12.2x the honest-only distance in 30 s), and an
+opposed round charges each island's influence only what its step moved that island's way
+(:func:`along_the_step`: 2.0x-3.1x, no longer drifting).
 """
 
 from __future__ import annotations
@@ -276,26 +278,20 @@ def along_the_step(weights: Sequence[float], gradients: Sequence[torch.Tensor], 
     an entry against it. The influence budget counts an entry of an opposed round at its share
     times this (docs/algorithm.md#bounds-on-one-contribution).
 
-    Why: in a tug-of-war the step goes one side's way and the other side's entries move the
-    fragment nowhere they point. Counted at their whole share, every entry of an opposed round
-    spent influence alike, so the budget held both sides equally, and whatever tipped the round
-    (a claimed fresher base, two flippers' identical directions against two honest islands' noisy
-    ones) tipped it again round after round: one flipper of two, grace window, 1.24x-3.95x the
-    one-honest distance in 15 s (20 seeds); two flippers of four 9.9x-12.2x in 30 s and drifting.
-    Counted as moved its way, the side that won has spent its influence and the side that lost
-    has not, so the next rounds go to the loser until the two are level: over the guard's window
-    no side moves the fragment its way farther than the other side does, whichever is honest.
-    One pass over the entries and a dot product each, no copy of them; only in opposed rounds."""
+    Why: in a tug-of-war the step goes one side's way. Charged whole shares, both sides spent
+    influence alike, the budget held neither, and what tipped the early rounds tipped the rest
+    (one flipper of two, grace window: up to 3.95x the one-honest distance; two of four drifting
+    away). Charged what moved its way, the winner has spent its influence and the loser has not,
+    so no side moves the fragment its way farther than the other, whichever is honest. One pass
+    over the entries and a dot product each, no copy of them; only in opposed rounds."""
     live = [(w, g, n) for w, g, n in zip(weights, gradients, norms) if w > 0 and math.isfinite(n) and n > 1e-300]
-    if not live:
-        return [0.0] * len(gradients)
-    top = max(w for w, _, _ in live)  # (as in opposition_scale: relative weights, a subnormal gradient's 1 / |g|)
+    top = max((w for w, _, _ in live), default=0.0)  # (as in opposition_scale: relative weights, a subnormal gradient's 1 / |g|)
     scale = common_scale([w / top / n for w, _, n in live])
-    direction = torch.zeros_like(live[0][1], dtype=torch.float32)
+    direction = torch.zeros_like(gradients[0], dtype=torch.float32)
     for w, g, n in live:
         direction.add_(g, alpha=w / top / n * scale)
     length = norm64(direction)
-    if not length > 1e-6 * scale * sum(w / top for w, _, _ in live):  # a tie: what is left is rounding, no direction
+    if not live or not length > 1e-6 * scale * sum(w / top for w, _, _ in live):  # (a tie: only rounding is left)
         return [0.0] * len(gradients)
     return [max(0.0, min(1.0, float(torch.dot(g, direction)) / (n * length)))
             if w > 0 and math.isfinite(n) and n > 1e-300 else 0.0 for w, g, n in zip(weights, gradients, norms)]
@@ -375,10 +371,9 @@ class InfluenceGuard:
     def _within_budgets(self, islands: list[int], weights: list[float], norms: list[float],
                         scales: list[float], along: list[float] | None = None) -> dict[int, float]:
         """Scale each entry (in place, ``scales`` and ``weights``) so that its share of the step,
-        its weight's share of the round times its bounded length (times ``along``, its part of the
-        step's direction, in a round whose entries oppose: :func:`along_the_step`), fits what its
-        island may still move the fragment over the guard's window; returns each island's share as
-        merged (its weight's share times its length, as cut).
+        its weight's share of the round times its bounded length (times ``along`` in an opposed
+        round: :func:`along_the_step`), fits what its island may still move the fragment over the
+        guard's window; returns each island's share (weight share x length, as cut).
 
         Both its length and its weight are scaled: RDA (core/merge.py) takes the merged direction
         from the weights alone, so an entry cut to a tenth of its length still pulled the direction
