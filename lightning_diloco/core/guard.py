@@ -51,10 +51,9 @@ faster than linearly, falls with the recent steps, and a step it held lowers it,
 of the run that keeps pushing drifts the model sublinearly (two colluding flippers of four, 30 s:
 9.3e6 from the target with no budget, 132-442 with one that never fell, 4.6-153 with one that
 falls). In an opposed round of three or more, what a client states (its counters, its claimed
-base) buys its side nothing: every entry has one vote (:func:`one_vote_each`; the same two
-flippers with the grace window: 28x-94x -> 9.9x-12.2x the honest-only distance in 30 s), and an
-opposed round charges each island's influence only what its step moved that island's way
-(:func:`along_the_step`: 2.0x-3.1x, no longer drifting).
+base) buys nothing: one vote each (:func:`one_vote_each`; those flippers, grace window, 28x-94x
+-> 9.9x-12.2x the honest-only distance in 30 s); a tie in numbers charges only the side its step
+went (:func:`along_the_step`: 2.0x-5.2x, no longer drifting).
 """
 
 from __future__ import annotations
@@ -280,10 +279,9 @@ def along_the_step(weights: Sequence[float], gradients: Sequence[torch.Tensor], 
 
     Why: in a tug-of-war the step goes one side's way. Charged whole shares, both sides spent
     influence alike, the budget held neither, and what tipped the early rounds tipped the rest
-    (one flipper of two, grace window: up to 3.95x the one-honest distance; two of four drifting
-    away). Charged what moved its way, the winner has spent its influence and the loser has not,
-    so no side moves the fragment its way farther than the other, whichever is honest. One pass
-    over the entries and a dot product each, no copy of them; only in opposed rounds."""
+    (one flipper of two: up to 3.95x the one-honest distance). Charged what moved its way, the
+    winner has spent its influence and the loser has not, so no side moves the fragment its way
+    farther than the other, whichever is honest. One pass and a dot product each, no copies."""
     live = [(w, g, n) for w, g, n in zip(weights, gradients, norms) if w > 0 and math.isfinite(n) and n > 1e-300]
     top = max((w for w, _, _ in live), default=0.0)  # (as in opposition_scale: relative weights, a subnormal gradient's 1 / |g|)
     scale = common_scale([w / top / n for w, _, n in live])
@@ -362,6 +360,8 @@ class InfluenceGuard:
                        for w, a in zip(weights, ages)]
         weights = agreeing(weights, raw, raw_norms)
         along = along_the_step(weights, raw, raw_norms) if opposed else None
+        if along is not None and 2 * sum(a > 0 for a in along) > len(along):
+            along = None  # the side the step went is most of the round: the losing minority pays whole shares
         shares = self._within_budgets([e.island for e in entries], weights, norms, scales, along)
         if along is not None:  # the history keeps what the step, as cut, moved each island's way
             shares = dict(zip(shares, (share * a for share, a in zip(shares.values(), along_the_step(weights, raw, raw_norms)))))

@@ -49,8 +49,8 @@ class StepBudget:
     Counted short, its steps lowered the budget until it held the winning side's steps: one
     flipper of two, grace window, 4.1x -> 3.6x the one-honest distance at worst; two flippers of
     four, with the influence budget charging what moved each side's way (core/guard.py
-    along_the_step), 2.4x-6.4x the honest-only distance in 30 s against 2.0x-3.1x counted as
-    stated. (Until the influence budget charged that, rounds of three or more counted as moved: a
+    along_the_step, before its majority gate), 2.4x-6.4x the honest-only distance in 30 s against
+    2.0x-3.1x counted as stated. (Until the influence budget charged that, rounds of three or more counted as moved: a
     tie leaned to the flippers' identical directions, and counted as stated it kept the budget up
     while they drifted the model.) In the warm-up, with no budget to bound what they stated, such
     a step is not counted: counted as moved, the first rounds' ties set a low mean that then held

@@ -102,7 +102,7 @@ def test_one_far_place_flipper_of_two_cannot_drive_the_model_away(seed, grace_ga
     and the rounds the flipper won early (the honest entry a version older) carried on: seeds 2, 4
     and 16 ended 3.29x, 3.58x and 3.95x the one-honest distance. Charged for what the step moved
     its way (core/guard.py along_the_step), the side that won has spent its influence and the next
-    rounds go to the other: every seed within 3x (20 seeds: at worst 2.40x)."""
+    rounds go to the other: every seed within 3x (20 seeds: at worst 2.69x)."""
     arena = Arena(1, 1, seed, grace_gamma=grace_gamma)
     arena.kinds = {i: "far_flip" for i in arena.hostile}
     report = arena.run(TICKS // 2)
@@ -120,7 +120,7 @@ def test_two_colluding_far_place_flippers_of_four_cannot_hold_the_model_away_fro
     drifted away, ever slower (seed 0: 10 -> 14.6 / 18.9 / 23.8 from the target at 15 / 30 / 60 s).
     Charged for what the step moved their way (core/guard.py along_the_step), the side that won a
     round has spent its influence and the next go to the other: after the first 10 s the model
-    stays well inside its start distance (seed 0: 2.2-6.7 every 5 s to 60 s; honest-only 1.6)."""
+    stays well inside its start distance (seed 0: 2.3-6.2 every 5 s to 60 s; honest-only 1.6)."""
     arena = Arena(2, 2, seed=0, grace_gamma=0.5)
     arena.kinds = {i: "far_flip" for i in arena.hostile}
     start = arena.run(0).distance
