@@ -51,8 +51,9 @@ faster than linearly, falls with the recent steps, and a step it held lowers it,
 of the run that keeps pushing drifts the model sublinearly (two colluding flippers of four, 30 s:
 9.3e6 from the target with no budget, 132-442 with one that never fell, 4.6-153 with one that
 falls). In an opposed round of three or more, what a client states (its counters, its claimed
-base) buys its side nothing: every entry has one vote (:func:`one_vote_each`; the same two
-flippers with the grace window: 28x-94x -> 9.9x-12.2x the honest-only distance in 30 s).
+base) buys nothing: one vote each (:func:`one_vote_each`; those flippers, grace window, 28x-94x
+-> 9.9x-12.2x the honest-only distance in 30 s); a tie in numbers charges only the side its step
+went (:func:`along_the_step`: 2.0x-5.2x, no longer drifting).
 """
 
 from __future__ import annotations
@@ -270,6 +271,30 @@ def opposition_scale(weights: Sequence[float], gradients: Sequence[torch.Tensor]
     return min(1.0, norm64(directions) / scale / (independent * OPPOSED_AT))
 
 
+def along_the_step(weights: Sequence[float], gradients: Sequence[torch.Tensor], norms: Sequence[float]) -> list[float]:
+    """How much of each entry's direction the round's merged step takes: the cosine of its outer
+    gradient with the weighted sum of the entries' unit directions (RDA's, core/merge.py), 0 for
+    an entry against it. The influence budget counts an entry of an opposed round at its share
+    times this (docs/algorithm.md#bounds-on-one-contribution).
+
+    Why: in a tug-of-war the step goes one side's way. Charged whole shares, both sides spent
+    influence alike, the budget held neither, and what tipped the early rounds tipped the rest
+    (one flipper of two: up to 3.95x the one-honest distance). Charged what moved its way, the
+    winner has spent its influence and the loser has not, so no side moves the fragment its way
+    farther than the other, whichever is honest. One pass and a dot product each, no copies."""
+    live = [(w, g, n) for w, g, n in zip(weights, gradients, norms) if w > 0 and math.isfinite(n) and n > 1e-300]
+    top = max((w for w, _, _ in live), default=0.0)  # (as in opposition_scale: relative weights, a subnormal gradient's 1 / |g|)
+    scale = common_scale([w / top / n for w, _, n in live])
+    direction = torch.zeros_like(gradients[0], dtype=torch.float32)
+    for w, g, n in live:
+        direction.add_(g, alpha=w / top / n * scale)
+    length = norm64(direction)
+    if not live or not length > 1e-6 * scale * sum(w / top for w, _, _ in live):  # (a tie: only rounding is left)
+        return [0.0] * len(gradients)
+    return [max(0.0, min(1.0, float(torch.dot(g, direction)) / (n * length)))
+            if w > 0 and math.isfinite(n) and n > 1e-300 else 0.0 for w, g, n in zip(weights, gradients, norms)]
+
+
 class InfluenceGuard:
     """One fragment's bounds. ``z`` = 0 turns the norm bound off (the weight bound stays)."""
 
@@ -326,21 +351,29 @@ class InfluenceGuard:
             weights.append(contribution_weight(b.tokens, b.steps))
         # what the islands claim is capped against each other; the age discount is the synchronizer's own
         weights = capped_weights(weights)
-        if len(entries) >= 3 and opposition_scale(weights, [e.outer_gradient for e in entries], [e.norm for e in entries]) < 1.0:
+        raw, raw_norms = [e.outer_gradient for e in entries], [e.norm for e in entries]
+        opposed = len(entries) >= 2 and opposition_scale(weights, raw, raw_norms) < 1.0
+        if len(entries) >= 3 and opposed:
             weights = one_vote_each(weights)
         else:
             weights = [w * contribution_weight(1.0, 1, age=a, staleness_discount=staleness_discount)
                        for w, a in zip(weights, ages)]
-        weights = agreeing(weights, [e.outer_gradient for e in entries], [e.norm for e in entries])
-        shares = self._within_budgets([e.island for e in entries], weights, norms, scales)
+        weights = agreeing(weights, raw, raw_norms)
+        along = along_the_step(weights, raw, raw_norms) if opposed else None
+        if along is not None and 2 * sum(a > 0 for a in along) > len(along):
+            along = None  # the side the step went is most of the round: the losing minority pays whole shares
+        shares = self._within_budgets([e.island for e in entries], weights, norms, scales, along)
+        if along is not None:  # the history keeps what the step, as cut, moved each island's way
+            shares = dict(zip(shares, (share * a for share, a in zip(shares.values(), along_the_step(weights, raw, raw_norms)))))
         gradients = [e.outer_gradient * s if s < 1.0 else e.outer_gradient for e, s in zip(entries, scales)]
         return BoundedRound(gradients, weights, sum(s < 1.0 for s in scales), shares)
 
     def _within_budgets(self, islands: list[int], weights: list[float], norms: list[float],
-                        scales: list[float]) -> dict[int, float]:
+                        scales: list[float], along: list[float] | None = None) -> dict[int, float]:
         """Scale each entry (in place, ``scales`` and ``weights``) so that its share of the step,
-        its weight's share of the round times its bounded length, fits what its island may still
-        move the fragment over the guard's window; returns each island's share as merged.
+        its weight's share of the round times its bounded length (times ``along`` in an opposed
+        round: :func:`along_the_step`), fits what its island may still move the fragment over the
+        guard's window; returns each island's share (weight share x length, as cut).
 
         Both its length and its weight are scaled: RDA (core/merge.py) takes the merged direction
         from the weights alone, so an entry cut to a tenth of its length still pulled the direction
@@ -349,11 +382,12 @@ class InfluenceGuard:
         staleness discount halves an entry one version old), round after round (issue 48)."""
         total = sum(weights)
         shares = [w / total * n if total > 0 else 0.0 for w, n in zip(weights, norms)]
+        its_way = shares if along is None else [share * a for share, a in zip(shares, along)]
         reference = lower_median(norms) or 0.0
         factors = [1.0] * len(islands)
         for i, budget in enumerate(self.budgets(islands, reference)):
-            if budget is not None and shares[i] > budget:
-                factors[i] = budget / shares[i]
+            if budget is not None and its_way[i] > budget:
+                factors[i] = budget / its_way[i]
         if any(w * f for w, f in zip(weights, factors)):  # (none left: the step is nothing either way)
             weights[:] = [w * f for w, f in zip(weights, factors)]
         scales[:] = [s * f for s, f in zip(scales, factors)]

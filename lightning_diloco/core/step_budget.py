@@ -44,13 +44,17 @@ class StepBudget:
     - It never falls below ``peak`` x ``warmup`` / steps (``peak``: the highest mean since the
       warm-up): at nothing it would freeze the fragment for good once an attack stopped; shrinking
       as 1/n it bounds a pushing loop's drift by the logarithm of the steps.
-    A step the opposition shortened, in a round of two, counts at the length its entries stated,
-    within the budget (counted short, a tug-of-war's steps lowered the budget until it held the
-    honest island's winning steps: one flipper of two, grace window, 4.1x -> 3.6x the one-honest
-    distance at worst). In a larger round (synchronizer/rounds.py passes ``opposed`` 1.0) each entry
-    had one vote and a tie's short step counts as it moved: counted as stated, it kept the budget
-    where the early steps set it while two flippers of four drifted the model by their coherence
-    (seed 0, grace window: 30.4 from the target at 60 s, 23.8 counted as moved).
+    A step the opposition shortened counts at the length its entries stated, within the budget,
+    in a round of any size: a tug-of-war's length is the opposition's, not the run's speed.
+    Counted short, its steps lowered the budget until it held the winning side's steps: one
+    flipper of two, grace window, 4.1x -> 3.6x the one-honest distance at worst; two flippers of
+    four, with the influence budget charging what moved each side's way (core/guard.py
+    along_the_step, before its majority gate), 2.4x-6.4x the honest-only distance in 30 s against
+    2.0x-3.1x counted as stated. (Until the influence budget charged that, rounds of three or more counted as moved: a
+    tie leaned to the flippers' identical directions, and counted as stated it kept the budget up
+    while they drifted the model.) In the warm-up, with no budget to bound what they stated, such
+    a step is not counted: counted as moved, the first rounds' ties set a low mean that then held
+    the winning side's steps (two flippers of four: 1.8x-6.2x against 2.0x-3.1x).
     """
 
     def __init__(self, ratio: float = STEP_RATIO, warmup: int = STEP_WARMUP, window: int = STEP_WINDOW) -> None:
@@ -75,11 +79,12 @@ class StepBudget:
         """A step taken, of length ``norm`` (after :meth:`scale`); ``scale``: the factor the budget
         held it by (1.0: it fitted); ``opposed``: the factor its entries' opposition shortened it
         by (:func:`opposition_scale`); ``share``: the part of the islands taking part it merged.
-        In the warm-up (no budget yet) every step counts at ``norm``."""
+        In the warm-up (no budget yet) every step its entries' opposition did not shorten counts
+        at ``norm``, and the others not at all."""
         if not math.isfinite(norm):
             return
         cap = self.cap()
-        if cap is not None and share <= MINORITY_SHARE:
+        if (cap is not None and share <= MINORITY_SHARE) or (cap is None and opposed < 1.0):
             return
         if scale < 1.0:
             norm = self.mean * scale

@@ -340,15 +340,12 @@ class FragmentRounds:
         self.last = ClosedRound(fragment=self.fragment, round=index, version=frag.version, islands=islands, late=late,
                                 clipped=clipped, dropped=dropped, grace_wait_s=grace, reason=reason, closed_at=now,
                                 step_scale=step_scale if version is not None else 1.0, opposed=opposed)
-        # a step its entries' opposition shortened counts at the length they stated only in a
-        # round of two (StepBudget.record says why); in a larger one each entry had one vote
-        # (core/guard.py one_vote_each), and counting a tie's short steps as whole ones kept the
-        # budget where the run's early steps set it while two flippers of four drifted the model
-        stated = opposed if len(merged) < 3 else 1.0
+        # a step its entries' opposition shortened counts at the length they stated, in a round
+        # of any size (StepBudget.record says why)
         each_part(self.last, [
             ("merged-in versions", lambda: self.merged_in.update({e.island: frag.version for e in merged})),
             ("influence guard's history", lambda: self._record(merged, shares)),
-            ("step budget", lambda: self.guard.step_budget.record(step_norm * step_scale, scale=step_scale, opposed=stated,
+            ("step budget", lambda: self.guard.step_budget.record(step_norm * step_scale, scale=step_scale, opposed=opposed,
                                                                           share=share)
              if version is not None else None),
             ("versions' rounds", lambda: self._remember_round(frag, version, index)),

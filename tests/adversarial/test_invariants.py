@@ -89,43 +89,41 @@ def test_the_round_lead_attack_moves_neither_the_clock_nor_the_model():
 
 
 @pytest.mark.parametrize("grace_gamma", [0.0, 0.5], ids=["close-at-first-send", "default-grace-window"])
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", [*range(5), 16])
 def test_one_far_place_flipper_of_two_cannot_drive_the_model_away(seed, grace_gamma):
     """Issue 48's attack: one honest island and one that, every tick, heartbeats from the farthest
     place (the synchronizer bounds it to the clock + H) and pushes the honest delta sign-flipped,
-    honest-sized, with honest or maximum counters. Without an honest majority nothing tells which
-    island is honest; the entry was held to the honest one's size, yet the distance to the target
-    grew geometrically as the honest island's corrections grew (15 s: 5,900-17,000 from the target,
-    one honest island alone 2.1). With the step budget and the influence budget's weight cut
-    (core/guard.py) it ends within 3x one honest island's distance when rounds close at their
-    first send. With the grace window both islands are in every round, and RDA made a whole step
-    of their tug-of-war for the flipper, whose claimed fresh base outweighs the honest island's
-    (2.3x-25x at 15 s); entries that oppose each other now shorten the step, and the step budget
-    bounds the fragment's movement, momentum included, without being raised by the steps it held."""
+    honest-sized or 1.5x, with honest or maximum counters. Without an honest majority nothing tells
+    which island is honest; the entry was held to the honest one's size, yet the distance to the
+    target grew geometrically as the honest island's corrections grew (15 s: 5,900-17,000 from the
+    target, one honest island alone 2.1). The step budget, the influence budget's weight cut and
+    opposed entries shortening the step (core/guard.py) held it, but with the grace window both
+    islands are in every round, the influence budget charged both sides of each tug-of-war alike,
+    and the rounds the flipper won early (the honest entry a version older) carried on: seeds 2, 4
+    and 16 ended 3.29x, 3.58x and 3.95x the one-honest distance. Charged for what the step moved
+    its way (core/guard.py along_the_step), the side that won has spent its influence and the next
+    rounds go to the other: every seed within 3x (20 seeds: at worst 2.69x)."""
     arena = Arena(1, 1, seed, grace_gamma=grace_gamma)
     arena.kinds = {i: "far_flip" for i in arena.hostile}
     report = arena.run(TICKS // 2)
     start = report.start_distance
-    ratio = 3.0 if grace_gamma == 0.0 else 4.0  # nothing tells the two apart: a tie leaves the model near its start (4.7x)
-    assert report.distance <= ratio * honest_distance(1, seed, TICKS // 2, grace_gamma=grace_gamma), report
+    assert report.distance <= 3.0 * honest_distance(1, seed, TICKS // 2, grace_gamma=grace_gamma), report
     report = arena.run(TICKS - TICKS // 2)
     assert math.isfinite(report.distance) and report.distance < BOUNDED * start, report
 
 
-def test_two_colluding_far_place_flippers_of_four_hold_the_model_near_its_start_and_drift_less_and_less():
+def test_two_colluding_far_place_flippers_of_four_cannot_hold_the_model_away_from_the_target():
     """Issue 48: two far-place flippers of four agree with each other in rounds of their own opened
-    ahead of the clock, and with the grace window are in every round beside the honest islands. The
-    step budget held every step and counted it as its mean, so the model drifted linearly at the
-    rate the early steps set (96x-272x the honest-only distance in 30 s); with a falling budget
-    their entries, claiming the newest base, still outweighed the honest ones (a version older,
-    halved by the staleness discount) until the budget stopped them (seed 0: 10 -> 49.5 at 30 s).
-    In an opposed round each entry now has one vote (core/guard.py one_vote_each) and a tie's short
-    steps lower the budget: seed 0, 16.3 at 20 s, 18.9 at 30 s, 21.1 at 40 s."""
+    ahead of the clock, and with the grace window are in every round beside the honest islands,
+    where their identical directions outweighed the two honest islands' noisy ones in every
+    tug-of-war. With one vote each in an opposed round and a falling step budget the model still
+    drifted away, ever slower (seed 0: 10 -> 14.6 / 18.9 / 23.8 from the target at 15 / 30 / 60 s).
+    Charged for what the step moved their way (core/guard.py along_the_step), the side that won a
+    round has spent its influence and the next go to the other: after the first 10 s the model
+    stays well inside its start distance (seed 0: 2.3-6.2 every 5 s to 60 s; honest-only 1.6)."""
     arena = Arena(2, 2, seed=0, grace_gamma=0.5)
     arena.kinds = {i: "far_flip" for i in arena.hostile}
     start = arena.run(0).distance
-    first = arena.run(TICKS * 2 // 3).distance
-    at_30_s = arena.run(TICKS // 3).distance
-    second = arena.run(TICKS // 3).distance
-    assert math.isfinite(second) and at_30_s < 2.5 * start, (start, first, at_30_s)  # before: 4.9x
-    assert second - first < first - start, (start, first, second)
+    arena.run(TICKS // 3)
+    every_5_s = [arena.run(TICKS // 6).distance for _ in range(10)]
+    assert all(math.isfinite(d) for d in every_5_s) and max(every_5_s) < 0.75 * start, (start, every_5_s)

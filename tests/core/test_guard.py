@@ -320,3 +320,38 @@ def test_in_a_round_of_agreeing_entries_the_age_discount_still_applies():
     bounded = _guard().bound_round([E(0, 9), E(1, 10), E(2, 10)], fragment=torch.zeros(100), version=10,
                                    staleness_discount=1.0)
     assert bounded.weights[0] == pytest.approx(bounded.weights[1] / 2)
+
+
+def test_an_opposed_round_charges_influence_only_to_the_side_its_step_went():
+    """In a tug-of-war the step goes one side's way; the other side moved the fragment nowhere it
+    points. Charged at their whole shares, both sides of every opposed round spent influence alike
+    and the budget never held the side that kept winning (issue 48: one flipper of two, 3.95x the
+    one-honest distance at worst). Charged along the step (:func:`along_the_step`), the winner
+    spends its share and the loser nothing, so the winner's next entries are the ones cut."""
+    import torch
+
+    class E:
+        def __init__(self, island, g, base_version):
+            self.island, self.outer_gradient, self.base_version = island, g, base_version
+            self.tokens, self.steps, self.norm = 400.0, 4, float(g.norm())
+
+    g = torch.Generator().manual_seed(0)
+    honest = torch.randn(100, generator=g)
+    flipped = -honest + 0.1 * torch.randn(100, generator=g)
+    guard = _guard()
+    # the flipped entry is fresh, the honest one a version older: the flipped side wins the round
+    bounded = guard.bound_round([E(0, honest, 9), E(1, flipped, 10)], fragment=torch.zeros(100), version=10,
+                                staleness_discount=1.0)
+    assert bounded.shares[0] == 0.0 < bounded.shares[1], bounded.shares  # before: both charged, 1:2
+    guard.record_round(bounded.shares)
+    for _ in range(3):  # the same round again: the side that won is charged and cut until the other catches up
+        bounded = guard.bound_round([E(0, honest, 9), E(1, flipped, 10)], fragment=torch.zeros(100), version=10,
+                                    staleness_discount=1.0)
+        guard.record_round(bounded.shares)
+    totals = guard.influence.totals()
+    assert totals[1] <= totals[0] + float(honest.norm()), totals  # level within one typical step
+
+    from lightning_diloco.core.guard import along_the_step
+
+    assert along_the_step([1.0, 1.0], [honest, -honest], [float(honest.norm())] * 2) == [0.0, 0.0]  # a tie: neither
+    assert along_the_step([1.0, 0.0], [honest, -honest], [float(honest.norm())] * 2) == [pytest.approx(1.0), 0.0]
