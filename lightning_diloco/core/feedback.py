@@ -11,8 +11,10 @@ leader) and adds it to the next delta of the fragment before encoding:
 
 so the sum of what the synchronizer received tracks the sum of the island's progress within one
 message's error, however many rounds pass (tests/core/test_feedback.py). This is what lets
-int2 (a relative error of about 0.34 per message) and the sparse codec (0.95 at density 1/64: the
-residual holds what the chunks' top-k left out until it is among the largest) train; the downlink has its own, on the
+int2 (a relative error of about 0.34 per message) train. The sparse codec (0.95 at density 1/64:
+the residual holds what the chunks' top-k left out until it is among the largest) needs it too,
+but does not train well with it: at 1/16 its uplink gets worse with a longer run (without
+feedback worse still; benchmarks/RESULTS.md, 2026-11-29). The downlink has its own, on the
 synchronizer's side (core/downlink.py).
 
 The residual is formed when a push is encoded, whether or not the push then arrives: a push the

@@ -75,10 +75,11 @@ def sparse(base: RunConfig | None = None, density: float = 1 / 64) -> RunConfig:
     """SparseLoCo's encoding (arXiv 2508.15706) both ways: each chunk of 4096 values sends its
     ``density`` share of largest values as 2-bit levels with 12-bit indices (core/sparse_codec.py),
     what is left carried by error feedback (the island's residual on the uplink, the published
-    chain on the downlink). About 19x fewer bytes than int4 at density 1/64; the outer step is the
-    base's. Not yet shown to train: at cpu-tiny (one seed, 1/64, about 34 rounds a fragment) its
-    eval loss was 2.80 against int4's 1.86 (benchmarks/RESULTS.md, 2026-11-28). With a
-    synchronizer of its own, start it with these (``--config``)."""
+    chain on the downlink). About 19x fewer payload bytes than int4 at density 1/64 (1,317x fewer
+    than DDP on the links, 1/128 1,763x); the outer step is the base's. It does not train here: at
+    cpu-tiny its eval loss was 2.80 against int4's 1.86, and its sparse uplink gets worse with a
+    longer run (benchmarks/RESULTS.md, 2026-11-29). With a synchronizer of its own, start it with
+    these (``--config``)."""
     base = base if base is not None else RunConfig()
     return config_with({"uplink_codec": "sparse", "downlink_codec": "sparse", "sparse_density": density,
                         "uplink_feedback": True}, base=base)
