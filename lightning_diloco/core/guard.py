@@ -259,14 +259,10 @@ def opposition_scale(weights: Sequence[float], gradients: Sequence[torch.Tensor]
     merges only (synchronizer/rounds.py): a plain weighted mean is shortened by the cancellation
     itself, and shortening it again took two honest islands of different data off DiLoCo's step.
     """
-    live = [(w, g, n) for w, g, n in zip(weights, gradients, norms) if w > 0 and math.isfinite(n) and n > 1e-300]
+    live = _taking_part(weights, gradients, norms)
     if len(live) < 2:
         return 1.0
-    top = max(w for w, _, _ in live)  # weights relative to the largest: products of 1e30 weights stay finite
-    directions = torch.zeros_like(live[0][1], dtype=torch.float32)
-    scale = common_scale([w / top / n for w, _, n in live])  # (as in agreeing: a subnormal gradient's 1 / |g|)
-    for w, g, n in live:
-        directions.add_(g, alpha=w / top / n * scale)
+    directions, scale, top = _unit_sum(live)
     independent = math.sqrt(sum((w / top) ** 2 for w, _, _ in live))
     return min(1.0, norm64(directions) / scale / (independent * OPPOSED_AT))
 
@@ -282,17 +278,35 @@ def along_the_step(weights: Sequence[float], gradients: Sequence[torch.Tensor], 
     (one flipper of two: up to 3.95x the one-honest distance). Charged what moved its way, the
     winner has spent its influence and the loser has not, so no side moves the fragment its way
     farther than the other, whichever is honest. One pass and a dot product each, no copies."""
-    live = [(w, g, n) for w, g, n in zip(weights, gradients, norms) if w > 0 and math.isfinite(n) and n > 1e-300]
-    top = max((w for w, _, _ in live), default=0.0)  # (as in opposition_scale: relative weights, a subnormal gradient's 1 / |g|)
-    scale = common_scale([w / top / n for w, _, n in live])
-    direction = torch.zeros_like(gradients[0], dtype=torch.float32)
-    for w, g, n in live:
-        direction.add_(g, alpha=w / top / n * scale)
-    length = norm64(direction)
-    if not live or not length > 1e-6 * scale * sum(w / top for w, _, _ in live):  # (a tie: only rounding is left)
+    live = _taking_part(weights, gradients, norms)
+    if not live:
         return [0.0] * len(gradients)
-    return [max(0.0, min(1.0, float(torch.dot(g, direction)) / (n * length)))
-            if w > 0 and math.isfinite(n) and n > 1e-300 else 0.0 for w, g, n in zip(weights, gradients, norms)]
+    direction, scale, top = _unit_sum(live)
+    length = norm64(direction)
+    if not length > 1e-6 * scale * sum(w / top for w, _, _ in live):  # (a tie: only rounding is left)
+        return [0.0] * len(gradients)
+    return [max(0.0, min(1.0, float(torch.dot(g, direction)) / (n * length))) if _takes_part(w, n) else 0.0
+            for w, g, n in zip(weights, gradients, norms)]
+
+
+def _takes_part(weight: float, norm: float) -> bool:  # in a round's sum of directions: some weight, a length
+    return weight > 0 and math.isfinite(norm) and norm > 1e-300
+
+
+def _taking_part(weights: Sequence[float], gradients: Sequence[torch.Tensor], norms: Sequence[float]) -> list[tuple[float, torch.Tensor, float]]:
+    return [(w, g, n) for w, g, n in zip(weights, gradients, norms) if _takes_part(w, n)]
+
+
+def _unit_sum(live: Sequence[tuple[float, torch.Tensor, float]]) -> tuple[torch.Tensor, float, float]:
+    """(sum, scale, top): the (weight, gradient, norm) entries' unit directions summed, weighted by
+    weight / ``top`` (the largest: products of 1e30 weights stay finite), times :func:`common_scale`'s
+    ``scale`` (a subnormal gradient's 1 / |g| passes float32's range). One pass, no copies."""
+    top = max(w for w, _, _ in live)
+    scale = common_scale([w / top / n for w, _, n in live])
+    total = torch.zeros_like(live[0][1], dtype=torch.float32)
+    for w, g, n in live:
+        total.add_(g, alpha=w / top / n * scale)
+    return total, scale, top
 
 
 class InfluenceGuard:
