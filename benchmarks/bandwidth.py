@@ -10,7 +10,7 @@ steady-state window (from its step 10 to 2 steps before its end: joins and final
 the totals with them are printed too). Arms: DDP (fp32 gradient all-reduce over gloo), and Decoupled DiLoCo
 at the paper's defaults (P = 24, H = 24, int4 uplink, bf16 downlink), with an int4 downlink, at
 H = 100, with int2 both ways (blocks of 64 and 128), and ``presets.low_bandwidth()`` (int2 both ways in
-blocks of 128 at outer lr 0.5), and ``presets.sparse()`` (chunked top-k at densities 1/64 and 1/128); quorum 1 (the library's) and apply mix, the recipes' CPU setting. Needs root; prints why and exits 0 where namespaces are not available.
+blocks of 128 at outer lr 0.5), and ``presets.sparse()`` (chunked top-k at densities 1/64 and 1/128, and at 1/64 with the output head in int2); quorum 1 (the library's) and apply mix, the recipes' CPU setting. Needs root; prints why and exits 0 where namespaces are not available.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ ARMS = {
     # SparseLoCo's chunked top-k both ways, error feedback both ways (core/sparse_codec.py)
     "diloco H=24 presets.sparse() 1/64": ["--sync-every=24", *setting_flags(changed_settings(presets.sparse()))],
     "diloco H=24 presets.sparse() 1/128": ["--sync-every=24", *setting_flags(changed_settings(presets.sparse(density=1 / 128)))],
+    # the same with the output head's fragment in int2 both ways (sparse_dense_tensors)
+    "diloco H=24 presets.sparse() 1/64, head int2": [
+        "--sync-every=24", *setting_flags(changed_settings(presets.sparse(dense_tensors="*lm_head.weight")))],
 }
 
 

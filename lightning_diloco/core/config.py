@@ -193,6 +193,15 @@ class CodecConfig:
     """The ``sparse`` codec's share of values sent: each chunk of 4096 sends its round(density *
     4096) largest (core/sparse_codec.py), from 1/4096 to 0.5. It needs error feedback: on the
     uplink ``uplink_feedback``, on the downlink always there."""
+    sparse_dense_tensors: str = ""
+    """Where a direction's codec is ``sparse``: tensors whose fragments go that way in int2
+    instead, as comma-separated ``fnmatch`` patterns of parameter names (``lm_head.*``); each must
+    match a tensor of the model. A top-k carries badly a tensor whose every value drifts the same
+    way round after round: at cpu-tiny the byte-level output head's round of progress has 16% of
+    its energy in its top 1/16 (a Gaussian's has 33%) and the uplink's error feedback held a
+    backlog of 19 rounds of it; sending that one fragment (an eighth of the model) in int2 took a
+    sparse uplink at 1/16 from +4.85% to +2.8% of int4's eval loss (simulated, 4 seeds;
+    benchmarks/RESULTS.md, 2026-11-29)."""
 
     def __post_init__(self) -> None:
         _check_choice("uplink codec", self.uplink, CODECS)
@@ -211,6 +220,15 @@ class CodecConfig:
                f"sparse_density={self.sparse_density!r} must be a number from 1/4096 (one value of each 4096) to 0.5")
         _check(not (self.uplink == "sparse" and not self.uplink_feedback),
                "uplink codec 'sparse' needs uplink_feedback=True: without it the values not sent are lost")
+        _check(isinstance(self.sparse_dense_tensors, str), f"sparse_dense_tensors={self.sparse_dense_tensors!r} must be "
+               "a string of comma-separated name patterns, e.g. 'lm_head.*'")
+        if self.sparse_dense_tensors:
+            _check("sparse" in (self.uplink, self.downlink), f"sparse_dense_tensors={self.sparse_dense_tensors!r} applies "
+                   f"to a sparse codec only, and the codecs are {self.uplink!r} up and {self.downlink!r} down: leave it "
+                   "empty or make a direction's codec 'sparse'")
+            _check(all(p.strip() for p in self.sparse_dense_tensors.split(",")),
+                   f"sparse_dense_tensors={self.sparse_dense_tensors!r} has an empty pattern: separate patterns by "
+                   "single commas, e.g. 'lm_head.*,model.embed_tokens.*'")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -13,8 +13,9 @@ so the sum of what the synchronizer received tracks the sum of the island's prog
 message's error, however many rounds pass (tests/core/test_feedback.py). This is what lets
 int2 (a relative error of about 0.34 per message) train. The sparse codec (0.95 at density 1/64:
 the residual holds what the chunks' top-k left out until it is among the largest) needs it too,
-but does not train well with it: at 1/16 its uplink gets worse with a longer run (without
-feedback worse still; benchmarks/RESULTS.md, 2026-11-29). The downlink has its own, on the
+and there the residual is a backlog: where the islands' progress is less concentrated than a
+top-k carries, it grows while the learning rate is high (150x int4's at 1/16) and the global
+model trails (benchmarks/RESULTS.md, 2026-11-29). The downlink has its own, on the
 synchronizer's side (core/downlink.py).
 
 The residual is formed when a push is encoded, whether or not the push then arrives: a push the
@@ -45,8 +46,10 @@ class UplinkFeedback:
         self._fragment_locks: dict[int, threading.Lock] = {}
         self.residual: dict[int, torch.Tensor] = {}
 
-    def encode(self, fragment: int, delta: torch.Tensor) -> torch.Tensor:
-        """The payload for ``delta`` (flat fp32 progress of ``fragment``, not changed)."""
+    def encode(self, fragment: int, delta: torch.Tensor, codec: Codec | None = None) -> torch.Tensor:
+        """The payload for ``delta`` (flat fp32 progress of ``fragment``, not changed), in
+        ``codec`` where given (a fragment the uplink sends in another codec), else the uplink's."""
+        codec = codec or self.codec
         with self._lock:
             lock = self._fragment_locks.setdefault(fragment, threading.Lock())
         with lock:
@@ -55,6 +58,6 @@ class UplinkFeedback:
                 target = delta.reshape(-1) + residual
             else:  # the first push of the fragment (or a fragment of a new layout)
                 target = delta.reshape(-1).to(torch.float32, copy=True)
-            payload = self.codec.encode(target)
-            self.residual[fragment] = target.sub_(self.codec.decode(payload, target.numel()))
+            payload = codec.encode(target)
+            self.residual[fragment] = target.sub_(codec.decode(payload, target.numel()))
             return payload

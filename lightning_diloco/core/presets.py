@@ -71,15 +71,21 @@ def low_bandwidth(base: RunConfig | None = None) -> RunConfig:
     return config_with(changes, base=base)
 
 
-def sparse(base: RunConfig | None = None, density: float = 1 / 64) -> RunConfig:
+def sparse(base: RunConfig | None = None, density: float = 1 / 64, dense_tensors: str = "") -> RunConfig:
     """SparseLoCo's encoding (arXiv 2508.15706) both ways: each chunk of 4096 values sends its
     ``density`` share of largest values as 2-bit levels with 12-bit indices (core/sparse_codec.py),
     what is left carried by error feedback (the island's residual on the uplink, the published
     chain on the downlink). About 19x fewer payload bytes than int4 at density 1/64 (1,317x fewer
-    than DDP on the links, 1/128 1,763x); the outer step is the base's. It does not train here: at
-    cpu-tiny its eval loss was 2.80 against int4's 1.86, and its sparse uplink gets worse with a
-    longer run (benchmarks/RESULTS.md, 2026-11-29). With a synchronizer of its own, start it with
-    these (``--config``)."""
+    than DDP on the links, 1/128 1,763x); the outer step is the base's. ``dense_tensors``: the
+    ``sparse_dense_tensors`` setting, tensors whose fragments go in int2 instead (a language
+    model's output head, ``"*lm_head.weight"``: a top-k cannot keep up with it).
+
+    It does not train to int4's quality here (simulated, cpu-tiny; benchmarks/RESULTS.md,
+    2026-11-29): the sparse uplink is capacity-bound, the global model trailing the islands'
+    progress by rounds. With the output head in int2, a sparse uplink at 1/16 costs +2.8% of
+    int4's eval loss (4 seeds; +4.85% without); both ways at 1/64 the eval loss is 2.13 (2.80
+    without, int4 1.84; one seed). With a synchronizer of its own, start it with these
+    (``--config``)."""
     base = base if base is not None else RunConfig()
     return config_with({"uplink_codec": "sparse", "downlink_codec": "sparse", "sparse_density": density,
-                        "uplink_feedback": True}, base=base)
+                        "uplink_feedback": True, "sparse_dense_tensors": dense_tensors}, base=base)

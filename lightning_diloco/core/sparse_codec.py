@@ -31,11 +31,13 @@ the lower index within the chunk's candidates' order, deterministically.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 
 import torch
 
 from lightning_diloco.core.codecs import Codec, Payload, _refuse_non_finite, _scratch
+from lightning_diloco.core.fragments import FragmentLayout
 
 CHUNK = 4096
 """Values per chunk: a 12-bit index addresses each of them."""
@@ -46,6 +48,30 @@ ROWS_AT_ONCE = 64
 """Chunks searched at once: 1 MB of |x| and 256 KB of mask in the thread's scratch (codecs._Scratch)."""
 MIN_DENSITY, MAX_DENSITY = 1 / CHUNK, 0.5
 """The densities the setting takes: at least one value a chunk; past half, int2 dense is fewer bytes."""
+
+
+DENSE_CODEC = "int2"
+"""What a fragment named by ``sparse_dense_tensors`` is sent in, where the codec is sparse (core/config.py)."""
+
+
+def dense_fragments(layout: FragmentLayout, patterns: str, *, strict: bool = True) -> frozenset[int]:
+    """The fragments of ``layout`` holding a tensor that one of ``patterns`` (comma-separated
+    ``fnmatch`` patterns of tensor names, the ``sparse_dense_tensors`` setting) matches. With
+    ``strict`` (the island's check, at its start) a pattern that matches no tensor is refused,
+    naming the tensors: a misspelt name would otherwise leave the fragment sparse without a word."""
+    out: set[int] = set()
+    for pattern in (p.strip() for p in patterns.split(",") if p.strip()):
+        hits = {f for f, members in enumerate(layout.fragments)
+                for i in members if fnmatch.fnmatchcase(layout.specs[i].name, pattern)}
+        if not hits and strict:
+            names = [s.name for s in layout.specs]
+            # a name given without the module's prefix (a LightningModule's ``model.``): say which
+            prefixed = [n for n in names if fnmatch.fnmatchcase(n, "*." + pattern)]
+            hint = f"; did you mean '*.{pattern}' ({prefixed[0]})?" if prefixed else ""
+            raise ValueError(f"sparse_dense_tensors pattern {pattern!r} matches no tensor of the model{hint}; its tensors "
+                             f"are {', '.join(names[:8])}{', ...' if len(names) > 8 else ''} ({len(names)} in all)")
+        out |= hits
+    return frozenset(out)
 
 
 def chunk_k(length: int, density: float) -> int:

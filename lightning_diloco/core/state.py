@@ -21,6 +21,7 @@ from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment
 from lightning_diloco.core.merge import norm64
 from lightning_diloco.core.outer import OuterOptimizer
 from lightning_diloco.core.protocol import VersionUpdate
+from lightning_diloco.core.sparse_codec import DENSE_CODEC, dense_fragments
 
 CHECKPOINT_FORMAT = 2
 
@@ -40,7 +41,9 @@ class FragmentState:
     leading to it. ``history`` holds the current exact version only (a checkpoint's format).
     """
 
-    def __init__(self, value: torch.Tensor, config: RunConfig, version: int = 0) -> None:
+    def __init__(self, value: torch.Tensor, config: RunConfig, version: int = 0, downlink: str | None = None) -> None:
+        """``downlink``: the codec its versions go to the islands in, where not the run's
+        (:meth:`SynchronizerState.downlink_of`)."""
         self.value = value.detach().to(torch.float32).reshape(-1).clone()
         self.version = version
         self.history: dict[int, torch.Tensor] = {version: self.value.clone()}
@@ -48,7 +51,7 @@ class FragmentState:
         self.outer = OuterOptimizer(self.value, config.outer)
         self.next_round = -1
         codec = config.codec
-        self.downlink_codec = get_codec(codec.downlink, codec.block_size, codec.sparse_density)
+        self.downlink_codec = get_codec(downlink or codec.downlink, codec.block_size, codec.sparse_density)
         self.published = None if self.downlink_codec.lossless else PublishedChain(self.value, version, self.downlink_codec, self.depth)
         self.publish_hook: Callable[[int, torch.Tensor], None] | None = None
         """Called with each new version and its published value before the version is taken (the
@@ -186,7 +189,9 @@ class SynchronizerState:
         for p, value in fragments.items():
             expected = layout.fragment_numel(p)
             assert value.numel() == expected, f"fragment {p}: {value.numel()=} != {expected=}"
-        self.fragments = {p: FragmentState(value, config) for p, value in sorted(fragments.items())}
+        self.dense_downlink = (dense_fragments(layout, config.codec.sparse_dense_tensors, strict=False)
+                               if config.codec.downlink == "sparse" and config.codec.sparse_dense_tensors else frozenset())
+        self.fragments = {p: self.new_fragment(p, value) for p, value in sorted(fragments.items())}
         self.identity: dict = {}
         """Whose state this is: ``run_id``, ``shard``, ``num_shards`` (checkpoints.py checks them on load)."""
         self.num_islands = 0
@@ -198,6 +203,16 @@ class SynchronizerState:
         """Per fragment, what its rounds remember besides the value (plain numbers and strings,
         the synchronizer's to read): a restart that lost it reset the influence bounds to their
         first round's and forgot which contributions were merged."""
+
+    def downlink_of(self, p: int) -> str:
+        """The codec fragment ``p``'s versions go to the islands in: the run's, or int2 for a
+        fragment ``sparse_dense_tensors`` names when the downlink is sparse (its island decodes
+        each version in the codec the version names)."""
+        return DENSE_CODEC if p in self.dense_downlink else self.config.codec.downlink
+
+    def new_fragment(self, p: int, value: torch.Tensor, version: int = 0) -> FragmentState:
+        """Fragment ``p`` at ``value``, as ``version``."""
+        return FragmentState(value, self.config, version, downlink=self.downlink_of(p))
 
     @property
     def outer_steps(self) -> int:
@@ -227,7 +242,7 @@ class SynchronizerState:
             return False
         expected = self.layout.fragment_numel(p)
         assert value.numel() == expected, f"fragment {p}: {value.numel()=} != {expected=}"
-        self.fragments[p] = FragmentState(value, self.config)
+        self.fragments[p] = self.new_fragment(p, value)
         return True
 
     def versions(self) -> dict[int, int]:

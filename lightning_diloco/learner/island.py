@@ -29,6 +29,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
+from lightning_diloco.core.sparse_codec import DENSE_CODEC, dense_fragments
 from lightning_diloco.core.threads import torch_on_this_thread
 from lightning_diloco.learner.clock import SYSTEM_CLOCK, Clock
 from lightning_diloco.learner.collective import Collective
@@ -94,7 +95,13 @@ class IslandLearner:
         self.shards = IslandShards(self.params, layout, self.collective, leader=self.is_leader)
         sched = config.schedule
         self.offsets = fragment_offsets(layout.num_fragments, sched.sync_every)
-        self.uplink = get_codec(config.codec.uplink, config.codec.block_size, config.codec.sparse_density)
+        codec = config.codec
+        self.uplink = get_codec(codec.uplink, codec.block_size, codec.sparse_density)
+        uplink_of = {}  # fragments whose pushes go in another codec than the uplink's
+        if codec.sparse_dense_tensors:  # checked whichever way is sparse: the downlink's go by the same names
+            dense = get_codec(DENSE_CODEC, codec.block_size)
+            named = dense_fragments(layout, codec.sparse_dense_tensors)
+            uplink_of = {p: dense for p in named} if codec.uplink == "sparse" else {}
         self.push_wait = push_wait
 
         P = layout.num_fragments
@@ -120,7 +127,7 @@ class IslandLearner:
             self.leader = LeaderSync(
                 link, island=island, uplink=self.uplink, feedback=config.codec.uplink_feedback, layout_hash=layout.hash,
                 executor=executor or sync_pool(island, min(P, sched.overlap_steps + 2)), progress=self._progress,
-                heartbeat_every=heartbeat_every, holds=lambda p: self.fragments[p].held(), clock=clock,
+                heartbeat_every=heartbeat_every, holds=lambda p: self.fragments[p].held(), clock=clock, uplink_of=uplink_of,
             )
 
     @property

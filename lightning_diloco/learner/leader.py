@@ -50,7 +50,7 @@ class LeaderSync:
     def __init__(self, link: SynchronizerLink, *, island: int, uplink: Codec, feedback: bool, layout_hash: str,
                  executor: Executor, progress: Callable[[], tuple[int, float, int]], heartbeat_every: float = 1.0,
                  holds: Callable[[int], tuple[int, torch.Tensor] | None] = lambda p: None,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, uplink_of: dict[int, Codec] | None = None) -> None:
         """``executor``: where pushes run (:func:`sync_pool`); the leader shuts it down when it
         closes. ``clock``: what repeats the heartbeat every ``heartbeat_every`` seconds.
         ``progress()``: (inner steps, seconds per step, schedule step), read by the heartbeat;
@@ -58,8 +58,11 @@ class LeaderSync:
         (core/feedback.py); ``holds(p)``: (version, whole value) of the global fragment p this
         island holds (None: none, or not whole on the leader: the island gathers it at a step
         boundary and hands it over, :meth:`hold_gathered`), offered to a restarted synchronizer
-        that waits for an island to give it back (synchronizer/version_log.py)."""
+        that waits for an island to give it back (synchronizer/version_log.py). ``uplink_of``:
+        the fragments sent in another codec than ``uplink`` (``sparse_dense_tensors``); a push
+        names its codec, so the synchronizer decodes each as sent."""
         self.link, self.island, self.uplink, self.layout_hash = link, island, uplink, layout_hash
+        self.uplink_of = dict(uplink_of or {})
         self.feedback = UplinkFeedback(uplink) if feedback and not uplink.lossless else None
         self.progress, self.holds = progress, holds
         self.lock = threading.Lock()  # the counters and the give-back state below, written from several threads
@@ -107,15 +110,20 @@ class LeaderSync:
         if isinstance(local, HostCopy):
             local = local.wait()
         delta = local if base is None else island_delta(local, base)
-        payload = self.uplink.encode(delta) if self.feedback is None else self.feedback.encode(fragment, delta)
+        codec = self.codec_of(fragment)
+        payload = codec.encode(delta) if self.feedback is None else self.feedback.encode(fragment, delta, codec)
         with self.lock:
             self.bytes_up += payload.numel()
         return payload
 
+    def codec_of(self, fragment: int) -> Codec:
+        """The codec ``fragment``'s pushes go in."""
+        return self.uplink_of.get(fragment, self.uplink)
+
     def _push(self, fragment, round, local, base, base_version, tokens, steps, seq):
         ack = self.link.push(Contribution(
             island=self.island, fragment=fragment, round=round, base_version=base_version, tokens=max(tokens, 1.0),
-            steps=max(steps, 1), codec=self.uplink.name, seq=seq, layout_hash=self.layout_hash,
+            steps=max(steps, 1), codec=self.codec_of(fragment).name, seq=seq, layout_hash=self.layout_hash,
             payload=self.encode(fragment, local, base),
         ))
         with self.lock:

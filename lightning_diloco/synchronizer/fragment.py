@@ -328,7 +328,7 @@ class Fragment:
         p, newest, versions = self.number, max(self.recovering), self.shared.versions
         if version < newest and versions is not None:  # the log's last line is what is served
             versions.record(p, version, value)
-        frag = self.held_back if self.held_back is not None else FragmentState(value, self.config, version)
+        frag = self.held_back if self.held_back is not None else self.run_state.new_fragment(p, value, version)
         if frag.version != version:  # (the checkpoint's own version is served as it is)
             frag.recover(value, version)
         self.run_state.fragments[p] = frag

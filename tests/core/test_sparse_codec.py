@@ -148,6 +148,15 @@ def test_density_setting_is_validated_and_sparse_uplink_needs_feedback():
         SparseCodec(0.9)
 
 
+def test_dense_tensors_setting_is_for_the_sparse_uplink_and_has_no_empty_pattern():
+    assert CodecConfig(uplink="sparse", sparse_dense_tensors="lm_head.*").sparse_dense_tensors == "lm_head.*"
+    assert CodecConfig(downlink="sparse", sparse_dense_tensors="lm_head.*").downlink == "sparse"
+    with pytest.raises(ValueError, match="applies to a sparse codec only, and the codecs are 'int4' up and 'int4' down"):
+        CodecConfig(sparse_dense_tensors="lm_head.*")
+    with pytest.raises(ValueError, match="has an empty pattern"):
+        CodecConfig(uplink="sparse", sparse_dense_tensors="lm_head.*,,embed")
+
+
 def test_the_sparse_preset_sends_sparse_both_ways_with_feedback_and_keeps_the_base_otherwise():
     from lightning_diloco.core import presets
     from lightning_diloco.core.config import RunConfig

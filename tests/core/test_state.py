@@ -32,6 +32,22 @@ def _bases(updates):
     return [(u.version, u.base_version, u.codec) for u in updates]
 
 
+def test_a_sparse_downlink_sends_the_fragments_of_the_named_tensors_in_int2():
+    """``sparse_dense_tensors``: the fragment holding t1 goes down in int2, the others sparse,
+    and a fragment made anew (a restart taking a version back) keeps its codec."""
+    specs = [TensorSpec(name=f"t{i}", shape=(i + 2, 3), dtype="float32", role=DENSE) for i in range(6)]
+    layout = build_layout(specs, 3)
+    [named] = [p for p, members in enumerate(layout.fragments) if 1 in members]
+    config = RunConfig(schedule=ScheduleConfig(num_fragments=3, sync_every=6),
+                       codec=CodecConfig(downlink="sparse", sparse_density=1 / 8, sparse_dense_tensors="t1"))
+    state = SynchronizerState.from_parameters(config, layout, [torch.randn(s.shape) for s in specs])
+    _advance(state, 2)
+    assert {p: frag.downlink(p, 1)[0].codec for p, frag in state.fragments.items()} == {
+        p: "int2" if p == named else "sparse" for p in range(3)}
+    state.fragments[named] = state.new_fragment(named, state.fragments[named].value, version=2)  # as a recovery does
+    assert state.fragments[named].published.codec.name == "int2"
+
+
 def test_versions_count_outer_steps_and_the_fp32_downlink_sends_the_exact_value_whole():
     state = _state(history=3, downlink="fp32")
     _advance(state, 5)

@@ -226,3 +226,37 @@ def test_the_recipes_default_setups_spread_as_real_islands_and_follow_the_seed()
     assert first == real_setups(4, seed=0) and first != other
     assert all(0.0 <= t < SETUP_SPREAD for t in first + other)
     assert max(first) - min(first) > 0.1, "islands that join together step apart"
+
+
+def test_sparse_dense_tensors_send_the_named_tensors_fragment_whole():
+    """With a sparse uplink, ``sparse_dense_tensors`` sends the fragment of the named tensor in
+    int4: after one round of one island the global value of that fragment moved in (almost) every
+    value, the other fragment in no more than the top-k a chunk the density allows."""
+    settings = {"sync_every": 4, "num_fragments": 2, "overlap_steps": 0, "uplink_codec": "sparse",
+                "sparse_density": 1 / 16, "downlink_codec": "fp32", "merge": "mean", "outlier_z": 0.0,
+                "apply": "overwrite", "outer_lr": 1.0, "outer_momentum": 0.0}
+    start = {name: p.detach().clone() for name, p in Regression(0).model.named_parameters()}
+
+    def moved(dense_tensors: str) -> dict[str, int]:
+        config = config_with({**settings, "sparse_dense_tensors": dense_tensors})
+        result = Simulation(config, lambda i: Regression(i), [IslandPlan()], steps=4).run()
+        return {name: int((p.detach() != start[name]).sum()) for name, p in result.global_model.named_parameters()}
+
+    sparse, mixed = moved(""), moved("net.0.w*")
+    # two fragments: net.0.weight (128 values), and net.0.bias with the second layer (33 values)
+    head = ("net.0.weight",)
+    rest = ("net.0.bias", "net.2.weight", "net.2.bias")
+    assert sum(sparse[t] for t in head) <= 128 // 16 and sum(sparse[t] for t in rest) <= round(33 / 16)
+    assert sum(mixed[t] for t in head) >= 0.9 * 128  # its fragment whole, in int4
+    assert sum(mixed[t] for t in rest) <= round(33 / 16)  # the other one still sparse
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("lm_head.*", r"'lm_head\.\*' matches no tensor of the model; its tensors are net\.0\.weight"),
+    ("2.weight", r"'2\.weight' matches no tensor of the model; did you mean '\*\.2\.weight' \(net\.2\.weight\)\?"),
+], ids=["unknown", "without-its-prefix"])
+def test_a_dense_tensor_pattern_that_matches_nothing_is_refused_naming_the_tensors(pattern, message):
+    config = config_with({"uplink_codec": "sparse", "sparse_dense_tensors": pattern, "sync_every": 4,
+                          "num_fragments": 2})
+    with pytest.raises(ValueError, match=message):
+        Simulation(config, lambda i: Regression(i), [IslandPlan()], steps=4).run()
