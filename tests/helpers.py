@@ -62,7 +62,18 @@ def sample_setting_value(s):
         return 1
     if s.type is int:
         return s.default + 4  # block_size is a multiple of 4
+    if s.name == "sparse_dense_tensors":
+        return "lm_head.*"
     return {"grace_gamma": 0.25, "mix_alpha": 0.25, "rebase_keep": 0.5, "outer_momentum": 0.5, "outlier_z": 4.0}.get(s.name, s.default * 2)
+
+
+COMPANIONS = {"uplink_residual": {"apply": "rebase"}, "sparse_dense_tensors": {"uplink_codec": "sparse"}}
+"""What a setting's sample value needs beside it to be valid (core/config.py's cross-checks)."""
+
+
+def sample_settings(s) -> dict:
+    """``{s.name: sample_setting_value(s)}`` and the settings that value needs beside it."""
+    return {s.name: sample_setting_value(s), **COMPANIONS.get(s.name, {})}
 
 
 def wait_for_version(pull, fragment: int, version: int, timeout: float = 30.0) -> tuple[int, torch.Tensor]:

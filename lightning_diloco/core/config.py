@@ -16,7 +16,9 @@ Codec = Literal["fp32", "bf16", "int8", "int4", "int2", "sparse"]
 MergeMethod = Literal["rda", "mean"]
 ApplyMode = Literal["overwrite", "mix", "rebase"]
 GraceSlack = Literal["round", "overlap"]
+ResidualHome = Literal["push", "parameters"]
 CODECS: tuple[str, ...] = get_args(Codec)
+RESIDUAL_HOMES: tuple[str, ...] = get_args(ResidualHome)
 MERGE_METHODS: tuple[str, ...] = get_args(MergeMethod)
 APPLY_MODES: tuple[str, ...] = get_args(ApplyMode)
 GRACE_SLACKS: tuple[str, ...] = get_args(GraceSlack)
@@ -187,6 +189,17 @@ class CodecConfig:
     fragment's last push to its next one (one fp32 copy of each fragment on the island's leader;
     core/feedback.py). Needed for int2; with int4 it trained as well as without over 3 seeds
     (+4.4% of DDP's loss against +4.8%: benchmarks/RESULTS.md, int2 and uplink error feedback)."""
+    uplink_residual: ResidualHome = "push"
+    """Where an island keeps what its uplink could not carry (with ``uplink_feedback``). ``push``:
+    added to the fragment's next push. ``parameters``: added to the island's parameters when the
+    version its push went into is applied, so the island trains on it and its next push carries it
+    in its progress, once; an island reset to the global value instead re-learns what it did not
+    send while the held residual keeps it too. For a sparse uplink with its flat tensors sent
+    densely (``sparse_dense_tensors``): at cpu-tiny, density 1/16 up, +1.2% of int4's eval loss
+    against +2.8% with ``push`` (800 steps, 4 seeds), +5.0% against +7.6% at 3,200 steps (one
+    seed). Not without them: a tensor no push ever sends then stays in each island's parameters,
+    and the islands drift apart (+41% at 3,200 steps; benchmarks/RESULTS.md, 2026-11-29). Not with
+    ``apply="mix"`` (refused): mix keeps part of the unsent progress, which would count twice."""
     block_size: int = 64
     """Values sharing one scale in int8/int4/int2. Smaller blocks: lower error, more scale bytes."""
     sparse_density: float = 1 / 64
@@ -218,6 +231,7 @@ class CodecConfig:
         _check(isinstance(self.sparse_density, (int, float)) and not isinstance(self.sparse_density, bool)
                and 1 / 4096 <= self.sparse_density <= 0.5,
                f"sparse_density={self.sparse_density!r} must be a number from 1/4096 (one value of each 4096) to 0.5")
+        _check_choice("uplink_residual", self.uplink_residual, RESIDUAL_HOMES)
         _check(not (self.uplink == "sparse" and not self.uplink_feedback),
                "uplink codec 'sparse' needs uplink_feedback=True: without it the values not sent are lost")
         _check(isinstance(self.sparse_dense_tensors, str), f"sparse_dense_tensors={self.sparse_dense_tensors!r} must be "
@@ -252,6 +266,14 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
     data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        # mix keeps a share of the island's whole progress, the part its push could not carry
+        # included: with that part also added back, it is counted twice each round and grows
+        # without bound (cpu-tiny: the residual's norm reached 44,819 and the loss 3.20 against 1.88)
+        _check(not (self.codec.uplink_residual == "parameters" and self.schedule.apply == "mix"),
+               "uplink_residual='parameters' cannot go with apply='mix', which keeps part of what the push did not "
+               "carry and would count it twice: use apply='overwrite' or 'rebase', or uplink_residual='push'")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -18,6 +18,16 @@ top-k carries, it grows while the learning rate is high (150x int4's at 1/16) an
 model trails (benchmarks/RESULTS.md, 2026-11-29). The downlink has its own, on the
 synchronizer's side (core/downlink.py).
 
+With ``uplink_residual="parameters"`` the island takes the residual out (:meth:`UplinkFeedback.take`)
+when it applies the version its push went into and adds it to its parameters
+(learner/fragment.py): its next progress then includes it, and the next push carries it once. Held
+here instead while the island is reset to the global value, it is counted twice: the island
+re-learns what it did not send, and the residual still holds it. With the sparse codec, whose
+residual holds most of each push, that trained better (docs/algorithm.md), once the tensors a
+top-k cannot carry go densely: a residual that is never sent stays in each island's parameters
+and the islands drift apart. A residual the island did not take (its push failed, or no version
+ended its flight) goes with the next push as before.
+
 The residual is formed when a push is encoded, whether or not the push then arrives: a push the
 synchronizer refused or never saw loses its delta, as it would without feedback (adding it again
 could count it twice when only the acknowledgement was lost). It lives in the island's memory
@@ -61,3 +71,11 @@ class UplinkFeedback:
             payload = codec.encode(target)
             self.residual[fragment] = target.sub_(codec.decode(payload, target.numel()))
             return payload
+
+    def take(self, fragment: int) -> torch.Tensor | None:
+        """Remove and return ``fragment``'s residual (None: none held), for the island to keep in
+        its parameters; the next push of the fragment adds none."""
+        with self._lock:
+            lock = self._fragment_locks.setdefault(fragment, threading.Lock())
+        with lock:
+            return self.residual.pop(fragment, None)

@@ -82,10 +82,11 @@ def sparse(base: RunConfig | None = None, density: float = 1 / 64, dense_tensors
 
     It does not train to int4's quality here (simulated, cpu-tiny; benchmarks/RESULTS.md,
     2026-11-29): the sparse uplink is capacity-bound, the global model trailing the islands'
-    progress by rounds. With the output head in int2, a sparse uplink at 1/16 costs +2.8% of
-    int4's eval loss (4 seeds; +4.85% without); both ways at 1/64 the eval loss is 2.13 (2.80
-    without, int4 1.84; one seed). With a synchronizer of its own, start it with these
-    (``--config``)."""
+    progress by rounds. A sparse uplink at 1/16 costs +4.85% of int4's eval loss, +2.8% with
+    the output head in int2, +1.2% with ``uplink_residual="parameters"`` too (4 seeds each, the
+    text preset's plain averaging and rebase; not measured better elsewhere); both
+    ways at 1/64 the eval loss is 2.13 with the head in int2, 2.80 without (int4 1.84; one
+    seed). With a synchronizer of its own, start it with these (``--config``)."""
     base = base if base is not None else RunConfig()
     return config_with({"uplink_codec": "sparse", "downlink_codec": "sparse", "sparse_density": density,
                         "uplink_feedback": True, "sparse_dense_tensors": dense_tensors}, base=base)

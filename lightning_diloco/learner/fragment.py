@@ -21,6 +21,7 @@ import torch
 
 from lightning_diloco.core.apply import keeps_counters
 from lightning_diloco.core.config import ScheduleConfig
+from lightning_diloco.core.feedback import UplinkFeedback
 from lightning_diloco.core.outer import island_delta
 from lightning_diloco.core.protocol import PushAck
 from lightning_diloco.learner.clock import Clock
@@ -93,6 +94,9 @@ class Apply:
     included: bool
     exact: bool
     """Whether the island's copy is the published value after it (:attr:`Arrival.exact`)."""
+    residual: bool = False
+    """The leader shares one more tensor after the steps: what its push could not carry, which every
+    rank adds to its parameters (``uplink_residual="parameters"``, core/feedback.py)."""
 
 
 class IslandFragment:
@@ -112,6 +116,8 @@ class IslandFragment:
         self.pending: Arrival | None = None
         """Leader: the arrival taken to be applied at this step boundary (the inbox's newest may be
         a later version by then: applied next)."""
+        self.pending_residual: torch.Tensor | None = None
+        """Leader: the residual taken with ``pending`` (:meth:`take`), shared with the ranks at its apply."""
 
     def stepped(self, tokens: float) -> None:
         self.tokens += tokens
@@ -206,12 +212,16 @@ class IslandFragment:
         """(Under the inbox's lock.) Worth a wait: sent, neither settled nor late."""
         return not self.late() and not self.settled(inbox)
 
-    def take(self, arrival: Arrival) -> Apply:
-        """Decide to apply ``arrival``, kept as ``pending`` until applied."""
+    def take(self, arrival: Arrival, feedback: UplinkFeedback | None = None) -> Apply:
+        """Decide to apply ``arrival``, kept as ``pending`` until applied. ``feedback``: the
+        leader's uplink feedback where residuals live in the parameters (``uplink_residual``): the
+        residual of the push this arrival answers goes into the parameters with it."""
         self.pending = arrival
+        ends = self.ended_by(arrival)
+        self.pending_residual = feedback.take(self.number) if feedback is not None and ends else None
         return Apply(fragment=self.number, version=arrival.version, base_version=arrival.base_version,
-                     steps=len(arrival.steps), ends_flight=self.ended_by(arrival), included=arrival.included,
-                     exact=arrival.exact)
+                     steps=len(arrival.steps), ends_flight=ends, included=arrival.included,
+                     exact=arrival.exact, residual=self.pending_residual is not None)
 
     # ---- the apply (every rank) ---------------------------------------------------------------
 
@@ -232,12 +242,19 @@ class IslandFragment:
                 value.add_(self.shards.scatter(p, step))
         else:
             value = self.shards.scatter(p, steps[0])
+        residual = None
+        if a.residual:  # (every rank, as it took the steps) the leader's residual, this rank's part
+            residual = self.shards.scatter(p, self.pending_residual if self.shards.leader else None)
+        self.pending_residual = None
         if a.base_version < 0 and a.version == self.version:
-            return self._correct(value)
+            staleness = self._correct(value)
+            self._keep(residual)
+            return staleness
         snapshot = self.flight.snapshot if self.flight is not None and a.ends_flight else None
         # kappa applies to the progress since a merged send; progress on an older version is all unmerged
         self.shards.apply(p, mode, value, self.base if snapshot is None else snapshot, alpha=sched.mix_alpha,
                           keep=1.0 if snapshot is None else sched.rebase_keep)
+        self._keep(residual)
         flight = self.flight
         if keeps_counters(mode):
             if a.ends_flight and flight is not None:  # what the send counted is in the global model now
@@ -253,6 +270,12 @@ class IslandFragment:
         if a.ends_flight:
             self.flight = None
         return staleness
+
+    def _keep(self, residual: torch.Tensor | None) -> None:
+        """Add ``residual`` (this rank's part of what the push could not carry) to the parameters:
+        the progress since ``base`` then includes it, and the next push carries it once."""
+        if residual is not None:
+            self.shards.apply(self.number, "rebase", residual, torch.zeros_like(residual), alpha=0.0, keep=1.0)
 
     def _correct(self, value: torch.Tensor) -> int:
         """Take ``value``, the version the island holds, sent whole (pulled after its inbox summed

@@ -129,6 +129,10 @@ class IslandLearner:
                 executor=executor or sync_pool(island, min(P, sched.overlap_steps + 2)), progress=self._progress,
                 heartbeat_every=heartbeat_every, holds=lambda p: self.fragments[p].held(), clock=clock, uplink_of=uplink_of,
             )
+        # where the uplink's residual goes: into the parameters at the apply (the leader takes it
+        # out of its feedback and shares it with the ranks), or into the next push (None)
+        self._residuals = (self.leader.feedback if self.leader is not None and config.codec.uplink_residual == "parameters"
+                           else None)
 
     @property
     def versions(self) -> list[int]:
@@ -322,7 +326,7 @@ class IslandLearner:
                       if f.number not in changing and self.shards.any_sharded(f.number) and f.may_give_back()}
         gather = leader.to_gather(candidates)
         return StepPlan(schedule_step=self.schedule_step, fail=fail, send=send,
-                        apply=[self.fragments[a.fragment].take(a) for a in arrivals],
+                        apply=[self.fragments[a.fragment].take(a, self._residuals) for a in arrivals],
                         gather=[] if gather is None else [gather])
 
     def _give_up_failed_flights(self, leader: LeaderSync) -> list[int]:
@@ -351,7 +355,7 @@ class IslandLearner:
         every due fragment while the others finished. Its version is applied when it comes."""
         inbox.wait(lambda: not any(self.fragments[p].awaited(inbox) for p in fragments), self.push_wait)
         arrivals = inbox.take(lambda a: a.fragment in fragments and self.fragments[a.fragment].ended_by(a))
-        return [self.fragments[a.fragment].take(a) for a in arrivals]
+        return [self.fragments[a.fragment].take(a, self._residuals) for a in arrivals]
 
     def settled(self, p: int) -> bool:
         """(Leader, under the inbox's lock) fragment p's send is answered: the version of its

@@ -78,3 +78,17 @@ def test_concurrent_pushes_of_one_fragment_take_the_residual_in_turn():
     for t in threads:
         t.join(timeout=30)
     assert torch.allclose(sum(deltas) - sum(received), feedback.residual[5], atol=1e-4)
+
+
+def test_a_residual_taken_for_the_parameters_is_not_added_to_the_next_push():
+    """uplink_residual='parameters': the island takes the residual at its apply; the fragment's
+    next push is the codec's encoding of its progress alone, and the other fragments keep theirs."""
+    codec = get_codec("sparse", density=1 / 64)
+    feedback = UplinkFeedback(codec)
+    a, b = _deltas(2, 4096)
+    feedback.encode(0, a)
+    feedback.encode(1, a)
+    left = feedback.residual[0].clone()
+    assert torch.equal(feedback.take(0), left) and feedback.take(0) is None
+    assert torch.equal(feedback.encode(0, b), codec.encode(b))
+    assert not torch.equal(feedback.encode(1, b), codec.encode(b))

@@ -21,7 +21,7 @@ from lightning_diloco.core.settings import (
     value_of,
 )
 from lightning_diloco.synchronizer.main import add_synchronizer_arguments, run_config_from_args
-from tests.helpers import sample_setting_value
+from tests.helpers import sample_settings
 
 
 def _every_field():
@@ -44,12 +44,12 @@ def test_the_table_holds_every_field_once_with_its_docstring_and_default():
 @pytest.mark.parametrize("name", [s.name for s in run_settings()])
 def test_every_setting_can_be_set_on_the_synchronizer_command_line(name):
     s = setting(name)
-    value = sample_setting_value(s)
+    settings = sample_settings(s)
     parser = argparse.ArgumentParser()
     add_synchronizer_arguments(parser)
-    config = run_config_from_args(parser.parse_args(setting_flags({name: value})))
-    assert value_of(config, name) == value
-    assert config_with({name: value}) == config
+    config = run_config_from_args(parser.parse_args(setting_flags(settings)))
+    assert value_of(config, name) == settings[name] != s.default
+    assert config_with(settings) == config
 
 
 def test_a_config_file_is_read_and_flags_override_it(tmp_path):

@@ -102,8 +102,12 @@ def main() -> None:
     parser.add_argument("--no-wait", action="store_true", help="start training at once, whoever else has joined")
     parser.add_argument("--pause-at", default="", help="steps to pause at (PauseAt), comma-separated; with --control")
     parser.add_argument("--control", help="the directory of PauseAt's files")
+    parser.add_argument("--setting", action="append", default=[], help="NAME=VALUE: a run setting over the script's own")
     args = parser.parse_args()
     settings = dict(sync_every=4, num_fragments=2, overlap_steps=args.overlap, uplink_codec="fp32", downlink_codec="fp32")
+    for setting in args.setting:
+        name, _, value = setting.partition("=")
+        settings[name] = json.loads(value) if value[:1].isdigit() else value
     if args.fsdp:
         strategy = DecoupledDiLoCoFSDPStrategy(save_distributed_checkpoint=not args.full_checkpoint, **settings)
     else:

@@ -85,6 +85,26 @@ def test_ddp_and_fsdp_islands_compute_the_same_global_model(tmp_path):
     assert all((a - b.detach()).abs().max() > 1e-3 for a, b in zip(ddp["weights"], initial))  # it trained
 
 
+def test_a_sparse_uplinks_residual_kept_in_the_parameters_reaches_every_rank_of_ddp_and_fsdp_islands(tmp_path):
+    """``uplink_residual="parameters"`` with the sparse codec (a quarter of each fragment sent): at
+    each apply the leader shares its push's residual and every rank adds its part, so the ranks of
+    a DDP island and of an FSDP2 island stay equal, the two islands compute the same model, and it
+    is another model than the one the residual kept for the next push gives."""
+    sparse = ("--setting", "uplink_codec=sparse", "--setting", "sparse_density=0.25")
+    common = ("--devices", "2", "--overlap", "0", "--max-steps", "16", "--epochs", "10", *sparse)
+    kept = ("--setting", "uplink_residual=parameters")
+    runs = {"ddp": (*common, *kept), "fsdp": ("--fsdp", *common, *kept), "ddp-push": common}
+    _run([_island(tmp_path / kind, *flags) for kind, flags in runs.items()])
+    ranks = {kind: _ranks(tmp_path / kind, 2) for kind in runs}
+    for kind, (first, second) in ranks.items():
+        assert first["metrics"]["diloco/syncs_applied"] == 8, kind
+        for a, b in zip(first["weights"], second["weights"]):
+            assert torch.equal(a, b), kind
+    for a, b in zip(ranks["ddp"][0]["weights"], ranks["fsdp"][0]["weights"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(ranks["ddp"][0]["weights"], ranks["ddp-push"][0]["weights"]))
+
+
 def test_an_fsdp_island_resumed_from_its_checkpoint_matches_an_uninterrupted_run(tmp_path):
     """Synchronous, so deterministic: 1 epoch, checkpoint, resume for a 2nd from another init
     gives the model 2 uninterrupted epochs give, from a distributed checkpoint (the bases saved

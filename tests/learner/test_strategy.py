@@ -17,7 +17,7 @@ from lightning_diloco import DecoupledDiLoCoStrategy
 from lightning_diloco.core.settings import config_with, load_run_config, run_settings, setting, value_of
 from lightning_diloco.synchronizer.server import SynchronizerServer
 from lightning_diloco.synchronizer.service import Synchronizer
-from tests.helpers import sample_setting_value
+from tests.helpers import sample_settings
 from tests.learner.models import TinyRegressor, loader, regression_data, trainer
 
 FP32 = dict(uplink_codec="fp32", downlink_codec="fp32")
@@ -165,8 +165,8 @@ def test_an_island_index_without_the_island_count_says_the_count_is_missing(monk
 def test_every_run_setting_is_a_strategy_argument(name):
     """Named in the signature or not, a run setting given by name is a run setting, not a DDP
     argument; a setting added to core/config.py needs no edit here."""
-    value = sample_setting_value(setting(name))
-    assert value_of(DecoupledDiLoCoStrategy(**{name: value}).run_config, name) == value
+    settings = sample_settings(setting(name))
+    assert value_of(DecoupledDiLoCoStrategy(**settings).run_config, name) == settings[name]
 
 
 def test_run_config_takes_every_setting_at_once_and_named_arguments_override_it(tmp_path):
