@@ -196,8 +196,8 @@ class CodecConfig:
     in its progress, once; an island reset to the global value instead re-learns what it did not
     send while the held residual keeps it too. For a sparse uplink with its flat tensors sent
     densely (``sparse_dense_tensors``): at cpu-tiny, density 1/16 up, +1.2% of int4's eval loss
-    against +2.8% with ``push`` (800 steps, 4 seeds), +5.0% against +7.6% at 3,200 steps (one
-    seed). Not without them: a tensor no push ever sends then stays in each island's parameters,
+    against +2.8% with ``push`` (800 steps, 4 seeds), +5.9% against +7.6% at 3,200 steps (2
+    seeds). Not without them: a tensor no push ever sends then stays in each island's parameters,
     and the islands drift apart (+41% at 3,200 steps; benchmarks/RESULTS.md, 2026-11-29). Not with
     ``apply="mix"`` (refused): mix keeps part of the unsent progress, which would count twice."""
     block_size: int = 64
