@@ -275,7 +275,7 @@ class IslandFragment:
         """Add ``residual`` (this rank's part of what the push could not carry) to the parameters:
         the progress since ``base`` then includes it, and the next push carries it once."""
         if residual is not None:
-            self.shards.apply(self.number, "rebase", residual, torch.zeros_like(residual), alpha=0.0, keep=1.0)
+            self.shards.add(self.number, residual)
 
     def _correct(self, value: torch.Tensor) -> int:
         """Take ``value``, the version the island holds, sent whole (pulled after its inbox summed

@@ -26,7 +26,7 @@ without reading them back to the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -83,13 +83,24 @@ class IslandShards:
     @torch.no_grad()
     def write(self, p: int, flat: torch.Tensor) -> None:
         """Put ``flat`` (this rank's part, as :meth:`read` gives it) into the parameters."""
+        for local, piece in self._pieces(p, flat):
+            local.copy_(piece)
+
+    @torch.no_grad()
+    def add(self, p: int, flat: torch.Tensor) -> None:
+        """Add ``flat`` (this rank's part, as :meth:`read` gives it) to the parameters."""
+        for local, piece in self._pieces(p, flat):
+            local.add_(piece)
+
+    def _pieces(self, p: int, flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(this rank's part of each tensor of fragment ``p``, its piece of ``flat`` uploaded), to write into."""
         if self.before_write is not None:
             self.before_write()
         flat = self.staging.upload(flat)
         start = 0
         for i in self._members(p):
             local = _local(self.params[i])
-            local.copy_(flat[start : start + local.numel()].view(local.shape))
+            yield local, flat[start : start + local.numel()].view(local.shape)
             start += local.numel()
         assert start == flat.numel(), f"{flat.numel()=} != {start=}"
 
