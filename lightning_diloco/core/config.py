@@ -232,6 +232,9 @@ class CodecConfig:
                and 1 / 4096 <= self.sparse_density <= 0.5,
                f"sparse_density={self.sparse_density!r} must be a number from 1/4096 (one value of each 4096) to 0.5")
         _check_choice("uplink_residual", self.uplink_residual, RESIDUAL_HOMES)
+        _check(not (self.uplink_residual == "parameters" and not self.uplink_feedback),
+               "uplink_residual='parameters' needs uplink_feedback=True: without feedback there is no residual to keep "
+               "(it would change nothing)")
         _check(not (self.uplink == "sparse" and not self.uplink_feedback),
                "uplink codec 'sparse' needs uplink_feedback=True: without it the values not sent are lost")
         _check(isinstance(self.sparse_dense_tensors, str), f"sparse_dense_tensors={self.sparse_dense_tensors!r} must be "

@@ -53,3 +53,13 @@ def test_unknown_keys_in_a_dict_are_refused():
     data["outer"]["lr_typo"] = 1.0
     with pytest.raises(ValueError, match="lr_typo"):
         RunConfig.from_dict(data)
+
+
+def test_a_residual_kept_in_the_parameters_needs_feedback_and_is_refused_with_the_mix_apply_rule():
+    from lightning_diloco.core.settings import config_with
+
+    assert config_with({"uplink_residual": "parameters", "apply": "rebase"}).codec.uplink_residual == "parameters"
+    with pytest.raises(ValueError, match="uplink_residual='parameters' cannot go with apply='mix'"):
+        config_with({"uplink_residual": "parameters", "apply": "mix"})
+    with pytest.raises(ValueError, match="uplink_residual='parameters' needs uplink_feedback=True"):
+        CodecConfig(uplink_residual="parameters", uplink_feedback=False)

@@ -148,14 +148,6 @@ def test_density_setting_is_validated_and_sparse_uplink_needs_feedback():
         SparseCodec(0.9)
 
 
-def test_a_residual_kept_in_the_parameters_is_refused_with_the_mix_apply_rule():
-    from lightning_diloco.core.settings import config_with
-
-    assert config_with({"uplink_residual": "parameters", "apply": "rebase"}).codec.uplink_residual == "parameters"
-    with pytest.raises(ValueError, match="uplink_residual='parameters' cannot go with apply='mix'"):
-        config_with({"uplink_residual": "parameters", "apply": "mix"})
-
-
 def test_dense_tensors_setting_is_for_the_sparse_uplink_and_has_no_empty_pattern():
     assert CodecConfig(uplink="sparse", sparse_dense_tensors="lm_head.*").sparse_dense_tensors == "lm_head.*"
     assert CodecConfig(downlink="sparse", sparse_dense_tensors="lm_head.*").downlink == "sparse"
