@@ -23,10 +23,16 @@ duplicate, or an order no encoder writes), an index past the tail chunk's end, n
 and non-finite scales. A refused payload changes nothing.
 
 Encode selects exactly the top k of each chunk without a full top-k (``torch.topk`` over rows of
-4096 ran at 80 MB/s here): a threshold from every 16th value of the chunk keeps about twice k
-candidates, and only those are sorted. A chunk with fewer candidates than k (rare: values tied
-or laid out in a stride-16 pattern) falls back to ``torch.topk``. Ties at the k-th value go to
-the lower index within the chunk's candidates' order, deterministically.
+4096 ran at 80 MB/s here), and without a pass over the whole chunk to find candidates where k is
+small. At k <= 64 (density <= 1/64): the chunk is read as 256 columns of 16 values (column c holds
+values c, c + 256, ...); the k-th largest column maximum is a threshold at or below the k-th
+largest value, and every value at or above it lies in one of the k columns whose maxima reach it,
+so only those k columns (a quarter of the chunk at 1/64) are searched for candidates. At larger k,
+or where more than k column maxima tie at the threshold: a threshold from every 16th value of the
+chunk keeps about twice k candidates. Either way only the candidates are sorted; a chunk with
+fewer candidates than k (rare: values tied or laid out in a stride-16 pattern) falls back to
+``torch.topk``. Ties at the k-th value go to the lower index, deterministically, and both
+searches send the same values.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ CHUNK = 4096
 INDEX_BITS = 12
 SAMPLE_STRIDE = 16
 """Every 16th value of a chunk estimates its threshold."""
+COLUMN_VALUES = 16
+"""Values of a column in the column search: 256 columns a chunk, at stride 256."""
+COLUMNS = CHUNK // COLUMN_VALUES
 ROWS_AT_ONCE = 64
 """Chunks searched at once: 1 MB of |x| and 256 KB of mask in the thread's scratch (codecs._Scratch)."""
 MIN_DENSITY, MAX_DENSITY = 1 / CHUNK, 0.5
@@ -111,6 +120,10 @@ class SparseCodec(Codec):
         ascending within each row: an (n, k) tensor."""
         n, k = rows.shape[0], self.k
         mags = torch.abs(rows, out=_scratch.values(rows.numel()).view(n, CHUNK))
+        if 4 * k <= COLUMNS:  # a quarter of the chunk or less to search: the column search pays
+            found = self._top_by_columns(mags)
+            if found is not None:
+                return found
         sample = mags[:, ::SAMPLE_STRIDE]
         # the j-th largest of the sample leaves about j * 16 values at or above it: 2k and a margin
         j = min(sample.shape[1], math.ceil(2 * k / SAMPLE_STRIDE) + 4)
@@ -123,18 +136,40 @@ class SparseCodec(Codec):
         if bool(short.any()):  # too few candidates: those chunks are searched whole (rare)
             whole = short.nonzero().squeeze(1)
             out = torch.empty(n, k, dtype=torch.int64)
-            out[whole] = mags[whole].topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+            out[whole] = _top_whole(mags[whole], k)
             rest = (~short).nonzero().squeeze(1)
             if rest.numel():
                 out[rest] = self._top_full(rows[rest])
             return out
-        # one sort by row, then magnitude largest first, then index: |x|'s bits order as |x| does,
-        # and the key is unique, so ties go to the lower index whatever the sort
-        bits = mags.view(-1)[flat].view(torch.int32).to(torch.int64)
-        key = (row << (31 + INDEX_BITS)) | ((0x7FFFFFFF - bits) << INDEX_BITS) | (flat & (CHUNK - 1))
+        return self._first_k(row, mags.view(-1)[flat], flat & (CHUNK - 1), counts)
+
+    def _top_by_columns(self, mags: torch.Tensor) -> torch.Tensor | None:
+        """``_top_full``'s result from the k columns whose maxima are largest (module docstring),
+        or None where more than k column maxima reach the threshold (ties), which the sample's
+        search handles."""
+        n, k = mags.shape[0], self.k
+        columns = mags.view(n, COLUMN_VALUES, COLUMNS)
+        peaks = columns.amax(dim=1)
+        best, which = peaks.topk(k, dim=1, sorted=False)
+        threshold = best.amin(dim=1, keepdim=True)
+        if bool((peaks >= threshold).sum(dim=1).gt(k).any()):
+            return None  # a column left out could hold a value tied at the threshold
+        candidates = columns.gather(2, which[:, None, :].expand(n, COLUMN_VALUES, k))  # (n, 16, k)
+        flat = (candidates >= threshold[:, :, None]).view(-1).nonzero().squeeze(1)
+        row = flat // (COLUMN_VALUES * k)
+        place = (flat // k) % COLUMN_VALUES * COLUMNS + which.view(-1)[row * k + flat % k]
+        return self._first_k(row, candidates.view(-1)[flat], place, torch.bincount(row, minlength=n))
+
+    def _first_k(self, row: torch.Tensor, mags: torch.Tensor, place: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The k largest of each row's candidates (``row``, ``mags``, ``place`` in the chunk, at least
+        k a row, ``counts`` of them), ascending by place: one sort by row, then magnitude largest
+        first, then place. |x|'s bits order as |x| does and the key is unique, so ties go to the
+        lower place whatever the sort and whatever order the candidates come in."""
+        bits = mags.view(torch.int32).to(torch.int64)
+        key = (row << (31 + INDEX_BITS)) | ((0x7FFFFFFF - bits) << INDEX_BITS) | place
         key = key.sort().values
         starts = torch.cumsum(counts, 0) - counts
-        chosen = key[starts[:, None] + torch.arange(k)] & (CHUNK - 1)  # the first k of each row
+        chosen = key[starts[:, None] + torch.arange(self.k)] & (CHUNK - 1)  # the first k of each row
         return chosen.sort(dim=1).values
 
     def _groups(self, numel: int) -> list[tuple[int, int, int, int]]:
@@ -158,7 +193,7 @@ class SparseCodec(Codec):
                 for lo in range(0, rows, ROWS_AT_ONCE):  # scratch of at most that many chunks a thread
                     index[lo : lo + ROWS_AT_ONCE] = self._top_full(block[lo : lo + ROWS_AT_ONCE])
             else:
-                index = block.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+                index = _top_whole(block.abs(), k)
             indices.append(index)
             values.append(block.gather(1, index))
         # per chunk the root mean square of its sent values (in float64 where fp32 squares could overflow)
@@ -208,6 +243,12 @@ class SparseCodec(Codec):
 
     def __repr__(self) -> str:
         return f"SparseCodec(density={self.density})"
+
+
+def _top_whole(mags: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest of each row of ``mags``, ties to the lower index, ascending: a
+    stable sort of whole rows (``torch.topk`` leaves ties to its implementation)."""
+    return torch.sort(mags, dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
 
 
 def _pack_indices(index: torch.Tensor, dest: torch.Tensor) -> None:

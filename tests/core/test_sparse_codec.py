@@ -68,6 +68,37 @@ def test_ties_and_a_stride_16_pattern_still_send_exactly_k():
     assert _sent(out) == _top(pattern, 1 / 64)
 
 
+def _top_by_rule(x: torch.Tensor, density: float) -> list[set[int]]:
+    """The codec's rule written plainly: the k largest magnitudes of each chunk, ties to the lower index."""
+    out = []
+    for chunk in x.split(CHUNK):
+        k = max(1, min(chunk.numel(), round(density * chunk.numel())))
+        out.append(set(torch.sort(chunk.abs(), descending=True, stable=True).indices[:k].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("density", [1 / 4096, 1 / 256, 1 / 64, 1 / 32])
+def test_column_and_sample_searches_send_what_the_rule_says_whatever_the_values(density):
+    """At k <= 64 the encoder searches only the columns whose maxima are largest; values tied at
+    the threshold, many values in one column, values only at a stride and zeros must still send
+    exactly the rule's values (and 1/32 takes the sample's search)."""
+    g = torch.Generator().manual_seed(int(1 / density))
+    for trial in range(8):
+        n = int(torch.randint(1, 4 * CHUNK, (1,), generator=g)) + CHUNK
+        x = torch.randn(n, generator=g)
+        if trial == 1:
+            x = torch.randint(1, 4, (n,), generator=g).float()  # three magnitudes: ties everywhere
+        elif trial == 2:
+            x[: n - n % CHUNK].view(-1, 16, CHUNK // 16)[:, :, 7] += 10.0  # one column holds the largest
+        elif trial == 3:
+            x[::256] *= 50.0  # large values only at the columns' stride
+        elif trial == 4:
+            x[torch.rand(n, generator=g) < 0.9] = 0.0
+            x[x == 0] = 1e-3  # a sent value that decodes to zero could not be seen
+        codec = SparseCodec(density)
+        assert _sent(codec.decode(codec.encode(x), n)) == _top_by_rule(x, density), trial
+
+
 def test_uplink_feedback_delivers_what_each_push_leaves_out():
     """At 1/64 a push carries 5% of a delta's norm; with feedback the sum received over 200 pushes
     is within 20% of the sum sent (without, 95% is lost every time)."""
