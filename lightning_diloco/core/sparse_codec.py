@@ -23,16 +23,16 @@ duplicate, or an order no encoder writes), an index past the tail chunk's end, n
 and non-finite scales. A refused payload changes nothing.
 
 Encode selects exactly the top k of each chunk without a full top-k (``torch.topk`` over rows of
-4096 ran at 80 MB/s here), and without a pass over the whole chunk to find candidates where k is
-small. At k <= 64 (density <= 1/64): the chunk is read as 256 columns of 16 values (column c holds
-values c, c + 256, ...); the k-th largest column maximum is a threshold at or below the k-th
-largest value, and every value at or above it lies in one of the k columns whose maxima reach it,
-so only those k columns (a quarter of the chunk at 1/64) are searched for candidates. At larger k,
-or where more than k column maxima tie at the threshold: a threshold from every 16th value of the
-chunk keeps about twice k candidates. Either way only the candidates are sorted; a chunk with
-fewer candidates than k (rare: values tied or laid out in a stride-16 pattern) falls back to
-``torch.topk``. Ties at the k-th value go to the lower index, deterministically, and both
-searches send the same values.
+4096 ran at 80 MB/s here), and where k is small without a pass over the whole chunk to find
+candidates. At k <= 128 (density <= 1/32) the chunk is read as 256 columns of 16 values (column c
+holds values c, c + 256, ...; at 64 < k <= 128, 512 columns of 8). The k-th largest column
+maximum is a threshold at or below the k-th largest value, and every value at or above it lies in
+one of the k columns whose maxima reach it, so only those k columns (a quarter of the chunk) are
+searched for candidates. At larger k, or where more than k column maxima tie at the threshold, a
+threshold from every 16th value of the chunk keeps about twice k candidates. Either way only the
+candidates are sorted; a chunk with fewer candidates than k (rare: values tied or laid out in a
+stride-16 pattern) is sorted whole. Ties at the k-th value go to the lower index,
+deterministically, whichever search ran.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ CHUNK = 4096
 INDEX_BITS = 12
 SAMPLE_STRIDE = 16
 """Every 16th value of a chunk estimates its threshold."""
-COLUMN_VALUES = 16
-"""Values of a column in the column search: 256 columns a chunk, at stride 256."""
-COLUMNS = CHUNK // COLUMN_VALUES
+MAX_COLUMN_VALUES, MIN_COLUMN_VALUES = 16, 8
+"""Values of a column in the column search: at most 16 (256 columns a chunk, at stride 256); with
+fewer than 8 (k > 128) the search did not beat the sample's (2026-11-29)."""
 ROWS_AT_ONCE = 64
 """Chunks searched at once: 1 MB of |x| and 256 KB of mask in the thread's scratch (codecs._Scratch)."""
 MIN_DENSITY, MAX_DENSITY = 1 / CHUNK, 0.5
@@ -98,6 +98,9 @@ class SparseCodec(Codec):
             raise ValueError(f"sparse density={density!r} must be a number from 1/{CHUNK} to {MAX_DENSITY}")
         self.density = float(density)
         self.k = chunk_k(CHUNK, self.density)
+        # the column search's columns: as many values each as leave k columns a quarter of the
+        # chunk or less, a power of two up to 16
+        self.column_values = min(MAX_COLUMN_VALUES, 1 << max(0, (CHUNK // (4 * self.k)).bit_length() - 1))
 
     def _shape(self, numel: int) -> tuple[int, int, int]:
         """(full chunks, values of the tail chunk (0: none), values sent in all)."""
@@ -120,7 +123,7 @@ class SparseCodec(Codec):
         ascending within each row: an (n, k) tensor."""
         n, k = rows.shape[0], self.k
         mags = torch.abs(rows, out=_scratch.values(rows.numel()).view(n, CHUNK))
-        if 4 * k <= COLUMNS:  # a quarter of the chunk or less to search: the column search pays
+        if self.column_values >= MIN_COLUMN_VALUES:  # a quarter of the chunk or less to search
             found = self._top_by_columns(mags)
             if found is not None:
                 return found
@@ -147,17 +150,18 @@ class SparseCodec(Codec):
         """``_top_full``'s result from the k columns whose maxima are largest (module docstring),
         or None where more than k column maxima reach the threshold (ties), which the sample's
         search handles."""
-        n, k = mags.shape[0], self.k
-        columns = mags.view(n, COLUMN_VALUES, COLUMNS)
+        n, k, height = mags.shape[0], self.k, self.column_values
+        width = CHUNK // height
+        columns = mags.view(n, height, width)
         peaks = columns.amax(dim=1)
         best, which = peaks.topk(k, dim=1, sorted=False)
         threshold = best.amin(dim=1, keepdim=True)
         if bool((peaks >= threshold).sum(dim=1).gt(k).any()):
             return None  # a column left out could hold a value tied at the threshold
-        candidates = columns.gather(2, which[:, None, :].expand(n, COLUMN_VALUES, k))  # (n, 16, k)
+        candidates = columns.gather(2, which[:, None, :].expand(n, height, k))  # (n, height, k)
         flat = (candidates >= threshold[:, :, None]).view(-1).nonzero().squeeze(1)
-        row = flat // (COLUMN_VALUES * k)
-        place = (flat // k) % COLUMN_VALUES * COLUMNS + which.view(-1)[row * k + flat % k]
+        row = flat // (height * k)
+        place = (flat // k) % height * width + which.view(-1)[row * k + flat % k]
         return self._first_k(row, candidates.view(-1)[flat], place, torch.bincount(row, minlength=n))
 
     def _first_k(self, row: torch.Tensor, mags: torch.Tensor, place: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
