@@ -105,3 +105,31 @@ def holds_final_global_model(weights: list[torch.Tensor], service, num_fragments
     final = torch.cat([service.pull(p)[1] for p in range(num_fragments)])
     mine = torch.cat([w.detach().reshape(-1).float() for w in weights])
     return final.numel() == mine.numel() and torch.equal(torch.sort(final)[0], torch.sort(mine)[0])
+
+
+def sparse_payload_with_indices(payload: torch.Tensor, codec, numel: int, index: list[int]) -> torch.Tensor:
+    """A sparse ``payload`` with its indices replaced by ``index`` (as many), packed as the layout
+    in core/sparse_codec.py says: pairs in three bytes, a zero index padding an odd count."""
+    scale_bytes, index_bytes, _ = codec.sections(numel)
+    out = payload.clone()
+    packed = out[scale_bytes : scale_bytes + index_bytes]
+    padded = list(index) + [0] * (index_bytes // 3 * 2 - len(index))
+    for p, (a, b) in enumerate(zip(padded[0::2], padded[1::2])):
+        packed[3 * p : 3 * p + 3] = torch.tensor([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dtype=torch.uint8)
+    return out
+
+
+def sparse_payload_indices(payload: torch.Tensor, codec, numel: int) -> list[set[int]]:
+    """The indices a sparse ``payload`` sends, chunk by chunk, read as the layout says."""
+    scale_bytes, index_bytes, _ = codec.sections(numel)
+    packed = payload[scale_bytes : scale_bytes + index_bytes].tolist()
+    index: list[int] = []
+    for p in range(0, len(packed), 3):
+        a, b, c = packed[p : p + 3]
+        index += [a | (b & 0xF) << 8, b >> 4 | c << 4]
+    out, sent = [], 0
+    for start in range(0, numel, 4096):
+        k = max(1, min(numel - start, round(codec.density * min(4096, numel - start))))
+        out.append(set(index[sent : sent + k]))
+        sent += k
+    return out

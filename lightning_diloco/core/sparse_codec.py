@@ -22,39 +22,29 @@ Decode refuses, naming what was wrong: indices not strictly ascending within a c
 duplicate, or an order no encoder writes), an index past the tail chunk's end, non-zero padding,
 and non-finite scales. A refused payload changes nothing.
 
-Encode selects exactly the top k of each chunk without a full top-k (``torch.topk`` over rows of
-4096 ran at 80 MB/s here), and where k is small without a pass over the whole chunk to find
-candidates. At k <= 128 (density <= 1/32) the chunk is read as 256 columns of 16 values (column c
-holds values c, c + 256, ...; at 64 < k <= 128, 512 columns of 8). The k-th largest column
-maximum is a threshold at or below the k-th largest value, and every value at or above it lies in
-one of the k columns whose maxima reach it, so only those k columns (a quarter of the chunk) are
-searched for candidates. At larger k, or where more than k column maxima tie at the threshold, a
-threshold from every 16th value of the chunk keeps about twice k candidates. Either way only the
-candidates are sorted; a chunk with fewer candidates than k (rare: values tied or laid out in a
-stride-16 pattern) is sorted whole. Ties at the k-th value go to the lower index,
-deterministically, whichever search ran.
+Encode and decode run compiled (core/sparse_kernels.py: numba): the selection is a radix select on
+|x|'s bits over the values at or above a threshold from every 16th value of the chunk, set to keep
+about 2k of them (every value where fewer than k reach it), then one pass packs the sent indices
+and levels. Ties at the k-th value go to the lower index. The scale is the root mean square of the
+sent values computed in float64, rounded to fp32 and then to the nearest bf16 (ties to even).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
+from types import ModuleType
 
+import numpy as np
 import torch
 
-from lightning_diloco.core.codecs import Codec, Payload, _refuse_non_finite, _scratch
+from lightning_diloco.core.codecs import Codec, NonFiniteError, Payload, _refuse_non_finite
 from lightning_diloco.core.fragments import FragmentLayout
 
 CHUNK = 4096
 """Values per chunk: a 12-bit index addresses each of them."""
-INDEX_BITS = 12
 SAMPLE_STRIDE = 16
-"""Every 16th value of a chunk estimates its threshold."""
-MAX_COLUMN_VALUES, MIN_COLUMN_VALUES = 16, 8
-"""Values of a column in the column search: at most 16 (256 columns a chunk, at stride 256); with
-fewer than 8 (k > 128) the search did not beat the sample's (2026-11-29)."""
-ROWS_AT_ONCE = 64
-"""Chunks searched at once: 1 MB of |x| and 256 KB of mask in the thread's scratch (codecs._Scratch)."""
+"""Every 16th value of a chunk sets the threshold its candidates reach."""
 MIN_DENSITY, MAX_DENSITY = 1 / CHUNK, 0.5
 """The densities the setting takes: at least one value a chunk; past half, int2 dense is fewer bytes."""
 
@@ -98,9 +88,6 @@ class SparseCodec(Codec):
             raise ValueError(f"sparse density={density!r} must be a number from 1/{CHUNK} to {MAX_DENSITY}")
         self.density = float(density)
         self.k = chunk_k(CHUNK, self.density)
-        # the column search's columns: as many values each as leave k columns a quarter of the
-        # chunk or less, a power of two up to 16
-        self.column_values = min(MAX_COLUMN_VALUES, 1 << max(0, (CHUNK // (4 * self.k)).bit_length() - 1))
 
     def _shape(self, numel: int) -> tuple[int, int, int]:
         """(full chunks, values of the tail chunk (0: none), values sent in all)."""
@@ -116,180 +103,64 @@ class SparseCodec(Codec):
     def encoded_size(self, numel: int) -> int:
         return sum(self.sections(numel))
 
-    # ---- encode -------------------------------------------------------------------------------
-
-    def _top_full(self, rows: torch.Tensor) -> torch.Tensor:
-        """Indices of the k largest |values| of each row of ``rows`` (n <= ROWS_AT_ONCE, CHUNK),
-        ascending within each row: an (n, k) tensor."""
-        n, k = rows.shape[0], self.k
-        mags = torch.abs(rows, out=_scratch.values(rows.numel()).view(n, CHUNK))
-        if self.column_values >= MIN_COLUMN_VALUES:  # a quarter of the chunk or less to search
-            found = self._top_by_columns(mags)
-            if found is not None:
-                return found
-        sample = mags[:, ::SAMPLE_STRIDE]
-        # the j-th largest of the sample leaves about j * 16 values at or above it: 2k and a margin
-        j = min(sample.shape[1], math.ceil(2 * k / SAMPLE_STRIDE) + 4)
-        threshold = sample.topk(j, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-        mask = torch.ge(mags, threshold, out=_scratch.levels(rows.numel()).view(torch.bool).view(n, CHUNK))
-        flat = mask.view(-1).nonzero().squeeze(1)  # candidates, row by row, ascending within a row
-        row = flat >> INDEX_BITS
-        counts = torch.bincount(row, minlength=n)
-        short = counts < k
-        if bool(short.any()):  # too few candidates: those chunks are searched whole (rare)
-            whole = short.nonzero().squeeze(1)
-            out = torch.empty(n, k, dtype=torch.int64)
-            out[whole] = _top_whole(mags[whole], k)
-            rest = (~short).nonzero().squeeze(1)
-            if rest.numel():
-                out[rest] = self._top_full(rows[rest])
-            return out
-        return self._first_k(row, mags.view(-1)[flat], flat & (CHUNK - 1), counts)
-
-    def _top_by_columns(self, mags: torch.Tensor) -> torch.Tensor | None:
-        """``_top_full``'s result from the k columns whose maxima are largest (module docstring),
-        or None where more than k column maxima reach the threshold (ties), which the sample's
-        search handles."""
-        n, k, height = mags.shape[0], self.k, self.column_values
-        width = CHUNK // height
-        columns = mags.view(n, height, width)
-        peaks = columns.amax(dim=1)
-        best, which = peaks.topk(k, dim=1, sorted=False)
-        threshold = best.amin(dim=1, keepdim=True)
-        if bool((peaks >= threshold).sum(dim=1).gt(k).any()):
-            return None  # a column left out could hold a value tied at the threshold
-        candidates = columns.gather(2, which[:, None, :].expand(n, height, k))  # (n, height, k)
-        flat = (candidates >= threshold[:, :, None]).view(-1).nonzero().squeeze(1)
-        row = flat // (height * k)
-        place = (flat // k) % height * width + which.view(-1)[row * k + flat % k]
-        return self._first_k(row, candidates.view(-1)[flat], place, torch.bincount(row, minlength=n))
-
-    def _first_k(self, row: torch.Tensor, mags: torch.Tensor, place: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The k largest of each row's candidates (``row``, ``mags``, ``place`` in the chunk, at least
-        k a row, ``counts`` of them), ascending by place: one sort by row, then magnitude largest
-        first, then place. |x|'s bits order as |x| does and the key is unique, so ties go to the
-        lower place whatever the sort and whatever order the candidates come in."""
-        bits = mags.view(torch.int32).to(torch.int64)
-        key = (row << (31 + INDEX_BITS)) | ((0x7FFFFFFF - bits) << INDEX_BITS) | place
-        key = key.sort().values
-        starts = torch.cumsum(counts, 0) - counts
-        chosen = key[starts[:, None] + torch.arange(self.k)] & (CHUNK - 1)  # the first k of each row
-        return chosen.sort(dim=1).values
-
-    def _groups(self, numel: int) -> list[tuple[int, int, int, int]]:
-        """(first value, chunks, values a chunk, values sent a chunk): the full chunks, then the tail."""
-        nfull, tail, total = self._shape(numel)
-        groups = [(0, nfull, CHUNK, self.k)] if nfull else []
-        return groups + ([(nfull * CHUNK, 1, tail, total - nfull * self.k)] if tail else [])
+    def _ks(self, numel: int) -> tuple[int, int, int]:
+        """(values sent a full chunk, values sent of the tail chunk, values sent in all)."""
+        nfull, _, total = self._shape(numel)
+        return self.k, total - nfull * self.k, total
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.detach().reshape(-1).to(torch.float32)
+        flat = x.detach().reshape(-1).to(torch.float32).contiguous()
         numel = flat.numel()
         out = torch.zeros(self.encoded_size(numel), dtype=torch.uint8)
         if numel == 0:
             return out
-        _refuse_non_finite(flat, f"{self.name} input")
-        indices, values = [], []
-        for start, rows, length, k in self._groups(numel):
-            block = flat[start : start + rows * length].view(rows, length)
-            if length == CHUNK:
-                index = torch.empty(rows, k, dtype=torch.int64)
-                for lo in range(0, rows, ROWS_AT_ONCE):  # scratch of at most that many chunks a thread
-                    index[lo : lo + ROWS_AT_ONCE] = self._top_full(block[lo : lo + ROWS_AT_ONCE])
-            else:
-                index = _top_whole(block.abs(), k)
-            indices.append(index)
-            values.append(block.gather(1, index))
-        # per chunk the root mean square of its sent values (in float64 where fp32 squares could overflow)
-        wide = torch.float64 if max(float(v.abs().max()) for v in values) > 1e18 else torch.float32
-        scale = torch.cat([torch.linalg.vector_norm(v, dim=1, dtype=wide).div_(v.shape[1] ** 0.5) for v in values])
-        scale = scale.to(torch.bfloat16)
-        _refuse_non_finite(scale.float() * 1.5, f"{self.name} input's largest level")
-        divisor = scale.float()
-        divisor = torch.where(divisor > 0, divisor, 1.0)
-        levels, row = [], 0
-        for v in values:
-            levels.append((v / divisor[row : row + v.shape[0], None]).floor_().clamp_(-2, 1).add_(2).view(-1))
-            row += v.shape[0]
+        k, k_tail, _ = self._ks(numel)
         scale_bytes, index_bytes, _ = self.sections(numel)
-        out[:scale_bytes].view(torch.bfloat16).copy_(scale)
-        _pack_indices(torch.cat([i.view(-1) for i in indices]), out[scale_bytes : scale_bytes + index_bytes])
-        _pack_levels(torch.cat(levels).to(torch.uint8), out[scale_bytes + index_bytes :])
+        error = _kernels().encode_into(flat.numpy(), k, k_tail, out.numpy(), scale_bytes, scale_bytes + index_bytes)
+        if error:
+            _refuse_non_finite(flat, f"{self.name} input")
+            raise NonFiniteError(f"{self.name} input's largest level overflows: a chunk's values sent have a root "
+                                 "mean square near fp32's largest value; refusing to send it")
         return out
-
-    # ---- decode -------------------------------------------------------------------------------
 
     def decode(self, data: Payload, numel: int) -> torch.Tensor:
         raw, _ = self._as_uint8(data, numel)
-        out = torch.zeros(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=torch.float32)
         if numel == 0:
             return out
-        _, _, total = self._shape(numel)
+        kernels = _kernels()
+        k, k_tail, total = self._ks(numel)
         scale_bytes, index_bytes, _ = self.sections(numel)
-        scale = raw[:scale_bytes].view(torch.bfloat16).to(torch.float32)  # _as_uint8: at an even offset
-        _refuse_non_finite(scale * 1.5, f"{self.name} payload scale")
-        index = _unpack_indices(raw[scale_bytes : scale_bytes + index_bytes], total)
-        levels = _unpack_levels(raw[scale_bytes + index_bytes :], total)
-        row = sent = 0
-        for start, rows, length, k in self._groups(numel):
-            where = index[sent : sent + rows * k].view(rows, k)
-            if not bool((where.diff(dim=1) > 0).all()):
-                raise ValueError(f"{self.name} payload has indices not strictly ascending within "
-                                 f"{'a chunk' if length == CHUNK else 'its last chunk'} (a duplicate or a reordered "
-                                 "index); it was not written by this codec")
-            if length < CHUNK and int(where.max()) >= length:
-                raise ValueError(f"{self.name} payload has index {int(where.max())} past its last chunk of {length} "
-                                 f"values (a fragment of {numel} values)")
-            value = levels[sent : sent + rows * k].view(rows, k).to(torch.float32).sub_(1.5).mul_(scale[row : row + rows, None])
-            out[start : start + rows * length].view(rows, length).scatter_(1, where, value)
-            row, sent = row + rows, sent + rows * k
+        where = np.zeros(2, dtype=np.int64)
+        error = kernels.decode_into(raw.numpy(), k, k_tail, scale_bytes, scale_bytes + index_bytes, total, out.numpy(), where)
+        if error == kernels.SCALE_NON_FINITE:
+            raise NonFiniteError(f"{self.name} payload scale of chunk {where[0]} is non-finite (NaN or inf, or its "
+                                 "largest level is); refusing to merge it")
+        if error == kernels.PADDING_INDEX:
+            raise ValueError(f"{self.name} payload's padding index is not zero; it was not written by this codec")
+        if error == kernels.PADDING_LEVELS:
+            raise ValueError(f"{self.name} payload's padding levels are not zero; it was not written by this codec")
+        last = where[0] == (numel - 1) // CHUNK and numel % CHUNK
+        if error == kernels.NOT_ASCENDING:
+            raise ValueError(f"{self.name} payload has indices not strictly ascending within "
+                             f"{'its last chunk' if last else 'a chunk'} (a duplicate or a reordered "
+                             "index); it was not written by this codec")
+        if error == kernels.PAST_TAIL:
+            raise ValueError(f"{self.name} payload has index {where[1]} past its last chunk of {numel % CHUNK} "
+                             f"values (a fragment of {numel} values)")
         return out
 
     def __repr__(self) -> str:
         return f"SparseCodec(density={self.density})"
 
 
-def _top_whole(mags: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest of each row of ``mags``, ties to the lower index, ascending: a
-    stable sort of whole rows (``torch.topk`` leaves ties to its implementation)."""
-    return torch.sort(mags, dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
 
-
-def _pack_indices(index: torch.Tensor, dest: torch.Tensor) -> None:
-    """12-bit ``index`` values into ``dest`` (3 bytes a pair, a zero index padding an odd count)."""
-    pairs = torch.zeros(dest.numel() // 3 * 2, dtype=torch.int64)
-    pairs[: index.numel()] = index
-    a, b = pairs[0::2], pairs[1::2]
-    row = dest.view(-1, 3)
-    row[:, 0] = a & 0xFF
-    row[:, 1] = (a >> 8) | ((b & 0xF) << 4)
-    row[:, 2] = b >> 4
-
-
-def _unpack_indices(src: torch.Tensor, count: int) -> torch.Tensor:
-    row = src.view(-1, 3).to(torch.int64)
-    pairs = torch.empty(row.shape[0] * 2, dtype=torch.int64)
-    pairs[0::2] = row[:, 0] | ((row[:, 1] & 0xF) << 8)
-    pairs[1::2] = (row[:, 1] >> 4) | (row[:, 2] << 4)
-    if pairs.numel() > count and int(pairs[count]) != 0:
-        raise ValueError("sparse payload's padding index is not zero; it was not written by this codec")
-    return pairs[:count]
-
-
-def _pack_levels(levels: torch.Tensor, dest: torch.Tensor) -> None:
-    padded = torch.zeros(dest.numel() * 4, dtype=torch.uint8)
-    padded[: levels.numel()] = levels
-    columns = padded.view(-1, 4)
-    torch.bitwise_or(columns[:, 0], columns[:, 1] << 2, out=dest)
-    dest.bitwise_or_(columns[:, 2] << 4).bitwise_or_(columns[:, 3] << 6)
-
-
-def _unpack_levels(src: torch.Tensor, count: int) -> torch.Tensor:
-    out = torch.empty(src.numel(), 4, dtype=torch.uint8)
-    for k in range(4):
-        torch.bitwise_right_shift(src, 2 * k, out=out[:, k])
-    out.bitwise_and_(3)
-    flat = out.view(-1)
-    if bool(flat[count:].any()):
-        raise ValueError("sparse payload's padding levels are not zero; it was not written by this codec")
-    return flat[:count]
+def _kernels() -> ModuleType:
+    """core/sparse_kernels.py, imported at the first encode or decode: numba loads in about half a
+    second, which a run on the other codecs need not pay."""
+    try:
+        from lightning_diloco.core import sparse_kernels
+    except ImportError as err:  # a machine where lightning-diloco's dependencies were not installed
+        raise ImportError(f"the sparse codec runs compiled kernels that need numba ({err}); install it with "
+                          "`pip install numba` (a dependency of lightning-diloco)") from err
+    return sparse_kernels

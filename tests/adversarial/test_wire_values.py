@@ -286,8 +286,9 @@ def test_a_hostile_sparse_payload_is_refused_with_its_reason_and_an_honest_one_i
     import dataclasses
 
     from lightning_diloco.core.config import CodecConfig
-    from lightning_diloco.core.sparse_codec import SparseCodec, _pack_indices
+    from lightning_diloco.core.sparse_codec import SparseCodec
     from lightning_diloco.reasons import SynchronizerError
+    from tests.helpers import sparse_payload_with_indices
 
     config = dataclasses.replace(run_config(num_fragments=2, min_quorum=1),
                                  codec=CodecConfig(uplink="sparse", downlink="sparse", sparse_density=0.25))
@@ -296,12 +297,9 @@ def test_a_hostile_sparse_payload_is_refused_with_its_reason_and_an_honest_one_i
     codec = SparseCodec(0.25)
     k = round(0.25 * numel)
     honest = codec.encode(torch.linspace(-1e-3, 1e-3, numel))
-    scale_bytes, index_bytes, _ = codec.sections(numel)
 
     def with_indices(index):
-        payload = honest.clone()
-        _pack_indices(torch.tensor(index), payload[scale_bytes : scale_bytes + index_bytes])
-        return payload
+        return sparse_payload_with_indices(honest, codec, numel, index)
 
     hostile = {
         "duplicate": (with_indices([0, 0] + list(range(2, k))), "not strictly ascending"),
