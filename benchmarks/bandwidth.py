@@ -10,7 +10,7 @@ steady-state window (from its step 10 to 2 steps before its end: joins and final
 the totals with them are printed too). Arms: DDP (fp32 gradient all-reduce over gloo), and Decoupled DiLoCo
 at the paper's defaults (P = 24, H = 24, int4 uplink, bf16 downlink), with an int4 downlink, at
 H = 100, with int2 both ways (blocks of 64 and 128), and ``presets.low_bandwidth()`` (int2 both ways in
-blocks of 128 at outer lr 0.5), and ``presets.sparse()`` (chunked top-k at densities 1/64 and 1/128, and at 1/64 with the output head in int2); quorum 1 (the library's) and apply mix, the recipes' CPU setting. Needs root; prints why and exits 0 where namespaces are not available.
+blocks of 128 at outer lr 0.5), and ``presets.sparse()`` (chunked top-k at densities 1/64 and 1/128, and at 1/64 with the output head in int2), and a sparse uplink at 1/8 with the head in int2 and int4 down; quorum 1 (the library's) and apply mix, the recipes' CPU setting. Needs root; prints why and exits 0 where namespaces are not available.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.netns import Namespaces, unavailable
 from benchmarks.netrun import run_arm
 from lightning_diloco.core import presets
-from lightning_diloco.core.settings import changed_settings, setting_flags
+from lightning_diloco.core.settings import changed_settings, config_with, setting_flags
 
 ARMS = {
     "diloco H=24 int4 up / bf16 down": ["--sync-every=24", "--uplink-codec=int4", "--downlink-codec=bf16"],
@@ -40,6 +40,11 @@ ARMS = {
     # the same with the output head's fragment in int2 both ways (sparse_dense_tensors)
     "diloco H=24 presets.sparse() 1/64, head int2": [
         "--sync-every=24", *setting_flags(changed_settings(presets.sparse(dense_tensors="*lm_head.weight")))],
+    # the density sweep's point (within 0.5 points of int4, simulated): a sparse uplink at 1/8 with
+    # the head in int2, int4 down (its residual in the parameters, which apply mix refuses, moves no byte)
+    "diloco H=24 sparse 1/8 up, head int2 / int4 down": ["--sync-every=24", *setting_flags(changed_settings(config_with(
+        {"uplink_codec": "sparse", "sparse_density": 1 / 8, "sparse_dense_tensors": "*lm_head.weight",
+         "downlink_codec": "int4"})))],
 }
 
 

@@ -111,7 +111,7 @@ class SparseCodec(Codec):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.detach().reshape(-1).to(torch.float32).contiguous()
         numel = flat.numel()
-        out = torch.zeros(self.encoded_size(numel), dtype=torch.uint8)
+        out = torch.zeros(self.encoded_size(numel), dtype=torch.uint8, device="cpu")
         if numel == 0:
             return out
         k, k_tail, _ = self._ks(numel)
@@ -125,7 +125,7 @@ class SparseCodec(Codec):
 
     def decode(self, data: Payload, numel: int) -> torch.Tensor:
         raw, _ = self._as_uint8(data, numel)
-        out = torch.empty(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=torch.float32, device="cpu")
         if numel == 0:
             return out
         kernels = _kernels()
@@ -156,8 +156,8 @@ class SparseCodec(Codec):
 
 
 def _kernels() -> ModuleType:
-    """core/sparse_kernels.py, imported at the first encode or decode: numba loads in about half a
-    second, which a run on the other codecs need not pay."""
+    """core/sparse_kernels.py, imported at the first encode or decode: numba and the cached
+    kernels load in about a second, which a run on the other codecs need not pay."""
     try:
         from lightning_diloco.core import sparse_kernels
     except ImportError as err:  # a machine where lightning-diloco's dependencies were not installed

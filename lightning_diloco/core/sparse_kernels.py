@@ -3,8 +3,8 @@
 The rule and the layout are core/sparse_codec.py's; this module is how they run. Written as torch
 calls the codec was about ninety small operations for 64 chunks, 0.26-0.66 GB/s of fp32 input
 (2026-11-29). numba (LLVM in a wheel: no compiler on the machine) compiles these loops once per
-machine and source (``cache=True``: a few seconds, then a fraction of a second per process to
-load them), and they release the GIL, so an island's push thread encodes beside its training.
+machine and source (``cache=True``: a few seconds; then a process's first encode, numba's import
+and the cached loops, takes about a second), and they release the GIL, so an island's push thread encodes beside its training.
 
 A chunk's selection: every 16th value's |x| gives a floor that about 2k values reach; one pass
 keeps those (every value where fewer than k do: values tied, or the sample holding the largest).

@@ -198,7 +198,7 @@ def test_a_float64_default_dtype_changes_nothing(name):
     assert out.dtype == torch.float32 and torch.equal(out, codec.decode(expected, 100))
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("name", CODECS)
 def test_a_thread_whose_default_device_is_another_gets_cpu_payloads_and_values(name):
     """Torch's default device is the calling thread's: a caller that set it (to a GPU, or to
     meta while building a model) still gets CPU payloads and values from CPU input (meta
