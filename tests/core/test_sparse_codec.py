@@ -170,6 +170,50 @@ def test_hostile_payloads_are_refused_naming_what_is_wrong():
         odd.decode(padded, m)
 
 
+def fuzz_decode(trials: int) -> tuple[int, int]:
+    """Random payloads, and honest ones with bytes overwritten at random: each decodes to finite
+    values, at most k a chunk, or is refused with a ValueError. Returns (refused, decoded)."""
+    g = torch.Generator().manual_seed(0)
+    refused = decoded = 0
+    for trial in range(trials):
+        density = [1 / 4096, 1 / 64, 1 / 8, 0.5][trial % 4]
+        n = int(torch.randint(1, 3 * CHUNK, (1,), generator=g))
+        codec = SparseCodec(density)
+        if trial % 2:
+            payload = torch.randint(0, 256, (codec.encoded_size(n),), dtype=torch.uint8, generator=g)
+        else:
+            payload = codec.encode(_gaussian(n, seed=trial))
+            where = torch.randint(0, payload.numel(), (3,), generator=g)
+            payload[where] = torch.randint(0, 256, (3,), dtype=torch.uint8, generator=g)
+        try:
+            out = codec.decode(bytes(payload.numpy()), n)
+        except ValueError:
+            refused += 1
+            continue
+        decoded += 1
+        assert out.shape == (n,) and bool(torch.isfinite(out).all())
+        assert all(len(sent) <= max(1, round(density * CHUNK)) for sent in _sent(out))
+    return refused, decoded
+
+
+@pytest.mark.timeout(180)
+def test_any_payload_of_the_right_size_decodes_to_finite_values_or_is_refused(tmp_path):
+    """The decoder is compiled without bounds checks, so every byte it reads or writes must follow
+    from the sizes it checked. Here it is compiled with them (NUMBA_BOUNDSCHECK, in a process and
+    a cache of its own), so a read or write out of place fails the run instead of passing unseen."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    code = "from tests.core.test_sparse_codec import fuzz_decode; print(*fuzz_decode(400))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused, decoded = map(int, done.stdout.split())
+    assert refused > 20 and decoded > 20, (refused, decoded)  # both paths taken (351 and 49 here)
+
+
 def test_density_setting_is_validated_and_sparse_uplink_needs_feedback():
     assert CodecConfig(uplink="sparse", downlink="sparse", sparse_density=1 / 128).sparse_density == 1 / 128
     for bad in (0, 1 / 8192, 0.75, True, "0.01"):
