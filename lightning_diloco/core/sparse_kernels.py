@@ -4,7 +4,12 @@ The rule and the layout are core/sparse_codec.py's; this module is how they run.
 calls the codec was about ninety small operations for 64 chunks, 0.26-0.66 GB/s of fp32 input
 (2026-11-29). numba (LLVM in a wheel: no compiler on the machine) compiles these loops once per
 machine and source (``cache=True``: a few seconds; then a process's first encode, numba's import
-and the cached loops, takes about a second), and they release the GIL, so an island's push thread encodes beside its training.
+and the cached loops, takes about a second). They release the GIL, so an island's push thread
+encodes beside its training thread.
+
+The decoder reads what islands send and numba checks no bounds: every byte it reads or writes
+follows from sizes the codec checked first, and an index is checked before it is written
+(tests/core/test_sparse_codec.py fuzzes it compiled with bounds checks).
 
 A chunk's selection: every 16th value's |x| gives a floor that about 2k values reach; one pass
 keeps those (every value where fewer than k do: values tied, or the sample holding the largest).
