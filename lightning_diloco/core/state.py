@@ -21,7 +21,7 @@ from lightning_diloco.core.fragments import FragmentLayout, flatten_fragment
 from lightning_diloco.core.merge import norm64
 from lightning_diloco.core.outer import OuterOptimizer
 from lightning_diloco.core.protocol import VersionUpdate
-from lightning_diloco.core.sparse_codec import DENSE_CODEC, dense_fragments
+from lightning_diloco.core.sparse_codec import DENSE_CODEC, dense_fragments, prepare_kernels
 
 CHECKPOINT_FORMAT = 2
 
@@ -191,6 +191,8 @@ class SynchronizerState:
             assert value.numel() == expected, f"fragment {p}: {value.numel()=} != {expected=}"
         self.dense_downlink = (dense_fragments(layout, config.codec.sparse_dense_tensors, strict=False)
                                if config.codec.downlink == "sparse" and config.codec.sparse_dense_tensors else frozenset())
+        if "sparse" in (config.codec.uplink, config.codec.downlink):
+            prepare_kernels()  # before the first merge
         self.fragments = {p: self.new_fragment(p, value) for p, value in sorted(fragments.items())}
         self.identity: dict = {}
         """Whose state this is: ``run_id``, ``shard``, ``num_shards`` (checkpoints.py checks them on load)."""

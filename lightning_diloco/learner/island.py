@@ -29,7 +29,7 @@ from lightning_diloco.core.codecs import get_codec
 from lightning_diloco.core.config import RunConfig
 from lightning_diloco.core.fragments import FragmentLayout
 from lightning_diloco.core.schedule import due_fragment, fragment_offsets, round_of
-from lightning_diloco.core.sparse_codec import DENSE_CODEC, dense_fragments
+from lightning_diloco.core.sparse_codec import DENSE_CODEC, dense_fragments, prepare_kernels
 from lightning_diloco.core.threads import torch_on_this_thread
 from lightning_diloco.learner.clock import SYSTEM_CLOCK, Clock
 from lightning_diloco.learner.collective import Collective
@@ -102,6 +102,8 @@ class IslandLearner:
             dense = get_codec(DENSE_CODEC, codec.block_size)
             named = dense_fragments(layout, codec.sparse_dense_tensors)
             uplink_of = {p: dense for p in named} if codec.uplink == "sparse" else {}
+        if self.is_leader and "sparse" in (codec.uplink, codec.downlink):
+            prepare_kernels()  # before training, not in the first push
         self.push_wait = push_wait
 
         P = layout.num_fragments
