@@ -214,6 +214,34 @@ def test_any_payload_of_the_right_size_decodes_to_finite_values_or_is_refused(tm
     assert refused > 20 and decoded > 20, (refused, decoded)  # both paths taken (351 and 49 here)
 
 
+@pytest.mark.timeout(120)
+def test_a_sparse_run_s_synchronizer_has_the_kernels_as_it_starts_and_another_run_never_loads_numba():
+    """Compiled at the first merge or push instead, the kernels cost four islands starting together
+    11 s of rounds (2026-11-29); a run on the other codecs does not pay numba's import at all."""
+    import os
+    import subprocess
+    import sys
+
+    code = """if True:
+        import sys
+        from lightning_diloco.core.state import SynchronizerState
+        from tests.helpers import initial_fragments, layout, run_config
+        for codec in ("int4", "sparse"):
+            config = run_config(uplink=codec, downlink=codec)
+            SynchronizerState(config, layout(config), initial_fragments(config))
+            if "numba" not in sys.modules:
+                print(codec, "no numba")
+                continue
+            from lightning_diloco.core import sparse_kernels
+            print(codec, len(sparse_kernels.encode_into.signatures), len(sparse_kernels.decode_into.signatures))
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["int4 no numba", "sparse 1 1"], done.stdout
+
+
 def test_density_setting_is_validated_and_sparse_uplink_needs_feedback():
     assert CodecConfig(uplink="sparse", downlink="sparse", sparse_density=1 / 128).sparse_density == 1 / 128
     for bad in (0, 1 / 8192, 0.75, True, "0.01"):
