@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.fakes import SPECS, FakeClock, contribution, initial_fragments, layout
 from lightning_diloco.core.config import CodecConfig, MergeConfig, OuterConfig, RunConfig, ScheduleConfig
+from lightning_diloco.core.sparse_codec import CHUNK, chunk_k
 
 __all__ = ["SPECS", "FakeClock", "contribution", "initial_fragments", "layout"]  # (benchmarks/fakes.py's, for the tests)
 
@@ -128,8 +129,8 @@ def sparse_payload_indices(payload: torch.Tensor, codec, numel: int) -> list[set
         a, b, c = packed[p : p + 3]
         index += [a | (b & 0xF) << 8, b >> 4 | c << 4]
     out, sent = [], 0
-    for start in range(0, numel, 4096):
-        k = max(1, min(numel - start, round(codec.density * min(4096, numel - start))))
+    for start in range(0, numel, CHUNK):
+        k = chunk_k(min(CHUNK, numel - start), codec.density)
         out.append(set(index[sent : sent + k]))
         sent += k
     return out

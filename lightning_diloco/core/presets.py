@@ -86,8 +86,9 @@ def sparse(base: RunConfig | None = None, density: float = 1 / 64, dense_tensors
     the output head in int2, +1.2% with ``uplink_residual="parameters"`` too (4 seeds each, the
     text preset's plain averaging and rebase; not measured better elsewhere), and that arm at
     1/8 +0.47% (within half a point, +0.14% on the real main job; 1.62x fewer bytes than int4
-    both ways on the links, 208x fewer than DDP); both ways at 1/64 the eval loss is 2.13 with the head in int2, 2.80
-    without (int4 1.84; one seed). With a synchronizer of its own, start it with these (``--config``)."""
+    both ways on the links, 208x fewer than DDP); both ways at 1/64 the eval loss is 2.13 with
+    the head in int2, 2.80 without (int4 1.84; one seed). With a synchronizer of its own, start
+    it with these (``--config``)."""
     base = base if base is not None else RunConfig()
     return config_with({"uplink_codec": "sparse", "downlink_codec": "sparse", "sparse_density": density,
                         "uplink_feedback": True, "sparse_dense_tensors": dense_tensors}, base=base)

@@ -116,9 +116,11 @@ class SparseCodec(Codec):
             return out
         k, k_tail, _ = self._ks(numel)
         scale_bytes, index_bytes, _ = self.sections(numel)
-        error = _kernels().encode_into(flat.numpy(), k, k_tail, out.numpy(), scale_bytes, scale_bytes + index_bytes)
-        if error:
-            _refuse_non_finite(flat, f"{self.name} input")
+        kernels = _kernels()
+        error = kernels.encode_into(flat.numpy(), k, k_tail, out.numpy(), scale_bytes, scale_bytes + index_bytes)
+        if error == kernels.NON_FINITE_INPUT:
+            _refuse_non_finite(flat, f"{self.name} input")  # raises, counting them in its message
+        if error:  # LEVEL_OVERFLOW
             raise NonFiniteError(f"{self.name} input's largest level overflows: a chunk's values sent have a root "
                                  "mean square near fp32's largest value; refusing to send it")
         return out

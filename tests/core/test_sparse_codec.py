@@ -2,6 +2,10 @@
 feedback that delivers what it leaves out, and every malformed payload refused with its reason.
 (The conformance suite every codec runs is in test_codecs.py.)"""
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,7 +14,9 @@ from lightning_diloco.core.config import CodecConfig
 from lightning_diloco.core.downlink import PublishedChain
 from lightning_diloco.core.feedback import UplinkFeedback
 from lightning_diloco.core.sparse_codec import CHUNK, SparseCodec
-from tests.helpers import sparse_payload_indices, sparse_payload_with_indices
+from tests.helpers import run_bounded, sparse_payload_indices, sparse_payload_with_indices
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gaussian(n, seed=0):
@@ -104,7 +110,7 @@ def test_the_compiled_search_sends_what_the_rule_says_whatever_the_values(densit
         codec = SparseCodec(density)
         payload = codec.encode(x)
         assert sparse_payload_indices(payload, codec, n) == _top(x, density), trial
-        assert torch.equal(codec.decode(payload, n) != 0, _sent_mask(x, density)) or trial == 5, trial
+        assert torch.equal(codec.decode(payload, n) != 0, _sent_mask(x, density)), trial
 
 
 def test_uplink_feedback_delivers_what_each_push_leaves_out():
@@ -137,24 +143,20 @@ def test_downlink_chain_reaches_a_dense_global_value_a_sparse_step_at_a_time():
     assert errors[0] > 0.9 and errors[-1] < 0.25 and errors[-1] < errors[49] < errors[9]
 
 
-def _tamper(payload: torch.Tensor, codec: SparseCodec, numel: int, index: list[int]) -> torch.Tensor:
-    return sparse_payload_with_indices(payload, codec, numel, index)
-
-
 def test_hostile_payloads_are_refused_naming_what_is_wrong():
     codec, n = SparseCodec(1 / 64), CHUNK + 1000  # a full chunk of k = 64 and a tail of 1000 values, k = 16
     payload = codec.encode(_gaussian(n))
     full = list(range(0, 640, 10))
     tail = list(range(0, 160, 10))
-    well_formed = codec.decode(_tamper(payload, codec, n, full + tail), n)
+    well_formed = codec.decode(sparse_payload_with_indices(payload, codec, n, full + tail), n)
     assert _sent(well_formed) == [set(full), set(tail)]
     duplicate = full[:10] + [full[10]] + full[10:-1]
     with pytest.raises(ValueError, match="not strictly ascending within a chunk"):
-        codec.decode(_tamper(payload, codec, n, duplicate + tail), n)
+        codec.decode(sparse_payload_with_indices(payload, codec, n, duplicate + tail), n)
     with pytest.raises(ValueError, match="not strictly ascending within its last chunk"):
-        codec.decode(_tamper(payload, codec, n, full + tail[::-1]), n)
+        codec.decode(sparse_payload_with_indices(payload, codec, n, full + tail[::-1]), n)
     with pytest.raises(ValueError, match="index 1000 past its last chunk of 1000 values"):
-        codec.decode(_tamper(payload, codec, n, full + tail[:-1] + [1000]), n)
+        codec.decode(sparse_payload_with_indices(payload, codec, n, full + tail[:-1] + [1000]), n)
     denser = SparseCodec(1 / 32).encode(_gaussian(n))  # a density above the setting
     with pytest.raises(ValueError, match="does not match"):
         codec.decode(denser, n)
@@ -168,6 +170,13 @@ def test_hostile_payloads_are_refused_naming_what_is_wrong():
     padded[-1] |= 0b11000000  # the fourth level of the last byte: padding
     with pytest.raises(ValueError, match="padding levels are not zero"):
         odd.decode(padded, m)
+
+
+def _python(code: str, timeout: float, **env: str) -> list[str]:
+    """The lines ``python -c code`` prints, run from the repository's root in a process of its own."""
+    done = run_bounded([sys.executable, "-c", code], timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert done.returncode == 0, done.stdout[-3000:]
+    return done.stdout.splitlines()
 
 
 def fuzz_decode(trials: int) -> tuple[int, int]:
@@ -201,16 +210,9 @@ def test_any_payload_of_the_right_size_decodes_to_finite_values_or_is_refused(tm
     """The decoder is compiled without bounds checks, so every byte it reads or writes must follow
     from the sizes it checked. Here it is compiled with them (NUMBA_BOUNDSCHECK, in a process and
     a cache of its own), so a read or write out of place fails the run instead of passing unseen."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    code = "from tests.core.test_sparse_codec import fuzz_decode; print(*fuzz_decode(400))"
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
-    refused, decoded = map(int, done.stdout.split())
+    out = _python("from tests.core.test_sparse_codec import fuzz_decode; print(*fuzz_decode(400))", timeout=150,
+                  NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
+    refused, decoded = map(int, out[-1].split())
     assert refused > 20 and decoded > 20, (refused, decoded)  # both paths taken (351 and 49 here)
 
 
@@ -218,10 +220,6 @@ def test_any_payload_of_the_right_size_decodes_to_finite_values_or_is_refused(tm
 def test_a_sparse_run_s_synchronizer_has_the_kernels_as_it_starts_and_another_run_never_loads_numba():
     """Compiled at the first merge or push instead, the kernels cost four islands starting together
     11 s of rounds (2026-11-29); a run on the other codecs does not pay numba's import at all."""
-    import os
-    import subprocess
-    import sys
-
     code = """if True:
         import sys
         from lightning_diloco.core.state import SynchronizerState
@@ -235,11 +233,7 @@ def test_a_sparse_run_s_synchronizer_has_the_kernels_as_it_starts_and_another_ru
             from lightning_diloco.core import sparse_kernels
             print(codec, len(sparse_kernels.encode_into.signatures), len(sparse_kernels.decode_into.signatures))
     """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=100,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == ["int4 no numba", "sparse 1 1"], done.stdout
+    assert _python(code, timeout=100)[-2:] == ["int4 no numba", "sparse 1 1"]
 
 
 def test_density_setting_is_validated_and_sparse_uplink_needs_feedback():
