@@ -85,8 +85,8 @@ def sparse(base: RunConfig | None = None, density: float = 1 / 64, dense_tensors
     progress by rounds. A sparse uplink at 1/16 costs +4.85% of int4's eval loss, +2.8% with
     the output head in int2, +1.2% with ``uplink_residual="parameters"`` too (4 seeds each, the
     text preset's plain averaging and rebase; not measured better elsewhere), and that arm at
-    1/8 +0.47% (within half a point, +0.14% on the real main job; 1.62x fewer bytes than int4
-    both ways on the links, 208x fewer than DDP); both ways at 1/64 the eval loss is 2.13 with
+    1/8 +0.47% (within half a point, +0.14% on the real main job; 1.40x fewer bytes than int4
+    both ways on the links, 180x fewer than DDP); both ways at 1/64 the eval loss is 2.13 with
     the head in int2, 2.80 without (int4 1.84; one seed). With a synchronizer of its own, start
     it with these (``--config``)."""
     base = base if base is not None else RunConfig()
