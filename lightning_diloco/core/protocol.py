@@ -201,6 +201,8 @@ class SynchronizerStatus:
     layout_hash: str
     """Empty until the first island joins."""
     outer_steps: int
+    """Outer steps taken; a fragment recovering after a restart counts the version it waits to get
+    back (its ``versions`` entry is -1 until then), so only a lost version makes it go back."""
     run_step: int
     sync_every: int
     num_fragments: int

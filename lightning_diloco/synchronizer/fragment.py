@@ -112,6 +112,15 @@ class Fragment:
         state = self.state
         return state.version if state is not None else -1
 
+    def outer_steps(self) -> int:
+        """Outer steps this fragment has taken: the version served, or while it recovers the version
+        it waits to get back (taken before the restart: the count drops only if it is lost); 0
+        unseeded. Reference reads without the lock, as :meth:`version`'s."""
+        recovering, state = self.recovering, self.state
+        if recovering:
+            return max(recovering)
+        return state.version if state is not None else 0
+
     def served(self) -> FragmentState:
         """(With ``cond`` held.) The state served, or a ``not_seeded`` refusal saying why there is none."""
         if self.recovering is not None:

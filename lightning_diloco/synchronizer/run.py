@@ -190,6 +190,12 @@ class Run:
         while fragment.awaits_recovery(island, until):
             self.fall_back_if_overdue()
 
+    def outer_steps(self) -> int:
+        """Outer steps the run has taken on this shard (Status): a restarted synchronizer's
+        fragment that waits for an island to give back its last version counts that version, so
+        the count never goes back across a restart unless versions are lost (fragment.py)."""
+        return sum(fragment.outer_steps() for fragment in list(self.fragments.values()))
+
     def snapshot(self, identity: dict) -> SynchronizerState | None:
         """A consistent copy of the state (None before the first join), fragment by fragment: each
         under its own lock (fragments are independent, so a snapshot never stalls every round)."""

@@ -291,7 +291,7 @@ class Synchronizer:
         with tally.lock:
             return SynchronizerStatus(
                 shard=self.shard, num_shards=self.num_shards, incarnation=self.incarnation,
-                layout_hash=state.layout.hash if state else "", outer_steps=state.outer_steps if state else 0,
+                layout_hash=state.layout.hash if state else "", outer_steps=self.run.outer_steps(),
                 run_step=run_step, sync_every=config.schedule.sync_every, num_fragments=config.schedule.num_fragments,
                 min_quorum=config.merge.min_quorum, bytes_in=tally.bytes_in, bytes_out=tally.bytes_out,
                 checkpoint_failures=self.checkpointer.failures, last_checkpoint_error=self.checkpointer.last_error,

@@ -45,9 +45,13 @@ def test_three_islands_survive_kills_a_pause_and_a_synchronizer_restart(tmp_path
     # a share of the run's own wall time, so load that slows everything moves both sides; the
     # DDP baseline under the same faults loses about a quarter of its run (~26 s of ~100 s)
     assert report["downtime_outside_synchronizer_restarts_s"] <= 0.1 * report["training_s"], (report["training_s"], report["global_series"], log)
-    # no checkpointed outer step was lost: global progress never goes back
-    progress = [p for _, p in report["global_series"]]
-    assert all(b >= a for a, b in zip(progress, progress[1:])), progress
+    # no outer step was lost: global progress never goes back, across the synchronizer's restart too
+    # (a fragment waiting for an island to give back its last version counts it: CI once saw a drop
+    # here, read while one waited). A failure names the drops and the synchronizer's recovery lines
+    series = report["global_series"]
+    drops = [(a, b) for a, b in zip(series, series[1:]) if b[1] < a[1]]
+    recovery = [line for line in done.stdout.splitlines() if any(k in line for k in ("published but", "taken back", "LOST"))]
+    assert not drops, (drops, recovery)
     # the paused island was not waited for, and caught up: it finished, and contributions were
     # accepted from it after the pause (the synchronizer counts per incarnation: its restart at
     # 34 s came after the pause, so every one counted here is from after the pause)

@@ -52,6 +52,9 @@ def test_a_version_published_after_the_checkpoint_is_taken_back_only_from_an_isl
 
     restarted = Synchronizer(config, SynchronizerSettings(clock=FakeClock(), checkpoint_dir=tmp_path, recovery_wait=60))
     assert restarted.versions() == {0: 0, 1: -1}  # not version 0 again: islands hold 3
+    # the run's progress does not go back while it waits: its 3 outer steps were taken (an operator's
+    # dashboard, and the launcher's report, read a drop as steps lost)
+    assert restarted.status().outer_steps == 3
     restarted.join(0, 1, SPECS)
     with pytest.raises(Refusal, match="waits for an island to give back its version 3"):
         restarted.pull(1)
@@ -84,10 +87,11 @@ def test_with_no_island_giving_it_back_the_checkpoint_is_served_after_the_wait_a
         f.write(b'{"fragment": 1, "vers')  # a line a kill cut short: never fsync'd, never seen
     clock = FakeClock()
     restarted = Synchronizer(config, SynchronizerSettings(clock=clock, checkpoint_dir=tmp_path, recovery_wait=60))
-    assert restarted.versions()[1] == -1
+    assert restarted.versions()[1] == -1 and restarted.status().outer_steps == 2
     clock.advance(61)
     with caplog.at_level(logging.ERROR):
         assert restarted.versions() == {0: 0, 1: 0}
+    assert restarted.status().outer_steps == 0  # the versions lost are no longer counted
     assert "no island gave back its version 2" in caplog.text and "LOST" in caplog.text
     restarted.directory.release()
     # the fallback is logged too: the next restart serves version 0 at once
